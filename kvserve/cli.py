@@ -1,0 +1,112 @@
+"""The ``kvserve`` command line: a registry of subcommands built into argparse.
+
+Each module in ``kvserve.commands`` registers its commands by space-separated
+path ("bench engine", "store serve"), so groups such as ``bench`` collect
+subcommands from several modules without an if/elif chain anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import pkgutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import kvserve.commands
+
+Configure = Callable[[argparse.ArgumentParser], None]
+Run = Callable[[argparse.Namespace], int | None]
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed without a traceback, exit status 2."""
+
+
+@dataclass(slots=True)
+class _Node:
+    help: str = ""
+    configure: Configure | None = None
+    run: Run | None = None
+    children: dict[str, _Node] = field(default_factory=dict)
+
+
+class CommandRegistry:
+    def __init__(self) -> None:
+        self._root = _Node()
+
+    def add(self, path: str, *, help: str, configure: Configure | None = None,
+            run: Run) -> None:
+        node = self._node(path.split())
+        if node.run is not None:
+            raise ValueError(f"command {path!r} registered twice")
+        node.help, node.configure, node.run = help, configure, run
+
+    def group(self, path: str, *, help: str) -> None:
+        self._node(path.split()).help = help
+
+    def _node(self, parts: Sequence[str]) -> _Node:
+        node = self._root
+        for part in parts:
+            node = node.children.setdefault(part, _Node())
+        return node
+
+    def build_parser(self) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(
+            prog="kvserve", description="Disaggregated LLM serving with a tiered KV-cache warehouse."
+        )
+        parser.add_argument("-v", "--verbose", action="count", default=0,
+                            help="more logging (-v info, -vv debug)")
+        self._attach(parser, self._root, "command")
+        return parser
+
+    def _attach(self, parser: argparse.ArgumentParser, node: _Node, dest: str) -> None:
+        if node.configure is not None:
+            node.configure(parser)
+        if node.run is not None:
+            parser.set_defaults(_run=node.run)
+        if node.children:
+            sub = parser.add_subparsers(dest=dest, metavar="COMMAND",
+                                        required=node.run is None)
+            for name in sorted(node.children):
+                child = node.children[name]
+                p = sub.add_parser(name, help=child.help, description=child.help)
+                self._attach(p, child, f"{dest}_{name}")
+
+
+def build_registry() -> CommandRegistry:
+    reg = CommandRegistry()
+    for info in pkgutil.iter_modules(kvserve.commands.__path__):
+        module = importlib.import_module(f"kvserve.commands.{info.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(reg)
+    return reg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return build_registry().build_parser()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run: Run | None = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(run(args) or 0)
+    except UsageError as exc:
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

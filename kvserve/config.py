@@ -1,0 +1,217 @@
+"""kvserve's configuration: one TOML file (the Kubernetes ConfigMap holds the
+same file), loaded into slotted dataclasses validated at construction.
+
+Components receive their own section explicitly; nothing reads the
+environment below the entry point except ``REDIS_URL`` (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
+_CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+DAY_S = 86_400
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """Bytes from an int or a string such as "4GiB" / "512MB" / "1000"."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"{what} must be >= 0, got {value}")
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"{what}: cannot parse {value!r} (use e.g. 4GiB, 512MB, 1000)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class HitRule:
+    """DESIGN §3: usable = floor_to_block(min(matched, L - reserve))."""
+
+    block_tokens: int = 64
+    window: int = 0                 # sliding-window size of SWA layers; 0 = full attention
+    backtrack: int = 0              # tokens speculative decoding may unwind
+    replay_keep_tokens: int = 140
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1 or self.block_tokens > 4096:
+            raise ConfigError(f"blocks.block_tokens must be in 1..4096, got {self.block_tokens}")
+        if self.window < 0 or self.backtrack < 0:
+            raise ConfigError("blocks.window and blocks.backtrack must be >= 0")
+        if self.replay_keep_tokens < self.reserve:
+            raise ConfigError(
+                f"blocks.replay_keep_tokens ({self.replay_keep_tokens}) must be >= the "
+                f"reserve window+backtrack ({self.reserve})")
+
+    @property
+    def reserve(self) -> int:
+        # The last token must always be computed to produce logits.
+        return max(1, self.window + self.backtrack)
+
+    def usable_tokens(self, matched_tokens: int, prompt_tokens: int) -> int:
+        limit = min(matched_tokens, prompt_tokens - self.reserve)
+        if limit <= 0:
+            return 0
+        return limit - limit % self.block_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficClasses:
+    """TTL per traffic class; DeepSeek's production values by default."""
+
+    ttl_s: dict[str, int] = field(default_factory=lambda: {"agent": 3 * DAY_S, "chat": 7 * DAY_S})
+    default: str = "chat"
+
+    def __post_init__(self) -> None:
+        if not self.ttl_s:
+            raise ConfigError("classes.ttl_s must name at least one class")
+        for name, ttl in self.ttl_s.items():
+            if not _CLASS_NAME.match(name):
+                raise ConfigError(f"classes.ttl_s: bad class name {name!r} (want [a-z][a-z0-9_-]*)")
+            if not isinstance(ttl, int) or ttl <= 0:
+                raise ConfigError(f"classes.ttl_s.{name} must be a positive integer of seconds")
+        if self.default not in self.ttl_s:
+            raise ConfigError(
+                f"classes.default {self.default!r} is not a class; choose one of {sorted(self.ttl_s)}")
+
+    def resolve(self, name: str) -> str:
+        """The class a request belongs to: its own if known, else an error."""
+        if not name:
+            return self.default
+        if name not in self.ttl_s:
+            raise ConfigError(f"unknown traffic class {name!r}; known: {sorted(self.ttl_s)}")
+        return name
+
+    def ttl(self, name: str) -> int:
+        return self.ttl_s[self.resolve(name)]
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    g2_bytes: int = 2 * 2**30
+    g3_path: str = ""               # empty: no disk tier
+    g3_bytes: int = 20 * 2**30
+    g4_url: str = ""                # fsspec URL; empty: no object tier
+    lz4: bool = False
+    eviction_policy: str = "lru"
+    node: str = "node-0"
+
+    def __post_init__(self) -> None:
+        for name in ("g2_bytes", "g3_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), f"tiers.{name}"))
+        if not re.match(r"^[A-Za-z0-9._-]{1,64}$", self.node):
+            raise ConfigError(f"tiers.node {self.node!r} must match [A-Za-z0-9._-]{{1,64}}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSection:
+    name: str = "smollm2"           # a named model/config or a path to an HF-layout directory
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSection:
+    url: str = ""                   # empty: start the embedded server (REDIS_URL overrides)
+
+    def effective_url(self) -> str:
+        return os.environ.get("REDIS_URL", self.url)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSection:
+    policy: str = "cache_aware"
+    heartbeat_s: float = 1.0
+    instance_ttl_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_s <= 0 or self.instance_ttl_s <= self.heartbeat_s:
+            raise ConfigError("router.instance_ttl_s must exceed router.heartbeat_s > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Ports:
+    host: str = "127.0.0.1"
+    kvstore: int = 50051
+    prefill: int = 50052
+    decode: int = 50053
+    router_grpc: int = 50054
+    http: int = 8000
+    metrics: int = 9100
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "host" and not (0 <= v <= 65535):
+                raise ConfigError(f"ports.{f.name} must be in 0..65535, got {v}")
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "blocks": HitRule,
+    "classes": TrafficClasses,
+    "tiers": TierConfig,
+    "redis": RedisSection,
+    "router": RouterSection,
+    "ports": Ports,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KVServeConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    blocks: HitRule = field(default_factory=HitRule)
+    classes: TrafficClasses = field(default_factory=TrafficClasses)
+    tiers: TierConfig = field(default_factory=TierConfig)
+    redis: RedisSection = field(default_factory=RedisSection)
+    router: RouterSection = field(default_factory=RouterSection)
+    ports: Ports = field(default_factory=Ports)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVServeConfig:
+        unknown = set(data) - set(_SECTIONS)
+        if unknown:
+            raise ConfigError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(_SECTIONS)}")
+        built: dict[str, Any] = {}
+        for name, section_cls in _SECTIONS.items():
+            raw = data.get(name, {})
+            if not isinstance(raw, dict):
+                raise ConfigError(f"[{name}] must be a table")
+            allowed = {f.name for f in fields(section_cls)}
+            extra = set(raw) - allowed
+            if extra:
+                raise ConfigError(f"[{name}] has unknown key(s) {sorted(extra)}; known: {sorted(allowed)}")
+            try:
+                built[name] = section_cls(**raw)
+            except TypeError as exc:
+                raise ConfigError(f"[{name}]: {exc}") from exc
+        return cls(**built)
+
+    @classmethod
+    def load(cls, path: str | Path) -> KVServeConfig:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {p} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+        return cls.from_dict(data)

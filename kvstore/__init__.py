@@ -1,0 +1,1 @@
+"""The tiered KV-cache warehouse (DESIGN §2-5)."""

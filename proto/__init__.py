@@ -1,0 +1,1 @@
+"""kvserve.v1 protocol: .proto sources and their generated stubs (see build.py)."""

@@ -1,0 +1,84 @@
+from proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("ctx", "token_ids", "messages", "prompt", "sampling")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ctx: _common_pb2.RequestContext
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    prompt: str
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class KVHandle(_message.Message):
+    __slots__ = ("ctx", "prefill_address", "prompt_ids", "block_keys", "first_token", "cached_tokens", "expires_at", "layout", "timings", "written_tiers", "fetch_decision")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_TIERS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_DECISION_FIELD_NUMBER: _ClassVar[int]
+    ctx: _common_pb2.RequestContext
+    prefill_address: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    first_token: int
+    cached_tokens: int
+    expires_at: float
+    layout: str
+    timings: _common_pb2.Timings
+    written_tiers: _containers.RepeatedScalarFieldContainer[str]
+    fetch_decision: str
+    def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., layout: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., written_tiers: _Optional[_Iterable[str]] = ..., fetch_decision: _Optional[str] = ...) -> None: ...
+
+class PullKVRequest(_message.Message):
+    __slots__ = ("request_id", "use_shm")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    USE_SHM_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    use_shm: bool
+    def __init__(self, request_id: _Optional[str] = ..., use_shm: _Optional[bool] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("start_token", "token_count", "data", "shm_name", "shm_offset", "size")
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    start_token: int
+    token_count: int
+    data: bytes
+    shm_name: str
+    shm_offset: int
+    size: int
+    def __init__(self, start_token: _Optional[int] = ..., token_count: _Optional[int] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
