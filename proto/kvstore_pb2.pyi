@@ -164,11 +164,17 @@ class ClassStats(_message.Message):
     def __init__(self, traffic_class: _Optional[str] = ..., ttl_s: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node", "tiers", "classes")
+    __slots__ = ("node", "tiers", "classes", "whatif_json", "shm_capable", "hostname")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
+    WHATIF_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHM_CAPABLE_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     node: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     classes: _containers.RepeatedCompositeFieldContainer[ClassStats]
-    def __init__(self, node: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ...) -> None: ...
+    whatif_json: str
+    shm_capable: bool
+    hostname: str
+    def __init__(self, node: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., whatif_json: _Optional[str] = ..., shm_capable: _Optional[bool] = ..., hostname: _Optional[str] = ...) -> None: ...
