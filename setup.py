@@ -32,6 +32,7 @@ ext_modules = [
     Extension(
         "native._blockhash",
         sources=[str(p.relative_to(HERE)) for p in sorted((HERE / "native").glob("*.c"))],
+        depends=[str(p.relative_to(HERE)) for p in sorted((HERE / "native").glob("*.h"))],
         extra_compile_args=["-O3", "-std=c11"],
     )
 ] if list((HERE / "native").glob("*.c")) else []

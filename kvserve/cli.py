@@ -44,6 +44,15 @@ class CommandRegistry:
             raise ValueError(f"command {path!r} registered twice")
         node.help, node.configure, node.run = help, configure, run
 
+    def has(self, path: str) -> bool:
+        """Whether a runnable command is registered at ``path`` ("router serve")."""
+        node = self._root
+        for part in path.split():
+            if part not in node.children:
+                return False
+            node = node.children[part]
+        return node.run is not None
+
     def group(self, path: str, *, help: str) -> None:
         self._node(path.split()).help = help
 
@@ -109,4 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the importable module: under ``python -m kvserve.cli`` this file is
+    # ``__main__``, and commands raise ``kvserve.cli.UsageError``, a different class
+    # from ``__main__.UsageError``, which ``main`` here would not catch.
+    from kvserve.cli import main as _main
+
+    sys.exit(_main())

@@ -5,9 +5,9 @@ imports them all, so a new policy is a new file and nothing else.
 """
 
 from kvstore.eviction.base import (
+    Admission,
     CapacityCache,
     EvictionPolicy,
-    Admission,
     make_policy,
     policy_names,
     register_policy,

@@ -46,6 +46,12 @@ class EvictionPolicy(ABC):
         """Whether a missing key should be cached at all (admission control)."""
         return True
 
+    def bypass_when_full(self, key: Any) -> bool:
+        """Asked only when admitting ``key`` would evict: True keeps it out
+        instead (Belady bypasses a key whose next use is farther than every
+        resident key's)."""
+        return False
+
 
 _REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {}
 _LOADED = False
@@ -84,7 +90,8 @@ def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
     try:
         factory = _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {policy_names()}") from None
+        raise ValueError(
+            f"unknown eviction policy {name!r}; choose one of {policy_names()}") from None
     return factory(**kwargs)
 
 
@@ -128,6 +135,8 @@ class CapacityCache:
             self.policy.touch(key, now)
             return Admission(True)
         if size > self.capacity_bytes or not self.policy.admit(key, size, now, cls):
+            return Admission(False)
+        if self.used_bytes + size > self.capacity_bytes and self.policy.bypass_when_full(key):
             return Admission(False)
         evicted: list[Any] = []
         while self.used_bytes + size > self.capacity_bytes:

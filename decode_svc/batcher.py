@@ -1,0 +1,222 @@
+"""Continuous batching over the engine's ``decode_step``.
+
+One asyncio task drives the engine: each iteration takes the active
+sequences, runs one ``decode_step`` for all of them on the engine thread,
+and hands each sequence its token. Sequences join (``Engine.adopt``) and
+leave between steps; both run on the same FIFO engine thread, so a join or a
+free never interleaves with a step. A cancelled sequence is out of the
+active set at once (it is never stepped again) and freed right after the
+step in flight, if any.
+
+Batch invariance (INTERFACES §0) is the engine's: it pads every step to a
+fixed bucket, so a sequence's tokens do not depend on who else is here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from decode_svc.stopping import StopRule, StopState
+from prefill_svc.engine_thread import EngineThread
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token_ids: tuple[int, ...]
+    text: str
+    t_s: float                      # seconds since the request arrived
+    finished: bool = False
+    finish_reason: str = ""
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A sequence that ran to its end, still live in the engine until the
+    finish hook (the canonical write) frees it."""
+
+    seq_id: str
+    prompt_tokens: int
+    output: tuple[int, ...]
+    finish_reason: str
+
+
+FinishHook = Callable[[Finished], Awaitable[None]]
+StepHook = Callable[[], None]       # runs on the engine thread right after each step
+
+
+@dataclass(slots=True)
+class _Seq:
+    seq_id: str
+    prompt_tokens: int
+    stop: StopState
+    t0: float
+    on_finish: FinishHook | None
+    events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    done: bool = False
+
+
+@dataclass(slots=True)
+class BatcherStats:
+    active: int = 0
+    waiting: int = 0
+    tokens_in_flight: int = 0       # prompt + generated tokens of active sequences
+    steps_total: int = 0
+    tokens_total: int = 0
+    cancelled_total: int = 0
+    finished_total: dict[str, int] = field(default_factory=dict)
+
+
+class Batcher:
+    def __init__(self, engine: Any, thread: EngineThread, *, max_seqs: int,
+                 after_step: StepHook | None = None) -> None:
+        self._engine = engine
+        self._thread = thread
+        self._slots = asyncio.Semaphore(max_seqs)
+        self._after_step = after_step
+        self._active: dict[str, _Seq] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._finishing: set[asyncio.Task[None]] = set()
+        self._waiting = 0
+        self.stats = BatcherStats()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for seq_id in list(self._active):
+            self.cancel(seq_id)
+        if self._finishing:
+            await asyncio.gather(*self._finishing, return_exceptions=True)
+
+    async def generate(self, seq_id: str, make_live: Callable[[], None], *, prompt_tokens: int,
+                       first_token: int, rule: StopRule, on_finish: FinishHook | None = None,
+                       t0: float | None = None) -> AsyncIterator[TokenEvent]:
+        """Make the sequence live (``make_live`` runs on the engine thread: an
+        ``adopt`` of pulled KV, or a rebuild), then stream its tokens; the first
+        event carries ``first_token`` (sampled by prefill). Leaving the
+        iterator early (client gone) frees the sequence at once. ``on_finish``
+        gets a sequence that ran to its end, still live, and must free it."""
+        t0 = time.monotonic() if t0 is None else t0
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        seq: _Seq | None = None
+        try:
+            try:
+                await self._thread.call(make_live)
+            except asyncio.CancelledError:
+                self._thread.submit(self._free_quietly, seq_id)
+                raise
+            seq = _Seq(seq_id, prompt_tokens, StopState(rule, self._engine.tokenizer.decode),
+                       t0, on_finish)
+            self._accept(seq, first_token)
+            if not seq.done:
+                self._active[seq_id] = seq
+                self._wake.set()
+            while True:
+                ev = await seq.events.get()
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            if seq is None or not seq.done:
+                self.cancel(seq_id)
+            self._slots.release()
+
+    def cancel(self, seq_id: str) -> None:
+        """The client went away: never step it again, free it after the step in flight."""
+        seq = self._active.pop(seq_id, None)
+        if seq is not None and not seq.done:
+            seq.done = True
+            self.stats.cancelled_total += 1
+        self._thread.submit(self._free_quietly, seq_id)
+
+    def _free_quietly(self, seq_id: str) -> None:
+        with contextlib.suppress(Exception):
+            self._engine.free(seq_id)
+
+    def _accept(self, seq: _Seq, token: int) -> None:
+        step = seq.stop.accept(token)
+        self.stats.tokens_total += 1
+        ev = TokenEvent((token,), step.text, time.monotonic() - seq.t0, step.finished,
+                        step.finish_reason, len(seq.stop.tokens))
+        seq.events.put_nowait(ev)
+        if step.finished:
+            seq.done = True
+            self._active.pop(seq.seq_id, None)
+            reason = step.finish_reason
+            self.stats.finished_total[reason] = self.stats.finished_total.get(reason, 0) + 1
+            self._finish(seq, reason)
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        if seq.on_finish is None:
+            self._thread.submit(self._free_quietly, seq.seq_id)
+            return
+        done = Finished(seq.seq_id, seq.prompt_tokens, tuple(seq.stop.tokens), reason)
+        task = asyncio.get_running_loop().create_task(self._run_finish(seq.on_finish, done))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _run_finish(self, hook: FinishHook, done: Finished) -> None:
+        try:
+            await hook(done)
+        except Exception:  # a failed cache write never fails the request
+            log.exception("finish hook of %s failed", done.seq_id)
+            self._thread.submit(self._free_quietly, done.seq_id)
+
+    def _step(self, seq_ids: list[str]) -> dict[str, int]:
+        out = self._engine.decode_step(seq_ids)
+        if self._after_step is not None:
+            self._after_step()
+        return out
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._active:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            ids = list(self._active)
+            self._update_gauges()
+            try:
+                step = await self._thread.call(self._step, ids)
+            except Exception:  # fail the batch's sequences, keep serving
+                log.exception("decode step failed for %d sequences", len(ids))
+                for seq_id in ids:
+                    seq = self._active.get(seq_id)
+                    if seq is not None:
+                        seq.events.put_nowait(TokenEvent((), "", time.monotonic() - seq.t0,
+                                                         True, "error", len(seq.stop.tokens)))
+                        self.cancel(seq_id)
+                continue
+            self.stats.steps_total += 1
+            for seq_id in ids:
+                seq = self._active.get(seq_id)
+                if seq is None or seq.done:
+                    continue           # cancelled while the step ran
+                self._accept(seq, step[seq_id])
+            self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.stats.active = len(self._active)
+        self.stats.waiting = self._waiting
+        self.stats.tokens_in_flight = sum(s.prompt_tokens + len(s.stop.tokens)
+                                          for s in self._active.values())

@@ -1,0 +1,44 @@
+"""The decode service's configuration (slotted, validated; built at the entry point)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.config import ConfigError, KVServeConfig
+from prefill_svc.config import CostConfig, Endpoint, EngineSpec, WriterConfig, split_overrides
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    endpoint: Endpoint = field(default_factory=Endpoint)
+    cost: CostConfig = field(default_factory=CostConfig)        # for rebuilds from the warehouse
+    writer: WriterConfig = field(default_factory=WriterConfig)  # canonical blocks of prompt+output
+    max_seqs: int = 64                  # sequences decoding at once; more wait
+    pull_timeout_s: float = 30.0        # deadline of a PullKV from the prefill instance
+    use_shm: bool = True                # same-host pulls through /dev/shm
+    shm_dir: str = "/dev/shm"
+    canonical_write: bool = True        # write prompt+output blocks after each request
+    ep_ranks: int = 4                   # MoE: expert-parallel ranks the imbalance is measured on
+    expert_plan: str = ""               # MoE: "" contiguous | "auto" (EPLB from own counts) | JSON
+    ep_redundant: int = 0               # MoE "auto": redundant expert slots for the planner
+    expert_replan_steps: int = 256      # MoE "auto": re-plan every this many steps
+    expert_window_steps: int = 64
+    warmup_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_seqs < 1:
+            raise ConfigError(f"max_seqs must be >= 1, got {self.max_seqs}")
+        if not self.pull_timeout_s > 0:
+            raise ConfigError("pull_timeout_s must be > 0")
+        if min(self.ep_ranks, self.expert_window_steps, self.expert_replan_steps) < 1:
+            raise ConfigError("ep_ranks, expert_window_steps, expert_replan_steps must be >= 1")
+        if self.ep_redundant < 0:
+            raise ConfigError("ep_redundant must be >= 0")
+        if self.warmup_tokens < 0:
+            raise ConfigError("warmup_tokens must be >= 0")
+
+    @classmethod
+    def from_kvserve(cls, cfg: KVServeConfig, **overrides: Any) -> DecodeConfig:
+        return cls(**split_overrides(cfg, cfg.ports.decode, overrides, cls))

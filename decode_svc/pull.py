@@ -1,0 +1,108 @@
+"""Pulling a prefilled request's KV from the prefill instance's host buffer.
+
+Same host (the prefill address resolves to this machine): ask for shared
+memory and copy the tensor out of one /dev/shm file; if that file is not
+visible here after all (another container), pull again as a byte stream.
+Every call carries a deadline; Release is best effort (the buffer expires
+anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from prefill_svc.config import Endpoint
+from prefill_svc.hosting import channel_options
+from prefill_svc.kv_buffer import KVAssembler, KVPiece, KVShape
+from proto import prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    kv: torch.Tensor                # [layers, 2, kv_heads, L, head_dim]
+    path: str                       # "shm" | "stream"
+    seconds: float
+    nbytes: int
+
+
+@functools.lru_cache(maxsize=256)
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` names this machine (loopback, our hostname or one of our addresses)."""
+    host = host.strip("[]")
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname()):
+        return True
+    try:
+        theirs = {a[4][0] for a in socket.getaddrinfo(host, None)}
+        ours = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
+    return bool(theirs & (ours | {"127.0.0.1", "::1"}))
+
+
+def _host_of(address: str) -> str:
+    return address.rsplit(":", 1)[0]
+
+
+class KVPuller:
+    def __init__(self, endpoint: Endpoint, *, timeout_s: float, use_shm: bool,
+                 shm_dir: str) -> None:
+        self._endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._use_shm = use_shm
+        self._shm_dir = shm_dir
+        self._stubs: dict[str, tuple[grpc.aio.Channel, prefill_pb2_grpc.PrefillStub]] = {}
+
+    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
+        if address not in self._stubs:
+            ch = grpc.aio.insecure_channel(address, options=channel_options(self._endpoint))
+            self._stubs[address] = (ch, prefill_pb2_grpc.PrefillStub(ch))
+        return self._stubs[address][1]
+
+    async def pull(self, handle: prefill_pb2.KVHandle, shape: KVShape) -> Pulled:
+        t0 = time.perf_counter()
+        n = len(handle.prompt_ids)
+        shm = self._use_shm and is_local_host(_host_of(handle.prefill_address))
+        asm = await self._pull_once(handle, shape, n, shm)
+        if asm is None:                     # shm file not visible here: stream it
+            asm = await self._pull_once(handle, shape, n, False)
+            shm = False
+        assert asm is not None
+        kv = asm.done()
+        return Pulled(kv, "shm" if shm else "stream", time.perf_counter() - t0,
+                      kv.numel() * kv.element_size())
+
+    async def _pull_once(self, handle: prefill_pb2.KVHandle, shape: KVShape, n: int,
+                         shm: bool) -> KVAssembler | None:
+        asm = KVAssembler(shape, n, shm_dir=self._shm_dir)
+        call = self._stub(handle.prefill_address).PullKV(
+            prefill_pb2.PullKVRequest(request_id=handle.ctx.request_id, use_shm=shm),
+            timeout=self._timeout_s)
+        async for chunk in call:
+            if chunk.shm_name and not asm.shm_visible(chunk.shm_name):
+                call.cancel()
+                return None
+            asm.add(KVPiece(chunk.start_token, chunk.token_count, chunk.data, chunk.shm_name,
+                            chunk.shm_offset, chunk.size))
+        return asm
+
+    async def release(self, handle: prefill_pb2.KVHandle) -> None:
+        with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
+            await self._stub(handle.prefill_address).Release(
+                prefill_pb2.ReleaseRequest(request_id=handle.ctx.request_id),
+                timeout=min(2.0, self._timeout_s))
+
+    async def close(self) -> None:
+        for ch, _ in self._stubs.values():
+            await ch.close(grace=None)
+        self._stubs.clear()

@@ -1,0 +1,314 @@
+"""The gRPC Decode service (grpc.aio, server streaming).
+
+Decode: check the handle (model, layout, expiry, sampling), get the prompt's
+KV — pulled from the prefill instance's host buffer, or, when that instance
+cannot serve it, rebuilt from the warehouse (restore the stored blocks,
+recompute the tail) — join the continuous batch and stream one event per
+token. After a sequence ends, the canonical blocks of prompt + output
+(``Engine.canonical_blocks``, recomputed through the prefill path) go to the
+warehouse off the critical path, so the next agent turn hits the whole
+previous context. Errors become status codes only in prefill_svc.errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+import torch
+
+from decode_svc.batcher import Batcher, Finished
+from decode_svc.config import DecodeConfig
+from decode_svc.experts import ExpertLoad, ExpertPlacement
+from decode_svc.pull import KVPuller
+from decode_svc.stopping import StopRule
+from kvstore.keys import chain_keys
+from kvstore.registry import LoadReport
+from kvstore.types import PutResult, RequestCtx
+from prefill_svc.cost import CostModel
+from prefill_svc.engine_thread import EngineThread
+from prefill_svc.errors import InvalidRequest, PreconditionFailed, grpc_stream
+from prefill_svc.kv_buffer import KVShape
+from prefill_svc.metrics import Source
+from prefill_svc.request import ModelIdentity, check_tokens, sampling_from_proto
+from prefill_svc.restore import Restorer
+from prefill_svc.store_link import StoreLink
+from prefill_svc.writer import BlockWriter, WriteJob
+from proto import decode_pb2, decode_pb2_grpc, prefill_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    requests_total: dict[str, int] = field(default_factory=dict)    # finish reason / status
+    kv_sources_total: dict[str, int] = field(default_factory=dict)  # shm / stream / warehouse
+    pull_bytes_total: int = 0
+    pull_seconds_total: float = 0.0
+    rebuilt_tokens_total: int = 0        # recomputed during rebuilds from the warehouse
+    canonical_blocks_total: int = 0      # queued for the warehouse after requests
+    expert_imbalance: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSnapshot:
+    imbalance: float
+    tokens_total: dict[str, int]        # "L<layer>/E<expert>" -> tokens routed since start
+
+
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    ctx: RequestCtx
+    tokens: list[int]
+    sampling: Any                        # engine.SamplingParams
+    rule: StopRule
+
+
+class DecodeService(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, cfg: DecodeConfig, engine: Any, *, address: str) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.address = address
+        mc = engine.model_config
+        self.block_tokens = engine.layout.block_tokens
+        self.model = ModelIdentity(cfg.engine.model, engine.fingerprint_hex, engine.layout.name,
+                                   mc.vocab_size, mc.max_position - 1)
+        self.shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.dtype)
+        self.thread = EngineThread("decode-engine")
+        self.experts = _expert_load(cfg, mc)
+        self.batcher = Batcher(engine, self.thread, max_seqs=cfg.max_seqs,
+                               after_step=self._after_step if self.experts else None)
+        self.puller = KVPuller(cfg.endpoint, timeout_s=cfg.pull_timeout_s,
+                               use_shm=cfg.use_shm, shm_dir=cfg.shm_dir)
+        self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s)
+        self.cost = CostModel(cfg.cost, block_nbytes=engine.layout.block_nbytes,
+                              block_tokens=self.block_tokens)
+        self.restorer = Restorer(self.store, self.cost, engine.hit_rule, engine.layout)
+        self.writer = BlockWriter(self._put, retries=cfg.writer.retries,
+                                  backoff_s=cfg.writer.backoff_s, max_queue=cfg.writer.max_queue)
+        self.stats = DecodeStats()
+        self._ids = itertools.count()
+        self._busy_mark = (time.monotonic(), 0.0)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.cfg.warmup_tokens:
+            await self.thread.call(self._warmup, self.cfg.warmup_tokens)
+        self.writer.start()
+        self.batcher.start()
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        await self.writer.close(drain_s=self.cfg.endpoint.drain_grace_s)
+        await self.puller.close()
+        await self.store.close()
+        self.thread.close()
+
+    def _warmup(self, n: int) -> None:
+        """A short prefill + a few steps: warms kernels, measures this
+        instance's prefill speed (for rebuild decisions)."""
+        from engine import SamplingParams
+
+        n = min(n, self.model.max_prompt_tokens - 8)
+        tokens = [i % min(self.model.vocab_size, 200) + 1 for i in range(n)]
+        res = self.engine.prefill("__warmup__", tokens, sampling=SamplingParams(max_tokens=4))
+        for _ in range(3):
+            self.engine.decode_step(["__warmup__"])
+        self.engine.free("__warmup__")
+        self.engine.expert_counts()          # start the MoE counts from zero
+        self.cost.observe_prefill(res.computed_tokens, res.compute_s, calibrate=True)
+
+    def load_report(self) -> LoadReport:
+        now, busy = time.monotonic(), self.thread.busy_s
+        t0, b0 = self._busy_mark
+        self._busy_mark = (now, busy)
+        st = self.batcher.stats
+        return LoadReport(
+            load=min(1.0, (busy - b0) / (now - t0)) if now > t0 else 0.0,
+            queue=st.waiting, tokens_in_flight=st.tokens_in_flight,
+            expert_imbalance=self.experts.current if self.experts else None,
+            capacity=float(self.cfg.engine.num_blocks))
+
+    def metric_sources(self) -> dict[str, Source]:
+        sources: dict[str, Source] = {
+            "decode": lambda: self.stats, "batch": lambda: self.batcher.stats,
+            "writer": lambda: self.writer.stats, "store": lambda: self.store.stats}
+        if self.experts is not None:
+            sources["experts"] = self._expert_snapshot
+        return sources
+
+    def _expert_snapshot(self) -> ExpertSnapshot:
+        assert self.experts is not None
+        counts = {f"L{li}/E{e}": c for li, row in enumerate(self.experts.per_expert())
+                  for e, c in enumerate(row)}
+        return ExpertSnapshot(self.experts.current, counts)
+
+    # -- Decode ----------------------------------------------------------------
+
+    @grpc_stream
+    async def Decode(self, request: decode_pb2.DecodeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeEvent]:
+        t0 = time.monotonic()
+        handle = request.handle
+        chk = self._check(handle, request)
+        make_live = await self._obtain_kv(handle, chk)
+        seq_id = f"{chk.ctx.request_id}#{next(self._ids)}"
+        on_finish = self._canonical_writer(chk.ctx) if self.cfg.canonical_write else None
+        n_out = 0
+        async for ev in self.batcher.generate(
+                seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
+                first_token=handle.first_token, rule=chk.rule, on_finish=on_finish, t0=t0):
+            if ev.finish_reason == "error":
+                raise RuntimeError("the decode step failed; see the decode instance's log")
+            n_out = ev.completion_tokens
+            out = decode_pb2.DecodeEvent(token_ids=ev.token_ids, text=ev.text, t_s=ev.t_s,
+                                         finished=ev.finished, finish_reason=ev.finish_reason)
+            if self.experts is not None:
+                out.expert_imbalance = self.experts.current
+            if ev.finished:
+                out.usage.CopyFrom(decode_pb2.Usage(prompt_tokens=len(chk.tokens),
+                                                    completion_tokens=n_out,
+                                                    cached_tokens=handle.cached_tokens))
+                self._count(ev.finish_reason)
+            yield out
+
+    def _check(self, handle: prefill_pb2.KVHandle, request: decode_pb2.DecodeRequest) -> _Checked:
+        fp = handle.ctx.model_fingerprint
+        if fp and fp != self.model.fingerprint_hex:
+            raise PreconditionFailed(
+                f"handle is for model fingerprint {fp[:64]!r}; this decode instance serves "
+                f"{self.model.name} ({self.model.fingerprint_hex})")
+        if handle.layout and handle.layout != self.model.layout:
+            raise PreconditionFailed(f"handle KV layout {handle.layout!r} differs from this "
+                                     f"instance's {self.model.layout!r}")
+        now = time.time()
+        if handle.expires_at and handle.expires_at <= now:
+            when = datetime.fromtimestamp(handle.expires_at, UTC).isoformat(timespec="seconds")
+            raise PreconditionFailed(f"KV handle of request {handle.ctx.request_id!r} expired at "
+                                     f"{when} ({now - handle.expires_at:.1f}s ago); prefill again")
+        tokens = list(handle.prompt_ids)
+        check_tokens(tokens, self.model)
+        if handle.first_token >= self.model.vocab_size:
+            raise InvalidRequest(f"first_token {handle.first_token} is outside the vocabulary")
+        if not request.HasField("sampling"):
+            raise InvalidRequest("sampling is required (at least sampling.max_tokens >= 1)")
+        sampling = sampling_from_proto(request.sampling, require_max_tokens=True)
+        ctx = RequestCtx(request_id=handle.ctx.request_id or f"decode-{next(self._ids)}",
+                         tenant=handle.ctx.tenant or "default",
+                         traffic_class=handle.ctx.traffic_class,
+                         model_fingerprint=self.model.fingerprint_hex)
+        # The context limit ends a sequence like max_tokens does (the engine's rule):
+        # after n tokens the KV holds L + n - 1 of at most max_position.
+        room = self.engine.model_config.max_position - len(tokens) + 1
+        rule = StopRule(max_tokens=min(sampling.max_tokens, room), stop=sampling.stop,
+                        eos_ids=frozenset(self.engine.tokenizer.eos_token_ids),
+                        ignore_eos=sampling.ignore_eos)
+        return _Checked(ctx, tokens, sampling, rule)
+
+    async def _obtain_kv(self, handle: prefill_pb2.KVHandle,
+                         chk: _Checked) -> Callable[[str], None]:
+        """A function that makes the sequence live on the engine thread."""
+        try:
+            pulled = await self.puller.pull(handle, self.shape)
+        except (TimeoutError, grpc.RpcError, ValueError, OSError) as exc:
+            if not self.store.enabled:
+                raise
+            log.info("pull of %s from %s failed (%s); rebuilding from the warehouse",
+                     chk.ctx.request_id, handle.prefill_address, exc)
+            return await self._rebuild(handle, chk)
+        asyncio.get_running_loop().create_task(self.puller.release(handle))
+        self._source(pulled.path)
+        self.stats.pull_bytes_total += pulled.nbytes
+        self.stats.pull_seconds_total += pulled.seconds
+
+        def adopt(seq_id: str) -> None:
+            self.engine.adopt(seq_id, chk.tokens, pulled.kv, handle.first_token, chk.sampling)
+
+        return adopt
+
+    async def _rebuild(self, handle: prefill_pb2.KVHandle,
+                       chk: _Checked) -> Callable[[str], None]:
+        """Restore the stored blocks from the warehouse and recompute the tail."""
+        self._source("warehouse")
+        keys = chain_keys(chk.tokens, block_tokens=self.block_tokens, tenant=chk.ctx.tenant,
+                          fingerprint=self.engine.fingerprint)
+        restore = await self.restorer.restore(keys, prompt_tokens=len(chk.tokens), g1_blocks=0,
+                                              ctx=chk.ctx)
+
+        def rebuild(seq_id: str) -> None:
+            eng = self.engine
+            res = eng.prefill(seq_id, chk.tokens, sampling=chk.sampling, restored=restore.blocks,
+                              max_restore_tokens=restore.usable_tokens, restored_start_block=0)
+            self.stats.rebuilt_tokens_total += res.computed_tokens
+            if res.first_token != handle.first_token:
+                # Different sampling than at prefill: continue from the handle's token.
+                kv = eng.export_tokens(seq_id, 0, len(chk.tokens))
+                eng.free(seq_id)
+                eng.adopt(seq_id, chk.tokens, kv, handle.first_token, chk.sampling)
+
+        return rebuild
+
+    # -- after a sequence --------------------------------------------------------
+
+    def _canonical_writer(self, ctx: RequestCtx) -> Callable[[Finished], Any]:
+        async def write(done: Finished) -> None:
+            first, blocks, tokens = await self.thread.call(self._canonical, done.seq_id)
+            if blocks.shape[0] == 0 or not self.store.enabled:
+                return
+            keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
+                              fingerprint=self.engine.fingerprint)
+            n = int(blocks.shape[0])
+            self.stats.canonical_blocks_total += n
+            self.writer.submit(keys[first:first + n], blocks, layout=self.engine.layout.name,
+                               token_count=self.block_tokens, ctx=ctx)
+
+        return write
+
+    def _canonical(self, seq_id: str) -> tuple[int, torch.Tensor, list[int]]:
+        """Engine thread: the canonical blocks of prompt + output, then free."""
+        try:
+            if not self.store.enabled:
+                return 0, torch.empty(0), []
+            first, blocks = self.engine.canonical_blocks(seq_id)
+            return first, blocks.to("cpu"), self.engine.seq_tokens(seq_id)
+        finally:
+            self.engine.free(seq_id)
+
+    async def _put(self, job: WriteJob) -> PutResult:
+        return await self.store.put(job.keys, job.blocks, layout=job.layout,
+                                    token_count=job.token_count, ctx=job.ctx)
+
+    def _after_step(self) -> None:
+        assert self.experts is not None
+        self.experts.add(self.engine.expert_counts())
+        self.stats.expert_imbalance = self.experts.current
+
+    def _source(self, name: str) -> None:
+        self.stats.kv_sources_total[name] = self.stats.kv_sources_total.get(name, 0) + 1
+
+    def _count(self, reason: str) -> None:
+        self.stats.requests_total[reason] = self.stats.requests_total.get(reason, 0) + 1
+
+
+def _expert_load(cfg: DecodeConfig, mc: Any) -> ExpertLoad | None:
+    if mc.moe is None:
+        return None
+    n_layers, n_experts = mc.num_layers, mc.moe.n_experts
+    auto = cfg.expert_plan == "auto"
+    placement = (ExpertPlacement.load(cfg.expert_plan, n_layers, n_experts)
+                 if cfg.expert_plan and not auto
+                 else ExpertPlacement.contiguous(n_layers, n_experts, cfg.ep_ranks))
+    return ExpertLoad(n_layers, n_experts, placement, window_steps=cfg.expert_window_steps,
+                      replan_steps=cfg.expert_replan_steps if auto else 0,
+                      redundant=cfg.ep_redundant)

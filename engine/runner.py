@@ -1,0 +1,379 @@
+"""The Engine: prefill (with G1 hits and restored blocks), batched decode,
+block export/import, canonical blocks. See INTERFACES §0-1 and docs/engine.md.
+
+Exactness by construction:
+- prefill runs in chunks of ``block_tokens`` aligned to absolute positions, so
+  a cold run and a run restored at a block boundary execute the same ops on the
+  same inputs for every later token;
+- decode always runs ``decode_bucket`` rows per forward (padding the rest) and
+  attends per sequence, so co-tenants never change a sequence's bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.attention import PagedAttention, Segment
+from engine.config import KV_LAYOUT_VERSION, EngineConfig
+from engine.errors import DeviceError, EngineInputError
+from engine.kv_pool import BlockPool, KVLayout, KVStorage
+from engine.model import Transformer
+from engine.sampling import SamplingParams, sample_row, sample_rows
+from engine.sequence import GenerationResult, PrefillResult, Sequence
+from engine.source import load_source
+
+
+def _device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device {name!r} requested but no CUDA device is available "
+                          "(torch.cuda.is_available() is False)")
+    return dev
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.config = cfg
+        self.device = _device(cfg.device)
+        self.dtype: torch.dtype = getattr(torch, cfg.dtype)
+        src = load_source(cfg.model, self.device, self.dtype, cfg.seed)
+        self.model_config = src.config
+        self.tokenizer = src.tokenizer
+        self.model = Transformer(src.config, src.weights, self.device, self.dtype)
+        mc = src.config
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, cfg.block_tokens, mc.head_dim,
+                               cfg.dtype)
+        self.storage = KVStorage(self.layout, cfg.num_blocks, self.device)
+        self.blocks = BlockPool(cfg.num_blocks)
+        self.hit_rule = mc.hit_rule(cfg.block_tokens)
+        h = hashlib.blake2b(digest_size=16)
+        h.update(src.weights_id)
+        h.update(f"|{cfg.dtype}|kv{KV_LAYOUT_VERSION}|B{cfg.block_tokens}".encode())
+        self.fingerprint: bytes = h.digest()
+        self._seqs: dict[str, Sequence] = {}
+        self._windows = mc.layer_windows
+        self._counts = (torch.zeros(mc.num_layers, mc.moe.n_experts, dtype=torch.int64,
+                                    device=self.device) if mc.moe else None)
+        self._gen_ids = 0
+
+    # ------------------------------------------------------------------ info
+    @property
+    def fingerprint_hex(self) -> str:
+        return self.fingerprint.hex()
+
+    @property
+    def live_sequences(self) -> list[str]:
+        return list(self._seqs)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.blocks.num_free
+
+    def seq_tokens(self, seq_id: str) -> list[int]:
+        """Prompt plus every sampled token (the last one has no KV yet)."""
+        return list(self._seq(seq_id).tokens)
+
+    def g1_match(self, block_keys: Seq[bytes]) -> int:
+        return len(self.blocks.match(block_keys))
+
+    def expert_counts(self) -> torch.Tensor | None:
+        """MoE: [layers, n_experts] tokens routed since the previous call."""
+        if self._counts is None:
+            return None
+        out = self._counts.cpu().clone()
+        self._counts.zero_()
+        return out
+
+    # --------------------------------------------------------------- prefill
+    @torch.inference_mode()
+    def prefill(self, seq_id: str, tokens: Seq[int], *,
+                sampling: SamplingParams = SamplingParams(),
+                block_keys: Seq[bytes] | None = None,
+                restored: torch.Tensor | None = None,
+                max_restore_tokens: int | None = None,
+                restored_start_block: int | None = None) -> PrefillResult:
+        """Make ``seq_id`` live with the prompt's KV and sample its first token.
+
+        KV is reused from the local prefix cache (leading ``block_keys`` found in
+        G1) and then from ``restored`` (blocks right after the G1 hit, or from
+        ``restored_start_block`` when given), within the hit rule; the rest is
+        computed.
+        """
+        t0 = time.perf_counter()
+        if seq_id in self._seqs:
+            raise EngineInputError(f"sequence {seq_id!r} is already live")
+        toks = self._check_prompt(tokens)
+        B, n = self.config.block_tokens, len(toks)
+        keys = list(block_keys or ())
+        if len(keys) > n // B:
+            raise EngineInputError(f"{len(keys)} block keys given but the prompt has only "
+                                   f"{n // B} full blocks of {B} tokens")
+        n_rest = 0 if restored is None else self._check_blocks(restored, "restored")
+        g1 = self.blocks.match(keys)
+        if restored_start_block is not None:
+            g1 = g1[:restored_start_block]
+            if len(g1) < restored_start_block:
+                n_rest = 0                   # a gap before the restored blocks: recompute
+        cap = self.hit_rule.usable_tokens((len(g1) + n_rest) * B, n)
+        if max_restore_tokens is not None:
+            cap = min(cap, max(0, max_restore_tokens) // B * B)
+        use_g1 = min(len(g1), cap // B)
+        use_rest = min(n_rest, cap // B - use_g1)
+        reuse = use_g1 + use_rest
+        self.blocks.acquire(g1[:use_g1])
+        try:
+            fresh = self.blocks.allocate(-(-n // B) - use_g1)
+        except Exception:
+            self.blocks.release(g1[:use_g1])
+            raise
+        blocks = g1[:use_g1] + fresh
+        table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        if use_rest:
+            assert restored is not None
+            self.storage.import_(table[use_g1:reuse], restored[:use_rest])
+        seq = Sequence(seq_id, toks, n, 0, blocks, table, sampling, canonical_full=n // B)
+        self._seqs[seq_id] = seq
+        try:
+            hidden = self._run_chunks(seq, reuse * B, n, all_logits=False)
+            first = sample_row(self.model.logits(hidden[-1:])[0], sampling, 0)
+        except BaseException:
+            self.free(seq_id)
+            raise
+        seq.kv_len = n
+        seq.tokens.append(first)
+        for i in range(use_g1, len(keys)):
+            self.blocks.cache(blocks[i], keys[i])
+        return PrefillResult(first, use_rest * B, use_g1 * B, n - reuse * B,
+                             time.perf_counter() - t0)
+
+    def _run_chunks(self, seq: Sequence, start: int, end: int, *, all_logits: bool,
+                    table: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute tokens [start, end) of ``seq`` in chunks aligned to absolute
+        positions; returns the last chunk's hidden states (or all logits)."""
+        chunk = self.config.chunk_tokens
+        table = seq.table if table is None else table
+        outs: list[torch.Tensor] = []
+        hidden = torch.empty(0)
+        s = start
+        while s < end:
+            e = min(end, (s // chunk + 1) * chunk)
+            toks = torch.tensor(seq.tokens[s:e], dtype=torch.int64, device=self.device)
+            pos = torch.arange(s, e, device=self.device)
+            attn = PagedAttention(self.storage, [Segment(0, e - s, s, table)], self._windows,
+                                  self.model_config.num_heads, e - s)
+            hidden = self.model.forward(toks, pos, attn, e - s, self._counts)
+            if all_logits:
+                outs.append(self.model.logits(hidden))
+            s = e
+        return torch.cat(outs) if all_logits else hidden
+
+    @torch.inference_mode()
+    def score(self, tokens: Seq[int]) -> torch.Tensor:
+        """Logits of every position of ``tokens`` ([T, V] fp32) through the
+        prefill path; nothing stays live (for tests and oracles)."""
+        toks = self._check_prompt(tokens)
+        B = self.config.block_tokens
+        blocks = self.blocks.allocate(-(-len(toks) // B))
+        try:
+            table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+            seq = Sequence("_score", toks, len(toks), 0, blocks, table, SamplingParams(), 0)
+            return self._run_chunks(seq, 0, len(toks), all_logits=True).cpu()
+        finally:
+            self.blocks.release(blocks)
+
+    # ---------------------------------------------------------------- decode
+    @torch.inference_mode()
+    def decode_step(self, seq_ids: Seq[str]) -> dict[str, int]:
+        """Feed each sequence's pending token and sample its next one."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise EngineInputError("decode_step got the same sequence twice")
+        seqs = [self._seq(s) for s in seq_ids]
+        limit = self.model_config.max_position
+        for s in seqs:
+            if s.kv_len >= limit:
+                raise EngineInputError(f"sequence {s.seq_id!r} reached the context limit "
+                                       f"of {limit} tokens")
+        self._grow(seqs)
+        out: dict[str, int] = {}
+        bucket = self.config.decode_bucket
+        for i in range(0, len(seqs), bucket):
+            group = seqs[i: i + bucket]
+            pad = bucket - len(group)
+            toks = torch.tensor([s.pending for s in group] + [0] * pad, device=self.device)
+            pos = torch.tensor([s.kv_len for s in group] + [0] * pad, device=self.device)
+            segs = [Segment(j, 1, s.kv_len, s.table) for j, s in enumerate(group)]
+            attn = PagedAttention(self.storage, segs, self._windows,
+                                  self.model_config.num_heads, bucket)
+            hidden = self.model.forward(toks, pos, attn, len(group), self._counts)
+            logits = self.model.logits(hidden)                    # [bucket, V]
+            nxt = sample_rows(logits, [s.sampling for s in group],
+                              [len(s.tokens) - s.prompt_len for s in group])
+            for s, t in zip(group, nxt, strict=True):
+                s.kv_len += 1
+                s.tokens.append(t)
+                out[s.seq_id] = t
+        return out
+
+    def _grow(self, seqs: list[Sequence]) -> None:
+        """Give every sequence a slot for its pending token (all or nothing)."""
+        B = self.config.block_tokens
+        need = [s for s in seqs if s.kv_len // B >= len(s.blocks)]
+        new = self.blocks.allocate(len(need))
+        for s, b in zip(need, new, strict=True):
+            s.blocks.append(b)
+            s.table = torch.tensor(s.blocks, dtype=torch.int64, device=self.device)
+
+    def finish_reason(self, seq_id: str) -> str | None:
+        """"stop" (EOS or a stop string), "length" (max_tokens or context), or None."""
+        s = self._seq(seq_id)
+        gen, p = s.generated, s.sampling
+        if not p.ignore_eos and gen and gen[-1] in self.tokenizer.eos_token_ids:
+            return "stop"
+        if p.stop and any(x in self.tokenizer.decode(gen) for x in p.stop):
+            return "stop"
+        if len(gen) >= p.max_tokens or s.kv_len >= self.model_config.max_position:
+            return "length"
+        return None
+
+    def completion_text(self, seq_id: str) -> str:
+        s = self._seq(seq_id)
+        gen = s.generated
+        if gen and gen[-1] in self.tokenizer.eos_token_ids and not s.sampling.ignore_eos:
+            gen = gen[:-1]
+        text = self.tokenizer.decode(gen)
+        cuts = [text.find(x) for x in s.sampling.stop if x in text]
+        return text[: min(cuts)] if cuts else text
+
+    def generate(self, tokens: Seq[int], sampling: SamplingParams = SamplingParams(),
+                 restored: torch.Tensor | None = None,
+                 block_keys: Seq[bytes] | None = None) -> GenerationResult:
+        self._gen_ids += 1
+        sid = f"_generate-{self._gen_ids}"
+        pre = self.prefill(sid, tokens, sampling=sampling, restored=restored,
+                           block_keys=block_keys)
+        try:
+            while (reason := self.finish_reason(sid)) is None:
+                self.decode_step([sid])
+            return GenerationResult(self._seq(sid).generated, self.completion_text(sid),
+                                    reason, pre)
+        finally:
+            self.free(sid)
+
+    # -------------------------------------------------------- blocks in/out
+    @torch.inference_mode()
+    def export_blocks(self, seq_id: str, start_block: int = 0, n_blocks: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """Full blocks of the sequence as [n, layers, 2, kv_heads, B, head_dim]."""
+        s = self._seq(seq_id)
+        full = s.kv_len // self.config.block_tokens
+        n = full - start_block if n_blocks is None else n_blocks
+        if start_block < 0 or n < 0 or start_block + n > full:
+            raise EngineInputError(f"blocks [{start_block}, {start_block + n}) out of range: "
+                                   f"sequence {seq_id!r} has {full} full blocks")
+        return self.storage.export(s.table[start_block: start_block + n], out)
+
+    @torch.inference_mode()
+    def export_tokens(self, seq_id: str, start: int, end: int) -> torch.Tensor:
+        """KV of tokens [start, end) as [layers, 2, kv_heads, end - start, head_dim]."""
+        s = self._seq(seq_id)
+        if not 0 <= start <= end <= s.kv_len:
+            raise EngineInputError(f"tokens [{start}, {end}) out of range: sequence "
+                                   f"{seq_id!r} has KV for {s.kv_len} tokens")
+        return self.storage.export_tokens(self._slots(s, start, end)).cpu()
+
+    @torch.inference_mode()
+    def adopt(self, seq_id: str, tokens: Seq[int], kv: torch.Tensor, first_token: int,
+              sampling: SamplingParams = SamplingParams()) -> None:
+        """Make a live sequence from KV computed elsewhere (kv covers all tokens)."""
+        if seq_id in self._seqs:
+            raise EngineInputError(f"sequence {seq_id!r} is already live")
+        toks = self._check_prompt(tokens)
+        self._check_prompt([first_token])
+        L, _, H, _, D = self.layout.block_shape
+        want = (L, 2, H, len(toks), D)
+        if tuple(kv.shape) != want or kv.dtype != self.dtype:
+            raise EngineInputError(f"adopted KV has shape {tuple(kv.shape)} {kv.dtype}; "
+                                   f"expected {want} {self.dtype}")
+        B = self.config.block_tokens
+        blocks = self.blocks.allocate(-(-len(toks) // B))
+        table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        seq = Sequence(seq_id, [*toks, first_token], len(toks), len(toks), blocks, table,
+                       sampling, canonical_full=len(toks) // B)
+        self.storage.import_tokens(self._slots(seq, 0, len(toks)), kv)
+        self._seqs[seq_id] = seq
+
+    @torch.inference_mode()
+    def canonical_blocks(self, seq_id: str) -> tuple[int, torch.Tensor]:
+        """(first block index, blocks) for every full block after the prompt's
+        last chunk boundary, recomputed through the prefill path: exactly the
+        KV a cold chunked prefill of these tokens gives."""
+        s = self._seq(seq_id)
+        B = self.config.block_tokens
+        first, last = s.canonical_full, s.kv_len // B
+        self.blocks.release(s.shadow)
+        s.shadow = []
+        if last <= first:
+            return first, torch.empty(0, *self.layout.block_shape, dtype=self.dtype)
+        s.shadow = self.blocks.allocate(last - first)
+        table = torch.tensor(s.blocks[:first] + s.shadow, dtype=torch.int64,
+                             device=self.device)
+        self._run_chunks(s, first * B, last * B, all_logits=False, table=table)
+        return first, self.storage.export(table[first:])
+
+    def free(self, seq_id: str, keep_keys: Seq[bytes] | None = None) -> None:
+        """Release the sequence; its canonical full blocks stay in G1 under
+        ``keep_keys`` (key i names block i)."""
+        s = self._seqs.pop(seq_id, None)
+        if s is None:
+            raise EngineInputError(f"no live sequence {seq_id!r}")
+        for i, key in enumerate(keep_keys or ()):
+            if i < s.canonical_full:
+                self.blocks.cache(s.blocks[i], key)
+            elif i - s.canonical_full < len(s.shadow):
+                self.blocks.cache(s.shadow[i - s.canonical_full], key)
+            else:
+                break
+        self.blocks.release(s.blocks)
+        self.blocks.release(s.shadow)
+
+    # --------------------------------------------------------------- helpers
+    def _seq(self, seq_id: str) -> Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise EngineInputError(f"no live sequence {seq_id!r}") from None
+
+    def _slots(self, s: Sequence, start: int, end: int) -> torch.Tensor:
+        B = self.config.block_tokens
+        pos = torch.arange(start, end, device=self.device)
+        return s.table[pos // B] * B + pos % B
+
+    def _check_prompt(self, tokens: Seq[int]) -> list[int]:
+        toks = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor)
+                                 else tokens)]
+        if not toks:
+            raise EngineInputError("empty prompt: need at least one token")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(toks):
+            if not 0 <= t < vocab:
+                raise EngineInputError(f"token id {t} at position {i} is outside the "
+                                       f"vocabulary [0, {vocab})")
+        ctx = self.model_config.max_position
+        if len(toks) >= ctx:
+            raise EngineInputError(f"prompt of {len(toks)} tokens is too long: the context "
+                                   f"is {ctx} tokens (at most {ctx - 1} leave room to generate)")
+        return toks
+
+    def _check_blocks(self, blocks: torch.Tensor, what: str) -> int:
+        want = self.layout.block_shape
+        if (not isinstance(blocks, torch.Tensor) or blocks.dim() != 6
+                or tuple(blocks.shape[1:]) != want or blocks.dtype != self.dtype):
+            got = (f"{tuple(blocks.shape)} {blocks.dtype}" if isinstance(blocks, torch.Tensor)
+                   else type(blocks).__name__)
+            raise EngineInputError(f"{what} blocks are {got}; expected "
+                                   f"[n, {', '.join(map(str, want))}] {self.dtype}")
+        return int(blocks.shape[0])

@@ -1,0 +1,51 @@
+"""A live sequence's state and the engine's typed results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    first_token: int
+    restored_tokens: int        # tokens whose KV came in as `restored` blocks
+    g1_tokens: int              # tokens whose KV was found in the local prefix cache
+    computed_tokens: int        # tokens run through the model
+    compute_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    tokens: list[int]           # sampled tokens (the EOS token included when it ended the run)
+    text: str                   # their text, without EOS and cut before a stop string
+    finish_reason: str          # "stop" | "length"
+    prefill: PrefillResult
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: str
+    tokens: list[int]           # prompt + sampled; tokens[kv_len] is the pending token
+    prompt_len: int
+    kv_len: int                 # tokens whose KV is in the pool
+    blocks: list[int]           # block table, append-only
+    table: torch.Tensor         # the same ids as int64 on the pool device
+    sampling: SamplingParams
+    # Leading full blocks whose KV is canonical (what a cold chunked prefill
+    # gives): the prompt's full blocks. Blocks written by decode are not.
+    canonical_full: int
+    # Canonical recomputations of blocks [canonical_full, ...) made by
+    # Engine.canonical_blocks, kept so free(keep_keys) can cache them in G1.
+    shadow: list[int] = field(default_factory=list)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def pending(self) -> int:
+        return self.tokens[self.kv_len]

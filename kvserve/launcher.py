@@ -1,0 +1,356 @@
+"""``kvserve up``: the whole stack on one machine, each part a child process.
+
+Embedded Redis (unless REDIS_URL / --redis-url), one kvstore, one prefill,
+one decode, and the router front when a ``router serve`` command exists. The
+launcher writes one effective config file that every child reads (so block
+size, classes and ports agree), waits until each answers its health check,
+prints what runs where, and on Ctrl-C / SIGTERM stops the children in
+reverse order (SIGTERM, grace, then SIGKILL). A child that dies on its own
+stops the rest. ``kvserve chat`` and ``kvserve status`` find the running
+stack through the state file it writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvserve.cli import UsageError, build_registry
+from kvserve.config import KVServeConfig
+
+STATE_ENV = "KVSERVE_STATE"
+
+
+def state_path() -> Path:
+    if os.environ.get(STATE_ENV):
+        return Path(os.environ[STATE_ENV])
+    base = Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
+    return base / "up.json"
+
+
+@dataclass(frozen=True, slots=True)
+class UpState:
+    """What ``kvserve up`` started: read by ``kvserve chat`` / ``status``."""
+
+    redis_url: str
+    model: str
+    store: str
+    prefill: str
+    decode: str
+    router_http: str = ""
+    router_grpc: str = ""
+    tiers: str = ""
+    pid: int = 0
+    logs: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> UpState | None:
+        path = path or state_path()
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        state = cls(**data)
+        with contextlib.suppress(OSError):
+            os.kill(state.pid, 0)
+            return state
+        return None                             # stale: the launcher is gone
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    health: str                                 # gRPC address with a health service; "" = none
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="kvserve TOML config file")
+    p.add_argument("--model", default=None, help="model for prefill and decode (default smollm2)")
+    p.add_argument("--host", default=None, help="bind address of every service")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    p.add_argument("--g3-path", default=None, help="local disk tier directory")
+    p.add_argument("--free-ports", action="store_true",
+                   help="pick free ports instead of the configured ones")
+    p.add_argument("--run-dir", default=None, help="logs and the effective config (default: a "
+                   "folder next to the state file)")
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for every service to answer its health check")
+    p.add_argument("--grace", type=float, default=10.0, help="shutdown grace per child, seconds")
+    p.add_argument("--no-router", action="store_true", help="do not start the router front")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.config import ConfigError
+
+    try:
+        cfg = KVServeConfig.load(args.config) if args.config else KVServeConfig()
+        cfg = _effective(cfg, args)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
+    run_dir = Path(args.run_dir) if args.run_dir else state_path().parent / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stop = _stop_on_signals()
+    redis = None
+    redis_url = args.redis_url or cfg.redis.effective_url()
+    if not redis_url:
+        from kvstore.redis_server import EmbeddedRedis
+
+        redis = EmbeddedRedis().start()
+        redis_url = redis.url
+    cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url))
+    _prefetch(cfg.model.name)
+    config_file = run_dir / "kvserve.toml"
+    config_file.write_text(to_toml(cfg))
+    children = _children(cfg, config_file, run_dir, router=not args.no_router)
+    state = _state(cfg, children)
+    try:
+        start_children(children, args.ready_timeout, stop)
+        state_path().parent.mkdir(parents=True, exist_ok=True)
+        state_path().write_text(json.dumps(asdict(state), indent=1))
+        _print_started(state, children)
+        code = _supervise(children, stop)
+    finally:
+        stop_children(children, args.grace)
+        _remove_state()
+        if redis is not None:
+            redis.stop()
+    print("kvserve up: stopped", flush=True)
+    return code
+
+
+def _remove_state() -> None:
+    """Remove the state file if it is ours (another launcher may have replaced it)."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        if json.loads(state_path().read_text())["pid"] == os.getpid():
+            state_path().unlink()
+
+
+def _effective(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
+    if args.model:
+        cfg = replace(cfg, model=replace(cfg.model, name=args.model))
+    if args.g3_path:
+        cfg = replace(cfg, tiers=replace(cfg.tiers, g3_path=args.g3_path))
+    ports = cfg.ports
+    if args.host:
+        ports = replace(ports, host=args.host)
+    if args.free_ports:
+        from kvstore.redis_server import free_port
+
+        ports = replace(ports, kvstore=free_port(ports.host), prefill=free_port(ports.host),
+                        decode=free_port(ports.host), router_grpc=free_port(ports.host),
+                        http=free_port(ports.host), metrics=free_port(ports.host))
+    return replace(cfg, ports=ports)
+
+
+def _prefetch(model: str) -> None:
+    """Fetch a known model once here, so prefill and decode do not race to."""
+    from engine.fetch import KNOWN_MODELS, fetch_model
+
+    if model in KNOWN_MODELS:
+        fetch_model(model)
+
+
+def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *,
+              router: bool) -> list[Child]:
+    host, p = cfg.ports.host, cfg.ports
+    base = [sys.executable, "-m", "kvserve.cli"]
+    common = ["--config", str(config_file), "--host", host, "--redis-url", cfg.redis.url]
+    store_addr = f"{host}:{p.kvstore}"
+    children = [
+        Child("kvstore", [*base, "store", "serve", *common, "--port", str(p.kvstore),
+                          "--metrics-port", str(p.metrics)], store_addr, run_dir / "kvstore.log"),
+        Child("prefill", [*base, "prefill", "serve", *common, "--port", str(p.prefill),
+                          "--store", store_addr], f"{host}:{p.prefill}", run_dir / "prefill.log"),
+        Child("decode", [*base, "decode", "serve", *common, "--port", str(p.decode),
+                         "--store", store_addr], f"{host}:{p.decode}", run_dir / "decode.log"),
+    ]
+    if router and router_available():
+        children.append(Child("router", [*base, "router", "serve", *common],
+                              f"{host}:{p.router_grpc}", run_dir / "router.log"))
+    return children
+
+
+def router_available() -> bool:
+    """Whether some module registered ``kvserve router serve`` (checked at run time)."""
+    return build_registry().has("router serve")
+
+
+def _state(cfg: KVServeConfig, children: list[Child]) -> UpState:
+    by = {c.name: c for c in children}
+    p = cfg.ports
+    tiers = ["G2 host " + _size(cfg.tiers.g2_bytes)]
+    if cfg.tiers.g3_path:
+        tiers.append(f"G3 disk {cfg.tiers.g3_path} {_size(cfg.tiers.g3_bytes)}")
+    if cfg.tiers.g4_url:
+        tiers.append(f"G4 {cfg.tiers.g4_url}")
+    router = "router" in by
+    return UpState(redis_url=cfg.redis.url, model=cfg.model.name, store=by["kvstore"].health,
+                   prefill=by["prefill"].health, decode=by["decode"].health,
+                   router_http=f"http://{p.host}:{p.http}" if router else "",
+                   router_grpc=f"{p.host}:{p.router_grpc}" if router else "",
+                   tiers=", ".join(tiers), pid=os.getpid(),
+                   logs={c.name: str(c.log) for c in children})
+
+
+def _size(n: int) -> str:
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n}B"
+
+
+def _spawn(c: Child) -> subprocess.Popen[bytes]:
+    log = open(c.log, "wb")  # noqa: SIM115 - the child owns it for its lifetime
+    try:
+        # Own process group: Ctrl-C reaches the launcher only, which stops
+        # children in order; PDEATHSIG stops them if the launcher is killed.
+        return subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+    finally:
+        log.close()
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+
+def _stop_on_signals() -> _Stop:
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    return stop
+
+
+def _healthy(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            res = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                       timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return res.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def start_children(children: list[Child], timeout_s: float, stop: _Stop | None = None) -> None:
+    """Spawn every child (they load models in parallel), then wait until each
+    answers its health check; a child that exits first fails with its log."""
+    for c in children:
+        c.proc = _spawn(c)
+    _wait_ready(children, timeout_s, stop)
+
+
+def _wait_ready(children: list[Child], timeout_s: float, stop: _Stop | None) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = [c for c in children if c.health]
+    while pending:
+        for c in list(pending):
+            assert c.proc is not None
+            if c.proc.poll() is not None:
+                raise UsageError(f"{c.name} exited with status {c.proc.returncode} while "
+                                 f"starting; its log: {c.log}\n{_tail(c.log)}")
+            if _healthy(c.health):
+                pending.remove(c)
+                print(f"  {c.name:<8} ready at {c.health}", file=sys.stderr, flush=True)
+        if stop is not None and stop.requested:
+            raise KeyboardInterrupt
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(c.name for c in pending)
+            raise UsageError(f"not ready after {timeout_s:.0f}s: {names} (logs in "
+                             f"{pending[0].log.parent})")
+        if pending:
+            time.sleep(0.2)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def _print_started(state: UpState, children: list[Child]) -> None:
+    print("kvserve up: running (Ctrl-C stops everything)")
+    print(f"  model     {state.model}")
+    print(f"  redis     {state.redis_url}")
+    print(f"  tiers     {state.tiers}")
+    for c in children:
+        assert c.proc is not None
+        print(f"  {c.name:<9} {c.health:<22} pid {c.proc.pid:<8} log {c.log}")
+    if state.router_http:
+        print(f"  http      {state.router_http}/v1/chat/completions")
+    print("  try:      kvserve chat --prompt 'Hello'   |   kvserve status", flush=True)
+
+
+def _supervise(children: list[Child], stop: _Stop) -> int:
+    while not stop.requested:
+        for c in children:
+            assert c.proc is not None
+            if c.proc.poll() is not None:
+                print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; stopping "
+                      f"the rest. Its log: {c.log}\n{_tail(c.log)}", file=sys.stderr, flush=True)
+                return 1
+        time.sleep(0.2)
+    return 0
+
+
+def stop_children(children: list[Child], grace_s: float) -> None:
+    """SIGTERM in reverse start order, wait up to ``grace_s`` each, then SIGKILL."""
+    for c in reversed(children):
+        if c.proc is not None and c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+            try:
+                c.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def to_toml(cfg: KVServeConfig) -> str:
+    """The config as TOML that ``KVServeConfig.load`` reads back to an equal value."""
+    out: list[str] = []
+    nested: list[str] = []
+    for section, value in asdict(cfg).items():
+        out.append(f"[{section}]")
+        for key, v in value.items():
+            if isinstance(v, dict):
+                nested.append(f"[{section}.{key}]")
+                nested.extend(f"{k} = {_toml_value(x)}" for k, x in v.items())
+                nested.append("")
+            else:
+                out.append(f"{key} = {_toml_value(v)}")
+        out.append("")
+    return "\n".join(out + nested)
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    return json.dumps(str(v))

@@ -1,0 +1,108 @@
+"""``kvserve status``: the instance registry and the warehouse of a running
+deployment (the one ``kvserve up`` started, or any Redis given).
+
+Instances: role, address, load, queue, tokens in flight, expert imbalance,
+seconds since the last heartbeat. Warehouse (each kvstore's Stats): bytes,
+blocks and hit rate per tier, and TTL, hits and hit rate per traffic class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from kvserve.cli import UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    redis_url: str
+    instances: list[dict[str, object]]
+    stores: dict[str, dict[str, object]]      # address -> StoreStats as a dict, or {"error": ...}
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=None,
+                   help="registry Redis (default: the running `kvserve up`, else REDIS_URL)")
+    p.add_argument("--store", action="append", default=[], metavar="ADDRESS",
+                   help="also query this kvstore (repeatable)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=5.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.launcher import UpState
+
+    state = UpState.load()
+    url = args.redis_url or (state.redis_url if state else "") or os.environ.get("REDIS_URL", "")
+    if not url:
+        raise UsageError("no registry: start `kvserve up` or pass --redis-url / set REDIS_URL")
+    snap = asyncio.run(collect(url, args.store, args.timeout))
+    if args.json:
+        print(json.dumps(asdict(snap), indent=1, sort_keys=True))
+    else:
+        print(render(snap))
+    return 0
+
+
+async def collect(redis_url: str, extra_stores: list[str], timeout_s: float) -> Snapshot:
+    from kvstore.client import KVStoreClient
+    from kvstore.errors import KVStoreError
+    from kvstore.registry import InstanceRegistry
+
+    try:
+        async with InstanceRegistry(redis_url) as reg:
+            live = await reg.list_instances()
+    except Exception as exc:  # redis errors of every kind: say where and why
+        raise UsageError(f"registry at {redis_url}: {exc}") from exc
+    addresses = [i.address for i in live if i.role == "kvstore"] + list(extra_stores)
+    stores: dict[str, dict[str, object]] = {}
+    for address in dict.fromkeys(addresses):
+        try:
+            async with KVStoreClient(address, timeout_s=timeout_s, use_shm=False) as c:
+                stores[address] = asdict(await c.stats())
+        except KVStoreError as exc:
+            stores[address] = {"error": str(exc)}
+    return Snapshot(redis_url, [asdict(i) for i in sorted(live, key=lambda i: (i.role,
+                                                                              i.instance_id))],
+                    stores)
+
+
+def _rate(hits: object, misses: object) -> str:
+    h, m = int(hits), int(misses)  # type: ignore[call-overload]
+    return f"{100 * h / (h + m):.1f}%" if h + m else "-"
+
+
+def render(snap: Snapshot) -> str:
+    now = time.time()
+    out = [f"registry {snap.redis_url}: {len(snap.instances)} instance(s)",
+           f"{'role':<8} {'instance':<34} {'address':<22} {'load':>5} {'queue':>5} "
+           f"{'in-flight':>9} {'imbalance':>9} {'beat':>6}"]
+    for i in snap.instances:
+        age = now - float(i["last_heartbeat"])  # type: ignore[arg-type]
+        out.append(f"{i['role']:<8} {str(i['instance_id'])[:34]:<34} {i['address']:<22} "
+                   f"{float(i['load']):>5.2f} {i['queue']:>5} {i['tokens_in_flight']:>9} "  # type: ignore[arg-type]
+                   f"{float(i['expert_imbalance']):>9.3f} {age:>5.1f}s")  # type: ignore[arg-type]
+    for address, s in snap.stores.items():
+        out.append("")
+        if "error" in s:
+            out.append(f"kvstore {address}: unreachable ({s['error']})")
+            continue
+        out.append(f"kvstore {address} (node {s['node']})")
+        out.append(f"  {'tier':<5} {'used bytes':>14} {'capacity':>14} {'blocks':>8} "
+                   f"{'hits':>8} {'misses':>8} {'hit rate':>8}")
+        for t in s["tiers"]:  # type: ignore[attr-defined]
+            out.append(f"  {t['tier']:<5} {t['used_bytes']:>14,} {t['capacity_bytes']:>14,} "
+                       f"{t['blocks']:>8} {t['hits']:>8} {t['misses']:>8} "
+                       f"{_rate(t['hits'], t['misses']):>8}")
+        out.append(f"  {'class':<8} {'ttl':>9} {'blocks':>8} {'hits':>8} {'misses':>8} "
+                   f"{'hit rate':>8}")
+        for c in s["classes"]:  # type: ignore[attr-defined]
+            ttl = f"{int(c['ttl_s']) / 86400:.1f}d"
+            out.append(f"  {c['traffic_class']:<8} {ttl:>9} {c['blocks']:>8} {c['hits']:>8} "
+                       f"{c['misses']:>8} {_rate(c['hits'], c['misses']):>8}")
+    return "\n".join(out)

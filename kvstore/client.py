@@ -1,0 +1,334 @@
+"""``KVStoreClient``: the async client of the KVStore service (INTERFACES §4).
+
+Every call carries a deadline. Status codes come back as the warehouse's own
+errors (one table, ``_ERRORS``): INVALID_ARGUMENT -> InvalidRequest,
+UNAVAILABLE / DEADLINE_EXCEEDED -> StoreUnavailable, so callers can fall
+back to recomputing without knowing gRPC.
+
+Same-host fast path (``use_shm``): when the store says it can and runs on
+this host, a Get asks for shared-memory descriptors of G2 blocks and copies
+them straight out of the store's segment (attached once); a Put writes its
+blocks into a staging segment this client owns and sends only the header.
+A descriptor whose copy cannot be trusted (the slot was reused meanwhile) is
+fetched again through the socket, so the fast path can never serve bad bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from multiprocessing import shared_memory
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from kvstore.errors import InvalidRequest, KVStoreError, ShmUnavailable, StoreUnavailable
+from kvstore.tiers.shm import ShmReader, ShmSlot, disown_segment, own_segment
+from kvstore.types import (
+    ClassSnapshot,
+    GetResult,
+    LookupResult,
+    PutResult,
+    RequestCtx,
+    StoreStats,
+    TierSnapshot,
+)
+from kvstore.wire import decode_get_chunk, encode_put_data, encode_put_header
+from proto import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CHUNK_BYTES = 4 * 2**20
+MAX_MESSAGE_BYTES = 128 * 2**20
+
+_ERRORS: dict[grpc.StatusCode, type[KVStoreError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.UNAVAILABLE: StoreUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: StoreUnavailable,
+    grpc.StatusCode.CANCELLED: StoreUnavailable,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidRequest,
+    grpc.StatusCode.FAILED_PRECONDITION: ShmUnavailable,
+}
+
+
+def _mapped(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @functools.wraps(fn)
+    async def call(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except grpc.aio.AioRpcError as exc:
+            err = _ERRORS.get(exc.code(), KVStoreError)
+            raise err(f"{exc.code().name}: {exc.details()}") from exc
+    return call
+
+
+def ctx_to_proto(ctx: RequestCtx) -> common_pb2.RequestContext:
+    return common_pb2.RequestContext(request_id=ctx.request_id, tenant=ctx.tenant,
+                                     traffic_class=ctx.traffic_class,
+                                     model_fingerprint=ctx.model_fingerprint)
+
+
+def as_byte_views(blocks: Any, n: int) -> list[memoryview]:
+    """``n`` equal byte views of a block tensor [n, ...] (torch or numpy), or the
+    given bytes-likes. No copies for contiguous CPU tensors."""
+    if isinstance(blocks, list | tuple):
+        return [memoryview(b).cast("B") for b in blocks]
+    if hasattr(blocks, "detach"):  # torch.Tensor; bfloat16 has no numpy dtype: go via uint8
+        import torch
+
+        t = blocks.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        arr = t.contiguous().view(torch.uint8).numpy()
+    else:
+        arr = np.ascontiguousarray(blocks)
+    flat = memoryview(arr.reshape(-1).view(np.uint8))
+    if n == 0:
+        return []
+    if flat.nbytes % n:
+        raise InvalidRequest(f"{flat.nbytes} bytes of blocks do not split into {n} equal blocks")
+    size = flat.nbytes // n
+    return [flat[i * size:(i + 1) * size] for i in range(n)]
+
+
+class _Staging:
+    """A client-owned shared-memory segment for Puts, grown on demand."""
+
+    def __init__(self) -> None:
+        self.seg: shared_memory.SharedMemory | None = None
+        self.lock = asyncio.Lock()
+
+    def ensure(self, nbytes: int) -> shared_memory.SharedMemory:
+        if self.seg is None or self.seg.size < nbytes:
+            self.close()
+            size = max(nbytes, 64 * 2**20)
+            self.seg = shared_memory.SharedMemory(name=f"kvc-{secrets.token_hex(6)}",
+                                                  create=True, size=size)
+            own_segment(self.seg.name)  # a store in this same process must not adopt it
+        return self.seg
+
+    def close(self) -> None:
+        if self.seg is not None:
+            disown_segment(self.seg.name)
+            with contextlib.suppress(FileNotFoundError):
+                self.seg.close()
+                self.seg.unlink()
+            self.seg = None
+
+
+class KVStoreClient:
+    def __init__(self, address: str, *, timeout_s: float = 5.0, use_shm: bool = True,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.use_shm = use_shm
+        self.chunk_bytes = chunk_bytes
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        # Bulk calls use the zero-copy codec (kvstore.wire); the messages are the same.
+        self._put_call = self._channel.stream_unary(
+            "/kvserve.v1.KVStore/Put", request_serializer=None,
+            response_deserializer=kvstore_pb2.PutResponse.FromString)
+        self._get_call = self._channel.unary_stream(
+            "/kvserve.v1.KVStore/Get",
+            request_serializer=kvstore_pb2.GetRequest.SerializeToString,
+            response_deserializer=decode_get_chunk)
+        self._shm_ok: bool | None = None if use_shm else False
+        self._reader = ShmReader()
+        self._staging = _Staging()
+
+    async def close(self) -> None:
+        self._reader.close()
+        self._staging.close()
+        await self._channel.close()
+
+    async def __aenter__(self) -> KVStoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- calls ---------------------------------------------------------------------------------
+    @_mapped
+    async def lookup(self, keys: Sequence[bytes], *, prompt_tokens: int, ctx: RequestCtx,
+                     touch: bool = True, timeout_s: float | None = None) -> LookupResult:
+        res = await self._stub.Lookup(
+            kvstore_pb2.LookupRequest(ctx=ctx_to_proto(ctx), keys=keys,
+                                      prompt_tokens=prompt_tokens, touch=touch),
+            timeout=timeout_s or self.timeout_s)
+        return LookupResult(res.matched_blocks, res.usable_tokens, list(res.block_tiers),
+                            res.lookup_s)
+
+    @_mapped
+    async def put(self, keys: Sequence[bytes], blocks: Any, *, layout: str,
+                  token_count: int | Sequence[int], ctx: RequestCtx,
+                  timeout_s: float | None = None) -> PutResult:
+        """Store blocks (a tensor [n, layers, 2, kv_heads, block_tokens, head_dim] or
+        n bytes-likes); ``token_count`` per block, or one value for all."""
+        views = as_byte_views(blocks, len(keys))
+        if len(views) != len(keys):
+            raise InvalidRequest(f"{len(keys)} keys but {len(views)} blocks")
+        counts = [token_count] * len(keys) if isinstance(token_count, int) else list(token_count)
+        headers = [kvstore_pb2.BlockHeader(key=k, size=v.nbytes, token_count=c)
+                   for k, v, c in zip(keys, views, counts, strict=True)]
+        hdr = kvstore_pb2.PutHeader(ctx=ctx_to_proto(ctx), layout=layout, blocks=headers)
+        timeout = timeout_s or self.timeout_s
+        if await self._same_host():
+            try:
+                async with self._staging.lock:
+                    seg = self._staging.ensure(sum(v.nbytes for v in views))
+                    await asyncio.to_thread(self._stage, seg, views)
+                    hdr.shm_name, hdr.shm_offset = seg.name, 0
+                    res = await self._put_call(iter([encode_put_header(hdr)]),
+                                               timeout=timeout)
+                return PutResult(res.stored_blocks, res.skipped_blocks, res.bytes)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                log.info("store cannot attach our staging segment (%s); streaming instead",
+                         exc.details())
+                self._shm_ok = False
+                hdr.shm_name, hdr.shm_offset = "", 0
+        res = await self._put_call(self._chunks(hdr, views), timeout=timeout)
+        return PutResult(res.stored_blocks, res.skipped_blocks, res.bytes)
+
+    @staticmethod
+    def _stage(seg: shared_memory.SharedMemory, views: list[memoryview]) -> None:
+        dst = np.frombuffer(seg.buf, dtype=np.uint8)
+        pos = 0
+        for v in views:
+            dst[pos:pos + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
+            pos += v.nbytes
+        del dst  # release the export so the segment can close
+
+    def _chunks(self, hdr: kvstore_pb2.PutHeader, views: list[memoryview]) -> Iterator[bytes]:
+        """Header, then each block as one message (or pieces of ``chunk_bytes``),
+        so the store can use every whole block in place."""
+        yield encode_put_header(hdr)
+        step = self.chunk_bytes
+        for v in views:
+            for off in range(0, v.nbytes, step):
+                yield encode_put_data(v[off:off + step])
+
+    @_mapped
+    async def get(self, keys: Sequence[bytes], *, ctx: RequestCtx,
+                  out: Any = None, timeout_s: float | None = None) -> GetResult:
+        """Blocks in key order; None = missing or corrupt (recompute it). With
+        ``out`` (a writable buffer or CPU tensor of len(keys) equal blocks), the
+        payloads are views into it."""
+        t0 = time.perf_counter()
+        dst = as_byte_views(out, len(keys)) if out is not None else None
+        shm = await self._same_host()
+        payloads, tiers, redo = await self._get(keys, ctx, dst, shm, timeout_s)
+        if redo:  # shared-memory copies that could not be trusted: through the socket
+            again, _, _ = await self._get([keys[i] for i in redo], ctx,
+                                          [dst[i] for i in redo] if dst else None, False,
+                                          timeout_s)
+            for i, p in zip(redo, again, strict=True):
+                payloads[i] = p
+        nbytes = sum(p.nbytes for p in payloads if p is not None)
+        return GetResult(payloads, nbytes, time.perf_counter() - t0, tiers)
+
+    async def _get(self, keys: Sequence[bytes], ctx: RequestCtx,
+                   dst: list[memoryview] | None, shm: bool, timeout_s: float | None,
+                   ) -> tuple[list[memoryview | None], list[str], list[int]]:
+        req = kvstore_pb2.GetRequest(ctx=ctx_to_proto(ctx), keys=keys, use_shm=shm,
+                                     max_chunk_bytes=self.chunk_bytes)
+        payloads: list[memoryview | None] = [None] * len(keys)
+        tiers = [""] * len(keys)
+        slots: list[tuple[int, ShmSlot]] = []
+        pieces: list[memoryview] = []
+        i, want = -1, 0
+
+        def finish() -> None:
+            if i < 0 or not pieces:
+                return
+            got = sum(p.nbytes for p in pieces)
+            if got != want:
+                return  # a short block is no block: leave it missing
+            if dst is not None:
+                view, pos = dst[i], 0
+                for p in pieces:
+                    view[pos:pos + p.nbytes] = p
+                    pos += p.nbytes
+                payloads[i] = view
+            elif len(pieces) == 1:
+                payloads[i] = pieces[0]          # a view of the received message: no copy
+            else:
+                payloads[i] = memoryview(b"".join(pieces))
+
+        async for part in self._get_call(req, timeout=timeout_s or self.timeout_s):
+            if part.header is not None:
+                finish()
+                pieces = []
+                i += 1
+                if i >= len(keys) or part.header.key != keys[i]:
+                    raise StoreUnavailable("Get stream out of order (store bug)")
+                want = part.header.size
+                if part.missing:
+                    continue
+                if part.shm_name:
+                    tiers[i] = "shm"
+                    slots.append((i, ShmSlot(part.shm_name, part.shm_offset, want,
+                                             part.header.checksum, part.shm_valid_until,
+                                             part.shm_reuse_gen)))
+                    continue
+                tiers[i] = "grpc"
+            if part.data.nbytes:
+                pieces.append(part.data)
+        finish()
+        redo = await asyncio.to_thread(self._copy_slots, slots, dst, payloads) if slots else []
+        return payloads, tiers, redo
+
+    def _copy_slots(self, slots: list[tuple[int, ShmSlot]], dst: list[memoryview] | None,
+                    payloads: list[memoryview | None]) -> list[int]:
+        """Copy located blocks out of the store's arena; returns the indices whose
+        copy cannot be trusted (fetched again through the socket)."""
+        redo = []
+        for i, slot in slots:
+            target = dst[i] if dst is not None else memoryview(bytearray(slot.size))
+            if self._reader.read_into(slot, target):
+                payloads[i] = target
+            else:
+                redo.append(i)
+        return redo
+
+    @_mapped
+    async def delete(self, keys: Sequence[bytes], *, ctx: RequestCtx,
+                     timeout_s: float | None = None) -> int:
+        res = await self._stub.Delete(kvstore_pb2.DeleteRequest(ctx=ctx_to_proto(ctx), keys=keys),
+                                      timeout=timeout_s or self.timeout_s)
+        return int(res.deleted)
+
+    @_mapped
+    async def stats(self, *, timeout_s: float | None = None) -> StoreStats:
+        s = await self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=timeout_s or self.timeout_s)
+        return StoreStats(
+            s.node,
+            [TierSnapshot(t.tier, t.capacity_bytes, t.used_bytes, t.blocks, t.hits, t.misses,
+                          t.evictions, t.checksum_failures) for t in s.tiers],
+            [ClassSnapshot(c.traffic_class, c.ttl_s, c.hits, c.misses, c.blocks)
+             for c in s.classes],
+            s.whatif_json, s.shm_capable, s.hostname)
+
+    async def _same_host(self) -> bool:
+        """Whether to use shared memory: asked once (Stats), then remembered."""
+        if self._shm_ok is None:
+            try:
+                s = await self.stats()
+                self._shm_ok = bool(s.shm_capable and s.hostname == socket.gethostname())
+            except KVStoreError:
+                return False
+        return self._shm_ok

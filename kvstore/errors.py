@@ -1,0 +1,29 @@
+"""Errors the warehouse raises; the service maps each class to one gRPC
+status code in one table (kvstore/service.py)."""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every warehouse error."""
+
+
+class InvalidRequest(KVStoreError, ValueError):
+    """The caller sent something malformed; the message names the problem."""
+
+
+class PayloadTooLarge(InvalidRequest):
+    """A block or a request exceeds the configured limits."""
+
+
+class StoreUnavailable(KVStoreError):
+    """A backing service (Redis, a tier) cannot be reached right now."""
+
+
+class StoreDraining(KVStoreError):
+    """The store is shutting down and refuses new work."""
+
+
+class ShmUnavailable(KVStoreError):
+    """The shared-memory path cannot be used (segment not attachable here);
+    the client falls back to streaming bytes."""

@@ -1,0 +1,421 @@
+"""The block index in Redis (DESIGN §5): one key per block, EXPIRE = TTL.
+
+Key:   b"B" + the 16-byte block key (17 bytes; our other keys start "kvserve:").
+Value: 12 packed bytes ``<BBHII`` = tier mask, class id, node id, payload
+       size, last refresh (unix seconds). An embstr, so one allocation.
+
+Invariants
+- An entry exists only while some tier holds a complete copy (the warehouse
+  indexes a block after its tier write returned), so no reader sees a torn
+  block. Local tiers (G1-G3) belong to the entry's node; G4 is shared.
+- Every change and its KV event (kvstore.events) happen in one Lua script.
+- A node's G2 keys are also listed in the set ``kvserve:g2:<node>``: G2 dies
+  with the process, and on restart the store clears exactly those bits
+  (``reconcile_g2``) without scanning the whole index.
+- TTL refresh on hit is amortized: an entry is rewritten only when its
+  refresh stamp is older than ``refresh_fraction`` of its TTL, so hot chains
+  cost MGETs, not thousands of SETs, per lookup.
+- The TTL of a block is the longest of the classes that used it: a chat
+  request hitting an agent block moves it to the chat class.
+
+Node and class names map to small ids through the hash ``kvserve:ids``; every
+store re-asserts its own ids, so a FLUSHALL cannot make two names share one.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from string import Template
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kvserve.config import TrafficClasses
+from kvstore import events
+from kvstore.errors import InvalidRequest, StoreUnavailable
+from kvstore.types import LOCAL_TIERS_MASK, TIER_BITS
+
+KEY_BYTES = 16
+PREFIX = b"B"
+ENTRY = struct.Struct("<BBHII")           # mask, class id, node id, size, stamp
+RECORD = struct.Struct("<16sIBI")         # key, size, class id, ttl  (store script input)
+IDS_HASH = "kvserve:ids"
+EPOCH_KEY = "kvserve:index:epoch"
+MAX_NODE_ID = 65_535
+MAX_CLASS_ID = 255
+ALL_TIERS_MASK = sum(TIER_BITS.values())
+_MGET_BATCH = 256                         # keys per MGET inside Lua (unpack limits)
+
+
+def g2_set_name(node: str) -> str:
+    return f"kvserve:g2:{node}"
+
+
+def index_key(key: bytes) -> bytes:
+    return PREFIX + key
+
+
+_LUA_LOOKUP = Template("""
+local blob = ARGV[1]
+local touch = ARGV[2] == '1'
+local now = tonumber(ARGV[3])
+local req = tonumber(ARGV[4])
+local frac = tonumber(ARGV[5])
+local me = tonumber(ARGV[6])
+local lmask = tonumber(ARGV[7])
+local smask = tonumber(ARGV[8])
+local function ttl_of(c) return tonumber(ARGV[9 + c] or '0') or 0 end
+local n = #blob / 16
+local out = {}
+local i = 1
+while i <= n do
+  local j = math.min(n, i + $batch - 1)
+  local ks = {}
+  for t = i, j do ks[#ks + 1] = 'B' .. string.sub(blob, t * 16 - 15, t * 16) end
+  local vals = redis.call('MGET', unpack(ks))
+  for t = 1, #vals do
+    local v = vals[t]
+    if not v then return table.concat(out) end
+    local mask, cls, node, size, stamp = struct.unpack('<BBHII', v)
+    local shared = bit.band(mask, smask) ~= 0
+    local here = (me < 0 or node == me) and bit.band(mask, lmask) ~= 0
+    if not (shared or here) then return table.concat(out) end
+    if touch then
+      local bt, rt = ttl_of(cls), ttl_of(req)
+      local nc, nt = cls, bt
+      if rt > bt then nc, nt = req, rt end
+      -- Stamps are whole seconds: TTLs too short to amortize are always refreshed.
+      if nt > 0 and (nc ~= cls or nt * frac < 1 or now - stamp >= nt * frac) then
+        v = struct.pack('<BBHII', mask, nc, node, size, now)
+        redis.call('SET', ks[t], v, 'EX', nt)
+      end
+    end
+    out[#out + 1] = v
+  end
+  i = j + 1
+end
+return table.concat(out)
+""").substitute(batch=_MGET_BATCH)
+
+# ARGV: records, tier bit, node id, now, g2 set ('' = none), stream ('' = none),
+# maxlen, node name, tier name, instance, then (field, value) id re-assertions.
+_LUA_STORE = Template("""
+local blob = ARGV[1]
+local tbit = tonumber(ARGV[2])
+local me = tonumber(ARGV[3])
+local now = tonumber(ARGV[4])
+local g2set, stream = ARGV[5], ARGV[6]
+local LOCAL = $local_mask
+for a = 11, #ARGV, 2 do redis.call('HSETNX', '$ids', ARGV[a], ARGV[a + 1]) end
+local n = #blob / 25
+local created = 0
+local changed = {}
+for i = 1, n do
+  local key = string.sub(blob, i * 25 - 24, i * 25 - 9)
+  local size, cls, ttl = struct.unpack('<IBI', blob, i * 25 - 8)
+  local k = 'B' .. key
+  local v = redis.call('GET', k)
+  if not v then
+    redis.call('SET', k, struct.pack('<BBHII', tbit, cls, me, size, now), 'EX', ttl)
+    created = created + 1
+    changed[#changed + 1] = key
+  else
+    local mask, ocls, node, osize, stamp = struct.unpack('<BBHII', v)
+    local is_local = bit.band(tbit, LOCAL) ~= 0
+    if not (is_local and node ~= me and bit.band(mask, LOCAL) ~= 0) then
+      if is_local then node = me end
+      mask = bit.bor(mask, tbit)
+      local left = redis.call('TTL', k)
+      if ttl >= left then
+        redis.call('SET', k, struct.pack('<BBHII', mask, cls, node, size, now), 'EX', ttl)
+      else
+        redis.call('SET', k, struct.pack('<BBHII', mask, ocls, node, size, stamp), 'KEEPTTL')
+      end
+      changed[#changed + 1] = key
+    end
+  end
+end
+if g2set ~= '' and #changed > 0 then
+  for i = 1, #changed do redis.call('SADD', g2set, changed[i]) end
+end
+if stream ~= '' and #changed > 0 then
+  redis.call('XADD', stream, 'MAXLEN', '~', ARGV[7], '*', 'kind', 'stored', 'node', ARGV[8],
+             'tier', ARGV[9], 'instance', ARGV[10], 'keys', table.concat(changed))
+end
+return created
+""").substitute(local_mask=LOCAL_TIERS_MASK, ids=IDS_HASH)
+
+# ARGV: keys, tier bit, node id, g2 set, stream, maxlen, node name, tier name, instance
+_LUA_CLEAR = Template("""
+local blob = ARGV[1]
+local tbit = tonumber(ARGV[2])
+local me = tonumber(ARGV[3])
+local g2set, stream = ARGV[4], ARGV[5]
+local LOCAL = $local_mask
+local n = #blob / 16
+local removed = 0
+local changed = {}
+for i = 1, n do
+  local key = string.sub(blob, i * 16 - 15, i * 16)
+  local k = 'B' .. key
+  local v = redis.call('GET', k)
+  if v then
+    local mask, cls, node, size, stamp = struct.unpack('<BBHII', v)
+    local mine = bit.band(tbit, LOCAL) == 0 or node == me
+    if mine and bit.band(mask, tbit) ~= 0 then
+      mask = bit.band(mask, bit.bnot(tbit))
+      if mask == 0 then
+        redis.call('DEL', k)
+        removed = removed + 1
+      else
+        redis.call('SET', k, struct.pack('<BBHII', mask, cls, node, size, stamp), 'KEEPTTL')
+      end
+      changed[#changed + 1] = key
+    end
+  end
+  if g2set ~= '' then redis.call('SREM', g2set, key) end
+end
+if stream ~= '' and #changed > 0 then
+  redis.call('XADD', stream, 'MAXLEN', '~', ARGV[6], '*', 'kind', 'evicted', 'node', ARGV[7],
+             'tier', ARGV[8], 'instance', ARGV[9], 'keys', table.concat(changed))
+end
+return removed
+""").substitute(local_mask=LOCAL_TIERS_MASK)
+
+_LUA_ENSURE_ID = Template("""
+local h, name, limit = '$ids', ARGV[1], tonumber(ARGV[2])
+local id = redis.call('HGET', h, ARGV[3] .. 'n:' .. name)
+if id then return tonumber(id) end
+local nid = redis.call('HINCRBY', h, ARGV[3] .. '#next', 1) - 1
+while redis.call('HEXISTS', h, ARGV[3] .. 'i:' .. nid) == 1 do
+  nid = redis.call('HINCRBY', h, ARGV[3] .. '#next', 1) - 1
+end
+if nid > limit then return redis.error_reply('id space exhausted for ' .. ARGV[3]) end
+redis.call('HSET', h, ARGV[3] .. 'n:' .. name, nid, ARGV[3] .. 'i:' .. nid, name)
+return nid
+""").substitute(ids=IDS_HASH)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    tiers: int          # bit mask of kvstore.types.TIER_BITS
+    class_id: int
+    node_id: int
+    size: int
+    stamp: int          # last TTL refresh, unix seconds
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> IndexEntry:
+        return cls(*ENTRY.unpack(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class ChainMatch:
+    """The leading entries of a key chain that the asking node can fetch."""
+
+    entries: list[IndexEntry]
+    lookup_s: float
+
+    @property
+    def matched(self) -> int:
+        return len(self.entries)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRecord:
+    """One block to index: its key, payload size, class and TTL (None = the
+    class TTL; reindex passes what is left of the file's original TTL)."""
+
+    key: bytes
+    size: int
+    traffic_class: str
+    ttl_s: int | None = None
+
+
+def _check_keys(keys: Sequence[bytes]) -> bytes:
+    for i, k in enumerate(keys):
+        if not isinstance(k, bytes | bytearray) or len(k) != KEY_BYTES:
+            raise InvalidRequest(
+                f"key {i} is not a {KEY_BYTES}-byte block key (got {len(k)} bytes)")
+    return b"".join(keys)
+
+
+class BlockIndex:
+    """Async Redis block index of one node; ``await start()`` before use."""
+
+    def __init__(self, redis_url: str, *, node: str, classes: TrafficClasses,
+                 instance: str = "", publish_events: bool = True,
+                 event_maxlen: int = events.DEFAULT_MAXLEN,
+                 refresh_fraction: float = 0.01) -> None:
+        if not 0.0 <= refresh_fraction < 1.0:
+            raise ValueError(f"refresh_fraction must be in [0, 1), got {refresh_fraction}")
+        self.redis_url = redis_url
+        self.node = node
+        self.instance = instance or node
+        self.classes = classes
+        self._stream = events.STREAM if publish_events else ""
+        self._maxlen = event_maxlen
+        self._frac = refresh_fraction
+        self._r = aioredis.Redis.from_url(redis_url, socket_timeout=10.0)
+        self._lookup = self._r.register_script(_LUA_LOOKUP)
+        self._store = self._r.register_script(_LUA_STORE)
+        self._clear = self._r.register_script(_LUA_CLEAR)
+        self._ensure = self._r.register_script(_LUA_ENSURE_ID)
+        self.node_id = -1
+        self.class_ids: dict[str, int] = {}
+        self._ttl_argv: list[int] = []
+        self._reassert: list[str | int] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> BlockIndex:
+        try:
+            self.node_id = await self._id_for("node", self.node, MAX_NODE_ID)
+            for name in sorted(self.classes.ttl_s):
+                self.class_ids[name] = await self._id_for("class", name, MAX_CLASS_ID)
+        except RedisError as exc:
+            raise StoreUnavailable(f"Redis at {self.redis_url} unavailable: {exc}") from exc
+        top = max(self.class_ids.values())
+        ttl_by_id = dict.fromkeys(range(top + 1), 0)
+        for name, cid in self.class_ids.items():
+            ttl_by_id[cid] = self.classes.ttl_s[name]
+        self._ttl_argv = [ttl_by_id[i] for i in range(top + 1)]
+        pairs: list[tuple[str, str | int]] = [(f"node:n:{self.node}", self.node_id),
+                                              (f"node:i:{self.node_id}", self.node)]
+        for name, cid in self.class_ids.items():
+            pairs += [(f"class:n:{name}", cid), (f"class:i:{cid}", name)]
+        self._reassert = [x for p in pairs for x in p]
+        return self
+
+    async def _id_for(self, space: str, name: str, limit: int) -> int:
+        return int(await self._ensure(keys=[], args=[name, limit, f"{space}:"]))
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    async def __aenter__(self) -> BlockIndex:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def class_id(self, traffic_class: str) -> int:
+        return self.class_ids[self.classes.resolve(traffic_class)]
+
+    # -- reads -------------------------------------------------------------------------------
+    async def match_chain(self, keys: Sequence[bytes], *, traffic_class: str = "",
+                          touch: bool = True, local_only: bool = True) -> ChainMatch:
+        """Longest prefix of ``keys`` with an entry this node can serve (its own
+        G2/G3 or the shared G4; any node's tiers when ``local_only`` is False),
+        in one round trip; refreshes the matched entries' TTLs when ``touch``."""
+        blob = _check_keys(keys)
+        t0 = time.perf_counter()
+        if not keys:
+            return ChainMatch([], 0.0)
+        local_mask = TIER_BITS["G2"] | TIER_BITS["G3"] if local_only else ALL_TIERS_MASK
+        shared_mask = TIER_BITS["G4"] if local_only else ALL_TIERS_MASK
+        me = self.node_id if local_only else -1
+        try:
+            raw = await self._lookup(keys=[], args=[
+                blob, int(touch), int(time.time()), self.class_id(traffic_class), self._frac,
+                me, local_mask, shared_mask, *self._ttl_argv])
+        except RedisError as exc:
+            raise StoreUnavailable(f"index lookup failed: {exc}") from exc
+        entries = [IndexEntry(*e) for e in ENTRY.iter_unpack(raw)]
+        return ChainMatch(entries, time.perf_counter() - t0)
+
+    async def entries(self, keys: Sequence[bytes]) -> list[IndexEntry | None]:
+        _check_keys(keys)
+        if not keys:
+            return []
+        raw = await self._r.mget([index_key(k) for k in keys])
+        return [IndexEntry.unpack(v) if v is not None else None for v in raw]
+
+    async def ttl(self, key: bytes) -> float:
+        """Seconds left on the key's entry; -2 when it has none."""
+        ms = await self._r.pttl(index_key(key))
+        return ms / 1000.0 if ms >= 0 else float(ms)
+
+    async def memory_usage(self, key: bytes) -> int:
+        return int(await self._r.memory_usage(index_key(key)) or 0)
+
+    async def scan_keys(self, count: int = 1000) -> AsyncIterator[bytes]:
+        """Every indexed block key (SCAN; for audits and tests, not hot paths)."""
+        async for k in self._r.scan_iter(match=PREFIX + b"*", count=count):
+            if len(k) == len(PREFIX) + KEY_BYTES:
+                yield k[len(PREFIX):]
+
+    async def node_name(self, node_id: int) -> str:
+        v = await self._r.hget(IDS_HASH, f"node:i:{node_id}")
+        return v.decode() if v else ""
+
+    # -- writes ------------------------------------------------------------------------------
+    async def add(self, records: Sequence[IndexRecord], *, tier: str) -> int:
+        """Mark ``records`` present in ``tier`` on this node; returns how many
+        entries were created (the rest already existed and gained the tier)."""
+        if not records:
+            return 0
+        bit = TIER_BITS[tier]
+        parts = []
+        for r in records:
+            cid = self.class_id(r.traffic_class)
+            ttl = r.ttl_s if r.ttl_s is not None else self._ttl_argv[cid]
+            if len(r.key) != KEY_BYTES:
+                raise InvalidRequest(f"key is not {KEY_BYTES} bytes")
+            parts.append(RECORD.pack(r.key, r.size, cid, max(1, int(ttl))))
+        g2 = g2_set_name(self.node) if tier == "G2" else ""
+        try:
+            return int(await self._store(keys=[], args=[
+                b"".join(parts), bit, self.node_id, int(time.time()), g2, self._stream,
+                self._maxlen, self.node, tier, self.instance, *self._reassert]))
+        except RedisError as exc:
+            raise StoreUnavailable(f"index update failed: {exc}") from exc
+
+    async def remove(self, keys: Sequence[bytes], *, tier: str) -> int:
+        """Clear ``tier`` from this node's entries; entries left with no tier
+        are deleted (returned count)."""
+        if not keys:
+            return 0
+        g2 = g2_set_name(self.node) if tier == "G2" else ""
+        try:
+            return int(await self._clear(keys=[], args=[
+                _check_keys(keys), TIER_BITS[tier], self.node_id, g2, self._stream,
+                self._maxlen, self.node, tier, self.instance]))
+        except RedisError as exc:
+            raise StoreUnavailable(f"index update failed: {exc}") from exc
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Drop entries whatever tiers they list (Delete RPC, sweeper)."""
+        blob = _check_keys(keys)
+        if not keys:
+            return 0
+        pipe = self._r.pipeline(transaction=True)
+        pipe.delete(*[index_key(k) for k in keys])
+        pipe.srem(g2_set_name(self.node), *keys)
+        if self._stream:
+            pipe.xadd(self._stream, {"kind": events.KIND_DELETED, "node": self.node, "tier": "",
+                                     "instance": self.instance, "keys": blob},
+                      maxlen=self._maxlen, approximate=True)
+        res = await pipe.execute()
+        return int(res[0])
+
+    async def reconcile_g2(self, batch: int = 4096) -> int:
+        """G2 died with the previous process: clear this node's G2 bits.
+        Returns the number of entries that pointed at G2."""
+        name = g2_set_name(self.node)
+        members = [k for k in await self._r.smembers(name) if len(k) == KEY_BYTES]
+        for i in range(0, len(members), batch):
+            await self.remove(members[i:i + batch], tier="G2")
+        await self._r.delete(name)
+        return len(members)
+
+    async def mark_epoch(self) -> None:
+        """A marker with no TTL: when it is gone, Redis lost its data (flush or
+        restart) and the sweeper must rebuild rather than delete."""
+        await self._r.set(EPOCH_KEY, str(time.time()))
+
+    async def epoch_present(self) -> bool:
+        return bool(await self._r.exists(EPOCH_KEY))
+

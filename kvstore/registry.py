@@ -1,0 +1,142 @@
+"""Instance registry in Redis (DESIGN §5): every kvstore, prefill, decode and
+router instance keeps a hash ``kvserve:inst:<id>`` alive by heartbeats; the
+hash expires ``ttl_s`` after the last one, so a crashed instance drops out
+without anyone deleting it.
+
+The set ``kvserve:instances`` lists ids for discovery; ids whose hash has
+expired are pruned from it by ``list_instances``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, fields
+
+import redis.asyncio as aioredis
+
+INSTANCES_SET = "kvserve:instances"
+ROLES = frozenset({"kvstore", "prefill", "decode", "router"})
+_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def _inst_key(instance_id: str) -> str:
+    return f"kvserve:inst:{instance_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    instance_id: str
+    role: str
+    address: str
+    node: str = ""
+    model_fingerprint: str = ""
+    capacity: float = 0.0             # role-specific (bytes for kvstore, KV blocks for engines)
+    load: float = 0.0                 # 0..1 utilization
+    queue: int = 0                    # requests waiting
+    tokens_in_flight: int = 0
+    expert_imbalance: float = 1.0     # max rank load / mean rank load (MoE), 1.0 = balanced
+    last_heartbeat: float = 0.0       # unix seconds
+
+    def __post_init__(self) -> None:
+        if not _ID.match(self.instance_id):
+            raise ValueError(
+                f"instance_id {self.instance_id!r} must match [A-Za-z0-9._:-]{{1,128}}")
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {sorted(ROLES)}")
+
+    def to_fields(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_fields(cls, raw: dict[bytes, bytes]) -> InstanceInfo:
+        kw: dict[str, object] = {}
+        for f in fields(cls):
+            v = raw.get(f.name.encode())
+            if v is None:
+                continue
+            s = v.decode()
+            kw[f.name] = int(s) if f.type == "int" else float(s) if f.type == "float" else s
+        return cls(**kw)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What a heartbeat updates; fields left None keep their last value."""
+
+    load: float | None = None
+    queue: int | None = None
+    tokens_in_flight: int | None = None
+    expert_imbalance: float | None = None
+    capacity: float | None = None
+
+
+class InstanceRegistry:
+    def __init__(self, redis_url: str, *, ttl_s: float = 5.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self._r = aioredis.Redis.from_url(redis_url, socket_timeout=5.0)
+        self.ttl_ms = int(ttl_s * 1000)
+
+    async def register(self, info: InstanceInfo) -> None:
+        fields_ = info.to_fields()
+        fields_["last_heartbeat"] = str(time.time())
+        key = _inst_key(info.instance_id)
+        pipe = self._r.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.hset(key, mapping=fields_)
+        pipe.pexpire(key, self.ttl_ms)
+        pipe.sadd(INSTANCES_SET, info.instance_id)
+        await pipe.execute()
+
+    async def heartbeat(self, instance_id: str, report: LoadReport | None = None) -> bool:
+        """Extends the instance's life; False when it had already expired (the
+        caller should ``register`` again)."""
+        key = _inst_key(instance_id)
+        updates = {"last_heartbeat": str(time.time())}
+        if report is not None:
+            updates.update({k: str(v) for k, v in asdict(report).items() if v is not None})
+        # Only refresh a live hash: HSET on an expired key would resurrect a
+        # partial record with no role or address.
+        if not await self._r.pexpire(key, self.ttl_ms):
+            return False
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hset(key, mapping=updates)
+        pipe.pexpire(key, self.ttl_ms)
+        await pipe.execute()
+        return True
+
+    async def deregister(self, instance_id: str) -> None:
+        pipe = self._r.pipeline(transaction=True)
+        pipe.delete(_inst_key(instance_id))
+        pipe.srem(INSTANCES_SET, instance_id)
+        await pipe.execute()
+
+    async def list_instances(self, role: str | None = None) -> list[InstanceInfo]:
+        ids = sorted(m.decode() for m in await self._r.smembers(INSTANCES_SET))
+        if not ids:
+            return []
+        pipe = self._r.pipeline(transaction=False)
+        for i in ids:
+            pipe.hgetall(_inst_key(i))
+        found: list[InstanceInfo] = []
+        gone: list[str] = []
+        for i, raw in zip(ids, await pipe.execute(), strict=True):
+            if not raw or b"role" not in raw:
+                gone.append(i)
+                continue
+            info = InstanceInfo.from_fields(raw)
+            if role is None or info.role == role:
+                found.append(info)
+        if gone:
+            await self._r.srem(INSTANCES_SET, *gone)
+        return found
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    async def __aenter__(self) -> InstanceRegistry:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

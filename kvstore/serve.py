@@ -1,0 +1,121 @@
+"""Running one kvstore process: warehouse + gRPC server + metrics + registry
+heartbeats, drained gracefully on SIGTERM/SIGINT (``kvserve store serve``).
+
+Startup prints ``kvstore ready <host>:<port>`` on stdout once the server
+answers, so a launcher that asked for port 0 learns the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from dataclasses import dataclass, field
+
+from kvserve.config import KVServeConfig
+from kvstore.memtune import tune_malloc
+from kvstore.redis_server import EmbeddedRedis
+from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
+from kvstore.service import ServiceLimits, start_server
+from kvstore.warehouse import Warehouse, WarehouseConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOptions:
+    config: KVServeConfig = field(default_factory=KVServeConfig)
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = -1          # -1: none; 0: any free port
+    redis_url: str = ""             # empty: config/REDIS_URL, else an embedded server
+    advertise: str = ""             # address published in the registry; default host:port
+    grace_s: float = 10.0
+    sweep_interval_s: float = 300.0
+    limits: ServiceLimits = field(default_factory=ServiceLimits)
+    fsync: bool = True
+    prefault_g2: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535 or self.metrics_port > 65535:
+            raise ValueError("ports must be in 0..65535")
+        if self.grace_s < 0:
+            raise ValueError("grace_s must be >= 0")
+
+
+def warehouse_config(opts: StoreOptions, redis_url: str) -> WarehouseConfig:
+    cfg = opts.config
+    return WarehouseConfig(redis_url=redis_url, tiers=cfg.tiers, classes=cfg.classes,
+                           hit_rule=cfg.blocks, sweep_interval_s=opts.sweep_interval_s,
+                           fsync=opts.fsync, prefault_g2=opts.prefault_g2)
+
+
+async def run_store(opts: StoreOptions) -> int:
+    embedded: EmbeddedRedis | None = None
+    url = opts.redis_url or opts.config.redis.effective_url()
+    if not url:
+        embedded = EmbeddedRedis().start()
+        url = embedded.url
+        log.info("no Redis configured: started an embedded one at %s", url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    wh = await Warehouse(warehouse_config(opts, url)).start()
+    running = await start_server(wh, host=opts.host, port=opts.port, limits=opts.limits)
+    metrics = wh.metrics.serve(opts.metrics_port, opts.host) if opts.metrics_port >= 0 else None
+    address = opts.advertise or f"{opts.host}:{running.port}"
+    instance = f"kvstore-{wh.node}"
+    router_cfg = opts.config.router
+    registry = InstanceRegistry(url, ttl_s=router_cfg.instance_ttl_s)
+    info = InstanceInfo(instance, "kvstore", address, node=wh.node,
+                        capacity=float(opts.config.tiers.g2_bytes))
+    await registry.register(info)
+    beat = asyncio.create_task(_heartbeats(registry, info, wh, router_cfg.heartbeat_s))
+    extra = f" metrics :{metrics.port}" if metrics else ""
+    print(f"kvstore ready {opts.host}:{running.port}{extra}", flush=True)
+    try:
+        await stop.wait()
+        log.info("draining: health NOT_SERVING, finishing in-flight calls")
+        wh.accepting = False
+        await running.drain(opts.grace_s)
+    finally:
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+        with contextlib.suppress(Exception):
+            await registry.deregister(instance)
+        await registry.close()
+        await wh.close()
+        if metrics is not None:
+            metrics.close()
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+async def _heartbeats(registry: InstanceRegistry, info: InstanceInfo, wh: Warehouse,
+                      every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            g2 = wh.tiers.get("G2")
+            load = 0.0
+            if g2 is not None and g2.capacity_bytes:
+                load = g2.stats().used_bytes / g2.capacity_bytes
+            if not await registry.heartbeat(info.instance_id, LoadReport(load=load)):
+                await registry.register(info)
+        except Exception:  # Redis hiccup: try again next beat
+            log.warning("registry heartbeat failed", exc_info=True)
+
+
+def main(opts: StoreOptions) -> int:
+    tune_malloc()
+    try:
+        return asyncio.run(run_store(opts))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sys.stdout.flush()

@@ -1,0 +1,223 @@
+"""G4: any fsspec filesystem (``memory://bucket``, ``s3://bucket/prefix`` with s3fs,
+``gs://``, ``fsspec+file:///dir`` for a local or mounted directory, e.g. 3FS).
+
+URL rule: ``mem://`` is G2, ``file://`` and plain paths are G3; every other
+scheme goes to fsspec. Prefix ``fsspec+`` to force fsspec for a scheme that a
+closer tier claims (``fsspec+file:///mnt/shared`` = a G4 on a shared mount).
+
+Keys are write-once: a block already present (``exists``) is not rewritten, so
+several nodes can share one bucket. Object stores whose single PUT is
+all-or-nothing (s3, gcs, azure, memory) are written directly; any other
+filesystem gets a temp name under ``.tmp/`` then a move. Reads verify the
+checksum; a bad object is deleted, counted and reported as a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from kvstore.blockfile import (
+    BlockCorruptError,
+    BlockMeta,
+    decode_block,
+    encode_block,
+    header_length,
+    parse_header,
+)
+from kvstore.tiers.base import (
+    EvictCallback,
+    PutOutcome,
+    Tier,
+    TierError,
+    TierHit,
+    key_from_filename,
+    key_relpath,
+    register_tier,
+)
+
+log = logging.getLogger(__name__)
+ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
+_FORCE = "fsspec+"
+_HEAD_READ = 4096
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+    proto = fs.protocol
+    return {proto} if isinstance(proto, str) else set(proto)
+
+
+@register_tier(fallback=True)
+class ObjectTier(Tier):
+    level = "G4"
+
+    def __init__(self, url: str, *, name: str, capacity_bytes: int, policy: str = "lru",
+                 lz4: bool = False, on_evict: EvictCallback | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(name=name, capacity_bytes=capacity_bytes, policy=policy, lz4=lz4,
+                         on_evict=on_evict)
+        target = url[len(_FORCE):] if url.lower().startswith(_FORCE) else url
+        scheme = target.partition("://")[0].lower()
+        if scheme not in fsspec.available_protocols():
+            raise TierError(f"tier URL {url!r}: no fsspec filesystem for {scheme!r} "
+                            "(install its package, e.g. s3fs for s3://)")
+        try:
+            self.fs, root = url_to_fs(target, **(storage_options or {}))
+        except ImportError as exc:
+            raise TierError(f"tier URL {url!r}: {exc}") from None
+        self.url = url
+        self.root = root.rstrip("/")
+        self.atomic_put = bool(_protocols(self.fs) & ATOMIC_PUT_PROTOCOLS)
+        self.fs.makedirs(self.root, exist_ok=True)
+        self._rebuild()
+
+    def path(self, key: bytes) -> str:
+        return f"{self.root}/{key_relpath(key)}"
+
+    def _rebuild(self) -> None:
+        """Account for objects already there (oldest first when the store reports times);
+        drop temp objects of interrupted writes."""
+        tmp_root = f"{self.root}/.tmp"
+        if self.fs.exists(tmp_root):
+            self.fs.rm(tmp_root, recursive=True)
+        found: list[tuple[float, bytes, int]] = []
+        for path, info in self.fs.find(self.root, detail=True).items():
+            key = key_from_filename(path.rsplit("/", 1)[-1])
+            if key is not None:
+                found.append((_mtime(info), key, int(info.get("size") or 0)))
+        found.sort()
+        for mtime, key, size in found:
+            self._cache.put(key, size, mtime)  # over capacity: forget, never delete shared data
+        self._cache.evictions = 0
+
+    def put(self, key: bytes, payload: bytes | bytearray | memoryview,
+            meta: BlockMeta) -> PutOutcome:
+        self._check_put(key, meta)
+        path = self.path(key)
+        with self._lock:
+            if key in self._cache:
+                self._cache.hit(key, self._now())
+                return PutOutcome(True, existed=True)
+        data = encode_block(payload, meta, self.lz4)
+        if len(data) > self.capacity_bytes:
+            return PutOutcome(False)
+        if self.fs.exists(path):  # written by another node: write-once
+            self._adopt(key, path, meta.traffic_class)
+            return PutOutcome(True, existed=True)
+        if self.atomic_put:
+            self.fs.pipe_file(path, data)
+        else:
+            tmp = f"{self.root}/.tmp/{key.hex()}.{secrets.token_hex(6)}"
+            self.fs.makedirs(f"{self.root}/.tmp", exist_ok=True)
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, path)
+        with self._lock:
+            adm = self._cache.put(key, len(data), self._now(), meta.traffic_class)
+            victims = list(adm.evicted)
+            if not adm.stored:
+                victims.append(key)
+        return PutOutcome(adm.stored, self._remove(victims, skip=key))
+
+    def _adopt(self, key: bytes, path: str, cls: str) -> None:
+        try:
+            size = int(self.fs.size(path) or 0)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            adm = self._cache.put(key, size, self._now(), cls)
+        self._remove(list(adm.evicted))
+
+    def _remove(self, keys: list[bytes], skip: bytes | None = None) -> list[BlockMeta]:
+        metas: list[BlockMeta] = []
+        for key in keys:
+            path = self.path(key)
+            meta = BlockMeta(key, "", "", 0, "", 0.0)
+            try:
+                if self.on_evict is not None and key != skip:
+                    block = decode_block(self.fs.cat_file(path), expect_key=key)
+                    meta = block.meta
+                    self.on_evict(meta, block.payload)
+                elif key != skip:
+                    meta = self._header(path)
+                self.fs.rm_file(path)
+            except (OSError, BlockCorruptError) as exc:
+                log.info("G4 %s: evicting %s: %s", self.name, key.hex(), exc)
+            if key != skip:
+                metas.append(meta)
+        return metas
+
+    def _header(self, path: str) -> BlockMeta:
+        head = self.fs.cat_file(path, start=0, end=_HEAD_READ)
+        need = header_length(head)
+        if need > len(head):
+            head = self.fs.cat_file(path, start=0, end=need)
+        return parse_header(head).meta
+
+    def get(self, key: bytes) -> TierHit | None:
+        path = self.path(key)
+        try:
+            data = self.fs.cat_file(path)
+        except FileNotFoundError:
+            with self._lock:
+                self._cache.discard(key)
+                self._misses += 1
+            return None
+        try:
+            block = decode_block(data, expect_key=key)
+        except BlockCorruptError as exc:
+            log.warning("G4 %s: %s; deleted", self.name, exc)
+            with self._lock:
+                self._cache.discard(key)
+                self._checksum_failures += 1
+                self._misses += 1
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(path)
+            return None
+        with self._lock:
+            self._hits += 1
+            if not self._cache.hit(key, self._now()):
+                self._cache.put(key, len(data), self._now(), block.meta.traffic_class)
+        return TierHit(block.meta, block.payload)
+
+    def contains(self, key: bytes) -> bool:
+        """Content-addressed: a block another node wrote counts too."""
+        return super().contains(key) or bool(self.fs.exists(self.path(key)))
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            self._cache.discard(key)
+        try:
+            self.fs.rm_file(self.path(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def scan(self) -> Iterator[BlockMeta]:
+        for key in self.keys():
+            try:
+                yield self._header(self.path(key))
+            except FileNotFoundError:
+                continue
+            except BlockCorruptError as exc:
+                log.warning("G4 %s: %s", self.name, exc)
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    for field in ("mtime", "LastModified", "created", "updated"):
+        value = info.get(field)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return 0.0

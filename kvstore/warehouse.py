@@ -1,0 +1,512 @@
+"""The warehouse of one node: tiers G2 (host DRAM), G3 (local disk), G4
+(fsspec) under the Redis block index (DESIGN §4-5).
+
+Write path: a put copies each block into G2 and indexes it there at once
+(G2 holds complete, checksummed copies), then queues it for G3 and G4; each
+durable copy adds its tier bit when its write has returned. An index entry
+therefore always names a tier holding a complete block. Read path: G2, else
+G3, else G4, verified by the tier; a G3/G4 hit is promoted into G2 (and a G4
+hit also lands in G3), a block evicted from G2 that no lower tier holds is
+demoted into G3.
+
+Concurrency: tier I/O runs in worker threads (tiers lock themselves); the
+asyncio loop owns the index. ``_g2_lock`` makes "G2 put + index update" one
+step, so an eviction from another request cannot clear a bit before it is set.
+Keys being written asynchronously are ``_pending`` and the sweeper never
+deletes them; keys the sweeper is deleting are ``_sweeping`` and a writer
+waits for them, so neither can undo the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvserve.config import ConfigError, HitRule, TierConfig, TrafficClasses
+from kvstore import maintenance
+from kvstore.blockfile import BlockMeta, checksum
+from kvstore.errors import InvalidRequest, StoreDraining
+from kvstore.index import BlockIndex, IndexEntry, IndexRecord
+from kvstore.metrics import StoreMetrics
+from kvstore.tiers import ShmSlot, Tier, TierHit, open_tier
+from kvstore.tiers.host import HostTier
+from kvstore.types import (
+    TIER_BITS,
+    ClassSnapshot,
+    DeleteResult,
+    LookupResult,
+    PutResult,
+    RequestCtx,
+    StoreStats,
+    TierSnapshot,
+    best_tier,
+)
+from kvstore.whatif import WhatIfEstimator
+
+log = logging.getLogger(__name__)
+
+G4_DEFAULT_BYTES = 1 << 50
+_SERVE_LOCAL = TIER_BITS["G2"] | TIER_BITS["G3"]
+
+
+@dataclass(frozen=True, slots=True)
+class WarehouseConfig:
+    redis_url: str
+    tiers: TierConfig = field(default_factory=TierConfig)
+    classes: TrafficClasses = field(default_factory=TrafficClasses)
+    hit_rule: HitRule = field(default_factory=HitRule)
+    instance: str = ""                     # kvstore instance id in events; default = node
+    g4_bytes: int = G4_DEFAULT_BYTES
+    sweep_interval_s: float = 300.0        # 0 = no background sweeper
+    write_workers: int = 2
+    max_pending_bytes: int = 512 * 2**20   # queued G3/G4 writes before puts wait
+    fsync: bool = True
+    prefault_g2: bool = False              # touch all of G2 at start (steady-state speed at once)
+
+    def __post_init__(self) -> None:
+        if not self.redis_url:
+            raise ConfigError("warehouse needs a redis_url")
+        if self.sweep_interval_s < 0 or self.write_workers < 1 or self.max_pending_bytes < 1:
+            raise ConfigError("sweep_interval_s >= 0, write_workers >= 1, max_pending_bytes >= 1")
+
+
+class Fetched(NamedTuple):
+    """One block of a get, in request order: ``payload`` (a private copy), or
+    ``slot`` (same-host shared memory, G2 only), or neither (a miss)."""
+
+    key: bytes
+    tier: str
+    meta: BlockMeta | None
+    payload: memoryview | None
+    slot: ShmSlot | None = None
+
+
+@dataclass(slots=True)
+class _WriteJob:
+    key: bytes
+    payload: memoryview
+    meta: BlockMeta
+    tiers: tuple[str, ...]
+
+
+class Warehouse:
+    def __init__(self, cfg: WarehouseConfig, *, metrics: StoreMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.node = cfg.tiers.node
+        self.classes = cfg.classes
+        self.hit_rule = cfg.hit_rule
+        self.metrics = metrics or StoreMetrics()
+        self.index = BlockIndex(cfg.redis_url, node=self.node, classes=cfg.classes,
+                                instance=cfg.instance or self.node)
+        self.tiers: dict[str, Tier] = {}
+        self.g2: HostTier | None = None
+        self.accepting = True
+        self.whatif: WhatIfEstimator | None = None   # live what-if (kvstore.whatif)
+        self._pending: dict[bytes, int] = {}
+        self._pending_bytes = 0
+        self._space = asyncio.Condition()
+        self._queue: asyncio.Queue[_WriteJob] = asyncio.Queue()
+        self._sweeping: dict[bytes, asyncio.Event] = {}
+        self._g2_lock = asyncio.Lock()
+        self._demoted: deque[tuple[BlockMeta, memoryview]] = deque()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._class_hits: dict[str, int] = dict.fromkeys(cfg.classes.ttl_s, 0)
+        self._class_misses: dict[str, int] = dict.fromkeys(cfg.classes.ttl_s, 0)
+        self._class_blocks: dict[str, int] = dict.fromkeys(cfg.classes.ttl_s, 0)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self, *, serve: bool = True) -> Warehouse:
+        """Open tiers and index. ``serve=False`` (offline tools such as reindex,
+        possibly beside a running store) skips G2, the G2 reconcile, the writers
+        and the sweeper."""
+        await asyncio.to_thread(self._open_tiers, serve)
+        await self.index.start()
+        if not serve:
+            return self
+        stale = await self.index.reconcile_g2()
+        if stale:
+            log.info("cleared %d G2 index bits left by this node's previous process", stale)
+        if not await self.index.epoch_present():
+            report = await maintenance.reindex(self)
+            log.info("index epoch missing: rebuilt from tiers: %s", report)
+        self.metrics.watch_tiers(self.tier_snapshots)
+        self._tasks = [asyncio.create_task(self._writer(), name=f"kv-writer-{i}")
+                       for i in range(self.cfg.write_workers)]
+        if self.cfg.sweep_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._sweeper(), name="kv-sweeper"))
+        self._load_whatif()
+        return self
+
+    def _open_tiers(self, with_g2: bool) -> None:
+        t = self.cfg.tiers
+        if t.g2_bytes > 0 and with_g2:
+            # Pinning needs torch+CUDA; importing torch just to learn there is no GPU
+            # costs seconds of start-up, so ask the driver's device node first.
+            pin = None if os.path.exists("/dev/nvidiactl") else False
+            self.g2 = HostTier(f"mem://{self.node}", name="G2", capacity_bytes=t.g2_bytes,
+                               policy=t.eviction_policy, on_evict=self._on_g2_evict, pin=pin)
+            self.tiers["G2"] = self.g2
+            prefault = getattr(self.g2, "prefault", None)
+            if self.cfg.prefault_g2 and callable(prefault):
+                prefault()  # first-touch page faults cost more than the copies (memtune)
+        if t.g3_path:
+            self.tiers["G3"] = open_tier(t.g3_path, name="G3", capacity_bytes=t.g3_bytes,
+                                         policy=t.eviction_policy, lz4=t.lz4,
+                                         fsync=self.cfg.fsync)
+        if t.g4_url:
+            self.tiers["G4"] = open_tier(t.g4_url, name="G4", capacity_bytes=self.cfg.g4_bytes,
+                                         policy=t.eviction_policy, lz4=t.lz4)
+
+    def _load_whatif(self) -> None:
+        self.whatif = WhatIfEstimator()
+
+    def _feed_whatif(self, keys: Sequence[bytes], cls: str, prompt_tokens: int) -> None:
+        est = self.whatif
+        if est is None:
+            return
+        now, bt = time.time(), self.hit_rule.block_tokens
+        for k in keys:
+            est.record(k, now, cls, bt)
+        tail = prompt_tokens - len(keys) * bt
+        if tail > 0:
+            est.record_uncacheable(cls, 1, tail)
+
+    async def flush(self) -> None:
+        """Wait until every queued G3/G4 write has landed and been indexed."""
+        await self._queue.join()
+
+    async def close(self) -> None:
+        self.accepting = False
+        if self._tasks:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.flush(), timeout=60.0)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        for tier in self.tiers.values():
+            tier.close()
+        await self.index.close()
+
+    async def __aenter__(self) -> Warehouse:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def resolve_class(self, ctx: RequestCtx) -> str:
+        try:
+            return self.classes.resolve(ctx.traffic_class)
+        except ConfigError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def is_pending(self, key: bytes) -> bool:
+        return key in self._pending
+
+    def servable_mask(self, entry: IndexEntry | None) -> int:
+        """Tier bits of ``entry`` that this node can serve."""
+        if entry is None:
+            return 0
+        mask = entry.tiers & TIER_BITS["G4"]
+        if entry.node_id == self.index.node_id:
+            mask |= entry.tiers & _SERVE_LOCAL
+        return mask
+
+    # -- lookup ------------------------------------------------------------------------------
+    async def lookup(self, keys: Sequence[bytes], *, prompt_tokens: int, ctx: RequestCtx,
+                     touch: bool = True) -> LookupResult:
+        cls = self.resolve_class(ctx)
+        bt = self.hit_rule.block_tokens
+        if prompt_tokens < len(keys) * bt or prompt_tokens <= 0:
+            raise InvalidRequest(
+                f"prompt_tokens {prompt_tokens} is fewer than the {len(keys)} keys x "
+                f"{bt} tokens they stand for (or zero): wrong block size or prompt length")
+        match = await self.index.match_chain(keys, traffic_class=cls, touch=touch)
+        tiers = [best_tier(self.servable_mask(e)) for e in match.entries]
+        usable = self.hit_rule.usable_tokens(match.matched * bt, prompt_tokens)
+        m = self.metrics
+        m.lookup_latency.observe(match.lookup_s)
+        m.lookup_tokens.labels("prompt").inc(prompt_tokens)
+        m.lookup_tokens.labels("matched").inc(match.matched * bt)
+        m.lookup_tokens.labels("usable").inc(usable)
+        if self.whatif is not None and touch:
+            # After this lookup has answered: the estimator costs ~us per block.
+            asyncio.get_running_loop().call_soon(self._feed_whatif, list(keys), cls,
+                                                 prompt_tokens)
+        return LookupResult(match.matched, usable, tiers, match.lookup_s)
+
+    # -- put ---------------------------------------------------------------------------------
+    async def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview], *, layout: str,
+                  token_counts: Sequence[int], ctx: RequestCtx,
+                  checksums: Sequence[bytes] = (), borrowed: bool = False) -> PutResult:
+        """Store blocks (write-once: present keys are skipped). Validates every
+        block before storing any, so a bad request stores nothing. ``borrowed``:
+        the payloads are only valid during the call (a client's staging memory),
+        so what the asynchronous writes need is copied first."""
+        if not self.accepting:
+            raise StoreDraining("the store is draining and takes no new blocks")
+        cls = self.resolve_class(ctx)
+        if not (len(keys) == len(payloads) == len(token_counts)):
+            raise InvalidRequest(f"{len(keys)} keys, {len(payloads)} payloads and "
+                                 f"{len(token_counts)} token counts must match")
+        if len(set(keys)) != len(keys):
+            raise InvalidRequest("a put names the same key twice")
+        for i, want in enumerate(checksums):
+            if want and checksum(payloads[i]) != want:
+                raise InvalidRequest(f"block {i} ({keys[i].hex()}): payload does not match "
+                                     "the checksum sent with it")
+        nbytes = sum(p.nbytes for p in payloads)
+        entries = await self.index.entries(keys)
+        expires = time.time() + self.classes.ttl_s[cls]
+        todo = [i for i, e in enumerate(entries)
+                if not self.servable_mask(e) and keys[i] not in self._pending]
+        metas = [BlockMeta(keys[i], ctx.model_fingerprint, layout, token_counts[i], cls, expires,
+                           checksums[i] if i < len(checksums) else b"", payloads[i].nbytes)
+                 for i in todo]
+        if todo and self.g2 is not None:
+            await self._into_g2([(m, payloads[i]) for m, i in zip(metas, todo, strict=True)])
+        lower = tuple(t for t in ("G3", "G4") if t in self.tiers)
+        if lower:
+            for m, i in zip(metas, todo, strict=True):
+                p = memoryview(payloads[i].tobytes()) if borrowed else payloads[i]
+                await self._enqueue(_WriteJob(m.key, p, m, lower))
+        self._class_blocks[cls] += len(todo)
+        self.metrics.bytes_in.labels("G2").inc(sum(m.size for m in metas))
+        return PutResult(len(todo), len(keys) - len(todo), nbytes)
+
+    async def _into_g2(self, blocks: list[tuple[BlockMeta, memoryview]]) -> None:
+        """Copy blocks into G2 and index them there, as one step (see module doc)."""
+        g2 = self.g2
+        assert g2 is not None
+
+        def copy_in() -> tuple[list[BlockMeta], list[BlockMeta]]:
+            stored, evicted = [], []
+            for meta, payload in blocks:
+                out = g2.put(meta.key, payload, meta)
+                if out.stored and not out.existed:
+                    stored.append(meta)
+                evicted.extend(out.evicted)
+            return stored, evicted
+
+        async with self._g2_lock:
+            stored, evicted = await asyncio.to_thread(copy_in)
+            gone = {m.key for m in evicted}
+            await self.index.add([IndexRecord(m.key, m.size, m.traffic_class)
+                                  for m in stored if m.key not in gone], tier="G2")
+            if gone:
+                await self.index.remove(list(gone), tier="G2")
+        await self._demote()
+
+    def _on_g2_evict(self, meta: BlockMeta, payload: memoryview) -> None:
+        # Runs in the worker thread that caused the eviction; deque appends are atomic.
+        self._demoted.append((meta, payload))
+
+    async def _demote(self) -> None:
+        g3 = self.tiers.get("G3")
+        while self._demoted:
+            meta, payload = self._demoted.popleft()
+            if g3 is None or meta.key in self._pending or g3.contains(meta.key):
+                continue
+            self.metrics.demotions.inc()
+            await self._enqueue(_WriteJob(meta.key, payload, meta, ("G3",)))
+
+    # -- asynchronous durable writes ---------------------------------------------------------
+    async def _enqueue(self, job: _WriteJob) -> None:
+        n = job.payload.nbytes
+        async with self._space:
+            # An oversized job still goes through alone rather than waiting forever.
+            limit = self.cfg.max_pending_bytes
+            await self._space.wait_for(
+                lambda: self._pending_bytes == 0 or self._pending_bytes + n <= limit)
+            self._pending_bytes += n
+        self._pending[job.key] = self._pending.get(job.key, 0) + 1
+        self._queue.put_nowait(job)
+
+    async def _writer(self) -> None:
+        while True:
+            job = await self._queue.get()
+            try:
+                await self._write(job)
+            except Exception:  # one failed write must not stop the writer
+                log.exception("durable write of block %s failed", job.key.hex())
+            finally:
+                left = self._pending.get(job.key, 1) - 1
+                if left:
+                    self._pending[job.key] = left
+                else:
+                    self._pending.pop(job.key, None)
+                async with self._space:
+                    self._pending_bytes -= job.payload.nbytes
+                    self._space.notify_all()
+                self._queue.task_done()
+
+    async def _write(self, job: _WriteJob) -> None:
+        ev = self._sweeping.get(job.key)
+        if ev is not None:
+            await ev.wait()
+        for name in job.tiers:
+            tier = self.tiers.get(name)
+            if tier is None:
+                continue
+            out = await asyncio.to_thread(tier.put, job.key, job.payload, job.meta)
+            left = job.meta.expires_at - time.time()
+            if out.stored and left > 0:
+                await self.index.add([IndexRecord(job.key, job.meta.size, job.meta.traffic_class,
+                                                  ttl_s=math.ceil(left))], tier=name)
+                if not out.existed:
+                    self.metrics.bytes_in.labels(name).inc(job.meta.size)
+            if out.evicted:
+                await self.index.remove([m.key for m in out.evicted], tier=name)
+
+    # -- get ---------------------------------------------------------------------------------
+    async def get(self, keys: Sequence[bytes], *, ctx: RequestCtx,
+                  locate: bool = False) -> list[Fetched]:
+        """Blocks in request order; ``locate`` answers G2 hits with shared-memory
+        slots instead of copies (same-host callers)."""
+        cls = self.resolve_class(ctx)
+        for i, k in enumerate(keys):
+            if len(k) != 16:
+                raise InvalidRequest(f"key {i} is not a 16-byte block key")
+        fp = ctx.model_fingerprint
+        misses: dict[str, list[bytes]] = {name: [] for name in self.tiers}
+
+        def fetch() -> list[Fetched]:
+            out: list[Fetched] = []
+            for key in keys:
+                found: Fetched | None = None
+                for name, tier in self.tiers.items():
+                    if locate and isinstance(tier, HostTier):
+                        meta = tier.meta(key)
+                        slot = tier.locate(key) if meta is not None else None
+                        if slot is not None and meta is not None:
+                            found = Fetched(key, name, meta, None, slot)
+                            break
+                        misses[name].append(key)
+                        continue
+                    hit: TierHit | None = tier.get(key)
+                    if hit is None:
+                        misses[name].append(key)
+                        continue
+                    if fp and hit.meta.fingerprint and hit.meta.fingerprint != fp:
+                        misses[name].append(key)  # a key collision across models: never serve
+                        continue
+                    found = Fetched(key, name, hit.meta, hit.payload)
+                    break
+                out.append(found or Fetched(key, "", None, None))
+            return out
+
+        fetched = await asyncio.to_thread(fetch)
+        await self._after_get(fetched, misses, cls)
+        return fetched
+
+    async def _after_get(self, fetched: list[Fetched], misses: dict[str, list[bytes]],
+                         cls: str) -> None:
+        m = self.metrics
+        for f in fetched:
+            if f.tier:
+                m.hits.labels(f.tier, cls).inc()
+                m.bytes_out.labels(f.tier).inc(f.meta.size if f.meta else 0)
+                self._class_hits[cls] += 1
+            else:
+                self._class_misses[cls] += 1
+        for name, ks in misses.items():
+            if ks:
+                m.misses.labels(name, cls).inc(len(ks))
+        # Entries that promised a tier the block was not in (corrupt, deleted behind
+        # our back): clear those bits so the index stops pointing at nothing.
+        lost = [f.key for f in fetched if not f.tier]
+        for name in self.tiers:
+            stale = [k for k in misses[name] if name != "G2" or k in lost]
+            if stale:
+                await self.index.remove(stale, tier=name)
+        promote = [f for f in fetched
+                   if f.tier in ("G3", "G4") and f.meta is not None and f.payload is not None]
+        if promote and self.g2 is not None:
+            await self._into_g2([(f.meta, f.payload) for f in promote])  # type: ignore[misc]
+            for f in promote:
+                m.promotions.labels(f.tier).inc()
+        if "G3" in self.tiers:
+            for f in fetched:
+                if f.tier == "G4" and f.meta is not None and f.payload is not None:
+                    await self._enqueue(_WriteJob(f.key, f.payload, f.meta, ("G3",)))
+
+    # -- delete / stats / maintenance --------------------------------------------------------
+    async def delete(self, keys: Sequence[bytes], *, ctx: RequestCtx) -> DeleteResult:
+        self.resolve_class(ctx)
+
+        def drop() -> int:
+            n = 0
+            for key in keys:
+                hit = [tier.delete(key) for tier in self.tiers.values()]
+                n += any(hit)
+            return n
+
+        await self.index.delete(keys)
+        return DeleteResult(await asyncio.to_thread(drop))
+
+    def tier_snapshots(self) -> list[TierSnapshot]:
+        out = []
+        for name, tier in self.tiers.items():
+            s = tier.stats()
+            out.append(TierSnapshot(name, s.capacity_bytes, s.used_bytes, s.blocks, s.hits,
+                                    s.misses, s.evictions, s.checksum_failures))
+        return out
+
+    async def stats(self) -> StoreStats:
+        classes = [ClassSnapshot(c, ttl, self._class_hits[c], self._class_misses[c],
+                                 self._class_blocks[c])
+                   for c, ttl in sorted(self.classes.ttl_s.items())]
+        whatif_json = ""
+        if self.whatif is not None:
+            try:
+                whatif_json = self.whatif.to_json()
+            except Exception:  # stats must answer even if the estimator fails
+                log.exception("what-if estimator failed")
+        return StoreStats(self.node, self.tier_snapshots(), classes, whatif_json,
+                          shm_capable=self.g2 is not None, hostname=socket.gethostname())
+
+    async def sweep(self) -> maintenance.SweepReport:
+        return await maintenance.sweep(self)
+
+    async def reindex(self) -> maintenance.ReindexReport:
+        return await maintenance.reindex(self)
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.sweep_interval_s)
+            try:
+                report = await self.sweep()
+                if report.deleted or report.restored:
+                    log.info("sweep: %s", report)
+            except Exception:  # keep sweeping after a transient failure
+                log.exception("sweep failed")
+
+    # -- used by maintenance -----------------------------------------------------------------
+    def begin_sweeping(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Claim keys for deletion: returns those not being written. Runs on the
+        loop thread without awaiting, so the check and the claim are one step."""
+        claimed = [k for k in keys if k not in self._pending and k not in self._sweeping]
+        for k in claimed:
+            self._sweeping[k] = asyncio.Event()
+        return claimed
+
+    def end_sweeping(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            ev = self._sweeping.pop(k, None)
+            if ev is not None:
+                ev.set()
+
+
+__all__ = ["Fetched", "Warehouse", "WarehouseConfig"]

@@ -1,0 +1,67 @@
+"""The engine's own thread: every engine call of a service goes through it.
+
+The engine is not thread-safe and its calls are long (torch), so a service
+runs them one at a time on a single worker thread, in submission order, and
+the event loop stays free for gRPC. Because the order is FIFO, a cleanup
+submitted after a call (``free`` after ``adopt``) always runs after it, even
+when the awaiting request was cancelled in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class EngineThread:
+    def __init__(self, name: str = "engine") -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        # Written by one thread each (submit: the loop; done: the worker), so no lock.
+        self._submitted = 0
+        self._completed = 0
+        self.busy_s = 0.0            # time spent running jobs: the load figure's numerator
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet finished (the running one included)."""
+        return self._submitted - self._completed
+
+    async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run ``fn`` on the engine thread. If the caller is cancelled the job
+        still completes (the engine's state stays consistent)."""
+        fut = self.submit(fn, *args, **kwargs)
+        return await asyncio.shield(asyncio.wrap_future(fut))
+
+    def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        """Queue ``fn`` without waiting; errors are logged when nobody awaits them."""
+        self._submitted += 1
+        job = functools.partial(self._timed, fn, *args, **kwargs)
+        fut = self._pool.submit(job)
+        fut.add_done_callback(self._log_unawaited)
+        return fut
+
+    def _timed(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+            self._completed += 1
+
+    @staticmethod
+    def _log_unawaited(fut: Future[object]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.debug("engine job failed: %r", fut.exception())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

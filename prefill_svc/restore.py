@@ -1,0 +1,108 @@
+"""Finding and fetching a prompt's stored blocks: warehouse lookup, hit rule,
+cost-aware choice, fetch. Used by prefill, and by decode when it must rebuild
+a request's KV from the warehouse.
+
+The result is always safe to hand to ``Engine.prefill``: a prefix of whole
+blocks right after the engine's own G1 hit, never more than the hit rule
+allows; a block that is missing or fails its checksum cuts the prefix there
+(the rest is recomputed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import HitRule
+from kvstore.types import RequestCtx
+from prefill_svc.cost import CostModel, FetchPlan, tier_counts
+from prefill_svc.store_link import StoreLink
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    blocks: torch.Tensor | None     # [n, layers, 2, kv_heads, block_tokens, head_dim], host
+    start_block: int                # blocks[0] is this block of the prompt (= the G1 hit)
+    stored_blocks: int | None       # leading blocks the warehouse holds; None: it did not answer
+    usable_tokens: int              # the hit rule's cap on G1 + restored tokens
+    plan: FetchPlan | None
+    lookup_s: float
+    fetch_s: float
+    short_blocks: int               # planned but missing / corrupt at fetch time
+
+    @property
+    def n_blocks(self) -> int:
+        return 0 if self.blocks is None else int(self.blocks.shape[0])
+
+    @property
+    def degraded(self) -> bool:
+        return self.stored_blocks is None
+
+    @property
+    def decision(self) -> str:
+        if self.degraded:
+            return "warehouse unavailable: recompute"
+        if self.plan is None:
+            return "none"
+        if self.short_blocks:
+            return f"{self.plan.decision} ({self.short_blocks} blocks missing at fetch)"
+        return self.plan.decision
+
+
+def blocks_tensor(payloads: Sequence[memoryview | bytes], layout: object, *,
+                  pin: bool = False) -> torch.Tensor:
+    """Stack block payloads into one ``[n, *block_shape]`` tensor (one copy each)."""
+    shape = layout.block_shape  # type: ignore[attr-defined]
+    nbytes = layout.block_nbytes  # type: ignore[attr-defined]
+    out = torch.empty((len(payloads), *shape), dtype=layout.torch_dtype,  # type: ignore[attr-defined]
+                      pin_memory=pin)
+    raw = out.view(-1).view(torch.uint8).view(len(payloads), nbytes)
+    for i, p in enumerate(payloads):
+        if len(p) != nbytes:
+            raise ValueError(f"block payload {i} has {len(p)} bytes, layout needs {nbytes}")
+        raw[i].copy_(torch.frombuffer(p, dtype=torch.uint8))
+    return out
+
+
+class Restorer:
+    def __init__(self, store: StoreLink, cost: CostModel, hit_rule: HitRule, layout: object,
+                 *, pin: bool = False) -> None:
+        self._store = store
+        self._cost = cost
+        self._hit_rule = hit_rule
+        self._layout = layout
+        self._pin = pin
+
+    async def restore(self, keys: Sequence[bytes], *, prompt_tokens: int, g1_blocks: int,
+                      ctx: RequestCtx) -> Restore:
+        B = self._hit_rule.block_tokens
+        t0 = time.perf_counter()
+        lookup = await self._store.lookup(keys, prompt_tokens=prompt_tokens, ctx=ctx)
+        lookup_s = time.perf_counter() - t0
+        stored = None if lookup is None else lookup.matched_blocks
+        matched = max(g1_blocks, stored or 0)
+        usable = self._hit_rule.usable_tokens(matched * B, prompt_tokens)
+        if lookup is None:
+            # No warehouse configured: nothing stored. Configured but down: degraded.
+            stored_none = 0 if not self._store.enabled else None
+            return Restore(None, g1_blocks, stored_none, usable, None, lookup_s, 0.0, 0)
+        plan = self._cost.plan(lookup.block_tiers, g1_blocks, usable // B)
+        if plan.fetch_blocks == 0:
+            return Restore(None, g1_blocks, stored, usable, plan, lookup_s, 0.0, 0)
+        want = keys[g1_blocks:g1_blocks + plan.fetch_blocks]
+        t1 = time.perf_counter()
+        got = await self._store.get(want, ctx=ctx)
+        fetch_s = time.perf_counter() - t1
+        if got is None:
+            return Restore(None, g1_blocks, None, usable, plan, lookup_s, fetch_s, len(want))
+        n = got.hit_prefix
+        payloads = [p for p in got.payloads[:n] if p is not None]
+        blocks = blocks_tensor(payloads, self._layout, pin=self._pin) if n else None
+        fetched_tiers = plan.tier_blocks if n == len(want) else tier_counts(
+            lookup.block_tiers[g1_blocks:g1_blocks + n])
+        self._cost.observe_fetch(fetched_tiers, n * self._layout.block_nbytes, fetch_s)  # type: ignore[attr-defined]
+        return Restore(blocks, g1_blocks, stored, usable, plan, lookup_s, fetch_s, len(want) - n)
+

@@ -1,0 +1,250 @@
+"""The gRPC Prefill service (grpc.aio).
+
+Prefill: tokenize, chain keys (tenant + engine fingerprint), G1 match,
+warehouse lookup, hit rule, cost-aware fetch, ``Engine.prefill`` of the rest,
+then in one engine-thread job the prompt's KV is copied to the host buffer,
+the new full blocks are exported for write-through, and the sequence is freed
+(its blocks stay in G1 under their keys). The reply goes out while the block
+writer puts those blocks into the warehouse.
+
+PullKV / Release serve that host buffer to decode. Errors become status
+codes only in prefill_svc.errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from kvstore.keys import chain_keys
+from kvstore.registry import LoadReport
+from kvstore.types import PutResult
+from prefill_svc.config import PrefillConfig
+from prefill_svc.cost import CostModel
+from prefill_svc.engine_thread import EngineThread
+from prefill_svc.errors import grpc_stream, grpc_unary, status_for
+from prefill_svc.kv_buffer import KVBuffer
+from prefill_svc.metrics import Source
+from prefill_svc.request import ModelIdentity, ctx_to_proto, prefill_input
+from prefill_svc.restore import Restore, Restorer
+from prefill_svc.store_link import StoreLink
+from prefill_svc.writer import BlockWriter, WriteJob
+from proto import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+
+
+@dataclass(slots=True)
+class PrefillStats:
+    requests_total: dict[str, int] = field(default_factory=dict)    # "ok" / status name
+    degraded_requests_total: int = 0        # answered without the warehouse (it was down)
+    cached_tokens_total: int = 0
+    computed_tokens_total: int = 0
+    fetch_decisions_total: dict[str, int] = field(default_factory=dict)
+    fetch_short_blocks_total: int = 0
+    pulls_total: dict[str, int] = field(default_factory=dict)       # "shm" / "stream"
+    prefill_tokens_per_s: float = 0.0
+    in_flight_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Computed:
+    result: Any                     # engine.PrefillResult
+    kv: torch.Tensor                # [layers, 2, kv_heads, L, head_dim] on the host
+    new_blocks: torch.Tensor | None  # [n, layers, 2, kv_heads, B, head_dim], blocks write_from..
+    queue_s: float
+
+
+class PrefillService(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, cfg: PrefillConfig, engine: Any, *, address: str) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.address = address
+        self.block_tokens = engine.layout.block_tokens
+        mc = engine.model_config
+        self.model = ModelIdentity(
+            name=cfg.engine.model, fingerprint_hex=engine.fingerprint_hex,
+            layout=engine.layout.name, vocab_size=mc.vocab_size,
+            max_prompt_tokens=min(cfg.max_prompt_tokens or mc.max_position, mc.max_position - 1))
+        self.thread = EngineThread("prefill-engine")
+        self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s)
+        self.cost = CostModel(cfg.cost, block_nbytes=engine.layout.block_nbytes,
+                              block_tokens=self.block_tokens)
+        self.restorer = Restorer(self.store, self.cost, engine.hit_rule, engine.layout)
+        self.writer = BlockWriter(self._put, retries=cfg.writer.retries,
+                                  backoff_s=cfg.writer.backoff_s, max_queue=cfg.writer.max_queue)
+        self.buffer = KVBuffer(ttl_s=cfg.buffer_ttl_s, max_bytes=cfg.buffer_max_bytes,
+                               chunk_bytes=cfg.chunk_bytes, shm_dir=cfg.shm_dir)
+        self.stats = PrefillStats()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._busy_mark = (time.monotonic(), 0.0)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.cfg.warmup_tokens:
+            await self.thread.call(self._warmup, self.cfg.warmup_tokens)
+        self.writer.start()
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="kv-sweeper")
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.writer.close(drain_s=self.cfg.endpoint.drain_grace_s)
+        await self.store.close()
+        self.buffer.close()
+        self.thread.close()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.buffer.sweep()
+
+    def _warmup(self, n: int) -> None:
+        """One cold prefill at start: warms the kernels and measures this
+        instance's prefill speed for the cost rule."""
+        from engine import SamplingParams
+
+        n = min(n, self.model.max_prompt_tokens)
+        tokens = [i % min(self.model.vocab_size, 200) + 1 for i in range(n)]
+        self.engine.prefill("__warmup__", tokens, sampling=SamplingParams(max_tokens=1))
+        self.engine.free("__warmup__")
+        res = self.engine.prefill("__warmup__", tokens, sampling=SamplingParams(max_tokens=1))
+        self.engine.free("__warmup__")
+        self.cost.observe_prefill(res.computed_tokens, res.compute_s, calibrate=True)
+        self.stats.prefill_tokens_per_s = self.cost.snapshot().prefill_tokens_per_s
+
+    def load_report(self) -> LoadReport:
+        now, busy = time.monotonic(), self.thread.busy_s
+        t0, b0 = self._busy_mark
+        self._busy_mark = (now, busy)
+        load = min(1.0, (busy - b0) / (now - t0)) if now > t0 else 0.0
+        return LoadReport(load=load, queue=max(0, self.thread.pending - 1),
+                          tokens_in_flight=self.stats.in_flight_tokens,
+                          capacity=float(self.cfg.engine.num_blocks))
+
+    def metric_sources(self) -> dict[str, Source]:
+        return {"prefill": lambda: self.stats, "writer": lambda: self.writer.stats,
+                "store": lambda: self.store.stats, "buffer": self.buffer.stats}
+
+    # -- RPCs ----------------------------------------------------------------
+
+    @grpc_unary
+    async def Prefill(self, request: prefill_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_pb2.KVHandle:
+        try:
+            handle = await self._prefill(request)
+        except Exception as exc:
+            name = status_for(exc).code.name
+            self.stats.requests_total[name] = self.stats.requests_total.get(name, 0) + 1
+            raise
+        self.stats.requests_total["ok"] = self.stats.requests_total.get("ok", 0) + 1
+        return handle
+
+    async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.KVHandle:
+        t0 = time.perf_counter()
+        inp = prefill_input(request, self.model, self.engine.tokenizer,
+                            classes=self.cfg.classes, default_tenant=self.cfg.default_tenant)
+        tokens, ctx, L = inp.tokens, inp.ctx, len(inp.tokens)
+        keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
+                          fingerprint=self.engine.fingerprint)
+        self.stats.in_flight_tokens += L
+        try:
+            g1 = (await self.thread.call(self.engine.g1_match, keys)
+                  if self.cfg.local_prefix_cache else 0)
+            restore = await self.restorer.restore(keys, prompt_tokens=L, g1_blocks=g1, ctx=ctx)
+            write_from = restore.stored_blocks or 0
+            computed = await self.thread.call(self._compute, ctx.request_id, tokens, inp.sampling,
+                                              keys, restore, write_from, time.perf_counter())
+        finally:
+            self.stats.in_flight_tokens -= L
+        res = computed.result
+        entry = self.buffer.put(ctx.request_id, computed.kv)
+        written: list[str] = []
+        if computed.new_blocks is not None and self.store.enabled and self.cfg.writer.enabled:
+            n_full = L // self.block_tokens
+            if self.writer.submit(keys[write_from:n_full], computed.new_blocks,
+                                  layout=self.engine.layout.name,
+                                  token_count=self.block_tokens, ctx=ctx):
+                written.append("warehouse")
+        self._count(restore, res)
+        total_s = time.perf_counter() - t0
+        return prefill_pb2.KVHandle(
+            ctx=ctx_to_proto(ctx), prefill_address=self.address, prompt_ids=tokens,
+            block_keys=keys, first_token=res.first_token,
+            cached_tokens=res.restored_tokens + res.g1_tokens, expires_at=entry.expires_at,
+            layout=self.engine.layout.name,
+            timings=common_pb2.Timings(queue_s=computed.queue_s, lookup_s=restore.lookup_s,
+                                       fetch_s=restore.fetch_s, compute_s=res.compute_s,
+                                       total_s=total_s),
+            written_tiers=written, fetch_decision=restore.decision)
+
+    def _compute(self, seq_id: str, tokens: list[int], sampling: Any, keys: Sequence[bytes],
+                 restore: Restore, write_from: int, t_submit: float) -> _Computed:
+        """Engine thread: prefill, copy the prompt's KV out, free the sequence."""
+        queue_s = time.perf_counter() - t_submit
+        eng = self.engine
+        g1_keys = keys if self.cfg.local_prefix_cache else None
+        # restored_start_block pins where the fetched blocks go: if another
+        # request evicted part of the G1 hit meanwhile, the engine recomputes.
+        res = eng.prefill(seq_id, tokens, sampling=sampling, block_keys=g1_keys,
+                          restored=restore.blocks, max_restore_tokens=restore.usable_tokens,
+                          restored_start_block=restore.start_block)
+        try:
+            kv = eng.export_tokens(seq_id, 0, len(tokens))
+            n_full = len(tokens) // self.block_tokens
+            new = (eng.export_blocks(seq_id, write_from, n_full - write_from)
+                   if n_full > write_from else None)
+        finally:
+            eng.free(seq_id, keep_keys=g1_keys)
+        return _Computed(res, kv, new, queue_s)
+
+    def _count(self, restore: Restore, res: Any) -> None:
+        s = self.stats
+        if restore.degraded:
+            s.degraded_requests_total += 1
+        kind = ("unavailable" if restore.degraded
+                else restore.plan.kind if restore.plan else "none")
+        s.fetch_decisions_total[kind] = s.fetch_decisions_total.get(kind, 0) + 1
+        s.fetch_short_blocks_total += restore.short_blocks
+        s.cached_tokens_total += res.restored_tokens + res.g1_tokens
+        s.computed_tokens_total += res.computed_tokens
+        self.cost.observe_prefill(res.computed_tokens, res.compute_s)
+        s.prefill_tokens_per_s = self.cost.snapshot().prefill_tokens_per_s
+
+    async def _put(self, job: WriteJob) -> PutResult:
+        return await self.store.put(job.keys, job.blocks, layout=job.layout,
+                                    token_count=job.token_count, ctx=job.ctx)
+
+    @grpc_stream
+    async def PullKV(self, request: prefill_pb2.PullKVRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KVChunk]:
+        entry = self.buffer.get(request.request_id)
+        if request.use_shm and self.buffer.shm_capable:
+            self.stats.pulls_total["shm"] = self.stats.pulls_total.get("shm", 0) + 1
+            p = self.buffer.shm_piece(entry)
+            yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,
+                                      shm_name=p.shm_name, shm_offset=p.shm_offset, size=p.size)
+            return
+        self.stats.pulls_total["stream"] = self.stats.pulls_total.get("stream", 0) + 1
+        for p in self.buffer.pieces(entry):
+            yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,
+                                      data=p.data, size=len(p.data))
+
+    @grpc_unary
+    async def Release(self, request: prefill_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_pb2.ReleaseResponse:
+        return prefill_pb2.ReleaseResponse(released=self.buffer.release(request.request_id))
+

@@ -1,0 +1,311 @@
+"""The OpenAI-compatible HTTP front (aiohttp).
+
+Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE),
+GET /v1/models, GET /health, GET /metrics. Each handler only translates:
+headers -> ``Caller`` (auth.py), body -> typed request (openai_schema.py),
+``GenEvent``s -> OpenAI bodies (openai_responses.py). One middleware turns
+every exception into an OpenAI error body via ``errors.http_error``.
+
+Streaming waits for the first generated event before sending the 200 and the
+SSE headers, so everything that can fail before the first token (no live
+instance, a retry that ran out, a prompt longer than the context) is a real
+HTTP status; only a failure after that point is reported in-stream, as an
+``error`` data event followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiohttp import web
+
+from kvserve.config import TrafficClasses
+from router.auth import ApiKeys, Caller, identify
+from router.errors import (
+    InvalidRequestError,
+    MethodNotAllowedError,
+    PayloadTooLargeError,
+    RouteNotFoundError,
+    RouterError,
+    http_error,
+)
+from router.generation import GenEvent, RouteRequest, Usage
+from router.metrics import RouterMetrics
+from router.openai_responses import (
+    SSE_DONE,
+    ChatShapes,
+    CompletionShapes,
+    ResponseIds,
+    Shapes,
+    models_body,
+    sse,
+)
+from router.openai_schema import parse_chat_request, parse_completion_request
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+# Where the request ran: useful to operators and to tests that kill an instance.
+PREFILL_HEADER = "X-KV-Prefill-Instance"
+DECODE_HEADER = "X-KV-Decode-Instance"
+
+
+class Generator(Protocol):
+    """What the front needs from the request flow (router.core.RouterCore)."""
+
+    def generate(self, req: RouteRequest) -> AsyncGenerator[GenEvent, None]: ...
+
+    def live_counts(self) -> dict[str, int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FrontConfig:
+    model_name: str
+    max_context: int
+    vocab_size: int
+    classes: TrafficClasses = field(default_factory=TrafficClasses)
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    max_body_bytes: int = 16 * 2**20
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("FrontConfig.model_name must not be empty")
+        if self.max_context < 2 or self.vocab_size < 1:
+            raise ValueError("FrontConfig.max_context must be >= 2 and vocab_size >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError("FrontConfig.max_body_bytes must be >= 1024")
+
+
+_APP_KEY = web.AppKey("kvserve_front", object)
+_ENDPOINT_KEY = "kvserve_endpoint"
+
+
+@dataclass(slots=True)
+class Front:
+    cfg: FrontConfig
+    core: Generator
+    metrics: RouterMetrics
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def _caller(self, request: web.Request) -> Caller:
+        return identify(request.headers, self.cfg.api_keys, self.cfg.classes)
+
+    @staticmethod
+    async def _json_body(request: web.Request) -> object:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise PayloadTooLargeError(f"request body too large: {exc.text}", param="body",
+                                       code="request_too_large") from exc
+        if not raw.strip():
+            raise InvalidRequestError("the request body is empty; send a JSON object",
+                                      param="body")
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidRequestError(f"the request body is not valid JSON: {exc}",
+                                      param="body", code="invalid_json") from exc
+
+    @staticmethod
+    def _request_id(request: web.Request) -> str:
+        given = request.headers.get(REQUEST_ID_HEADER, "")
+        return given[:128] if given.isprintable() and given else uuid.uuid4().hex
+
+    # -- handlers ----------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        caller = self._caller(request)
+        parsed = parse_chat_request(await self._json_body(request),
+                                    served_model=self.cfg.model_name,
+                                    max_context=self.cfg.max_context)
+        route = RouteRequest(request_id=self._request_id(request), tenant=caller.tenant,
+                             traffic_class=caller.traffic_class, sampling=parsed.sampling,
+                             messages=parsed.messages)
+        shapes = ChatShapes(ResponseIds(self.cfg.model_name, chat=True),
+                            include_usage=parsed.stream.include_usage)
+        return await self._respond(request, route, shapes, stream=parsed.stream.enabled)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        caller = self._caller(request)
+        parsed = parse_completion_request(await self._json_body(request),
+                                          served_model=self.cfg.model_name,
+                                          max_context=self.cfg.max_context,
+                                          vocab_size=self.cfg.vocab_size)
+        prompt, token_ids = ((parsed.prompt, ()) if isinstance(parsed.prompt, str)
+                             else ("", parsed.prompt))
+        route = RouteRequest(request_id=self._request_id(request), tenant=caller.tenant,
+                             traffic_class=caller.traffic_class, sampling=parsed.sampling,
+                             prompt=prompt, token_ids=token_ids)
+        shapes = CompletionShapes(ResponseIds(self.cfg.model_name, chat=False),
+                                  include_usage=parsed.stream.include_usage)
+        return await self._respond(request, route, shapes, stream=parsed.stream.enabled)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._caller(request)
+        return web.json_response(models_body(self.cfg.model_name, self.cfg.created))
+
+    async def health(self, request: web.Request) -> web.Response:
+        counts = self.core.live_counts()
+        ready = counts.get("prefill", 0) > 0 and counts.get("decode", 0) > 0
+        return web.json_response({"status": "ok" if ready else "no_instances",
+                                  "model": self.cfg.model_name, "instances": counts},
+                                 status=200 if ready else 503)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        for role, n in self.core.live_counts().items():
+            self.metrics.instances.labels(role=role).set(n)
+        body, content_type = self.metrics.exposition()
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
+        return resp
+
+    # -- generation ----------------------------------------------------------------
+
+    async def _respond(self, request: web.Request, route: RouteRequest, shapes: Shapes, *,
+                       stream: bool) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        events = self.core.generate(route)
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            raise RouterError("the generation ended without any event") from None
+        self.metrics.ttft_seconds.observe(time.perf_counter() - t0)
+        if not stream:
+            return await self._whole(route, events, first, shapes)
+        return await self._stream(request, route, events, first, shapes)
+
+    async def _whole(self, route: RouteRequest, events: AsyncGenerator[GenEvent, None],
+                     first: GenEvent, shapes: Shapes) -> web.Response:
+        parts = [first.text]
+        last = first
+        async for ev in events:
+            parts.append(ev.text)
+            last = ev
+        usage = self._finish(last)
+        body = shapes.whole("".join(parts), last.finish_reason or "stop", usage)
+        return web.json_response(body, headers=self._headers(route, first))
+
+    async def _stream(self, request: web.Request, route: RouteRequest,
+                      events: AsyncGenerator[GenEvent, None], first: GenEvent,
+                      shapes: Shapes) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache",
+                                           **self._headers(route, first)})
+        await resp.prepare(request)
+        try:
+            if first.text and not first.finished:
+                await resp.write(sse(shapes.chunk(first.text)))
+            last = first
+            if not first.finished:
+                async for ev in events:
+                    last = ev
+                    if ev.text and not ev.finished:
+                        await resp.write(sse(shapes.chunk(ev.text)))
+                    if ev.finished:
+                        break
+            if not last.finished:
+                raise RouterError("the generation stream ended before it finished")
+            await resp.write(sse(shapes.chunk(last.text, last.finish_reason or "stop")))
+            usage = self._finish(last)
+            if shapes.include_usage:
+                await resp.write(sse(shapes.usage_chunk(usage)))
+        except ConnectionError:
+            # The client went away: stop generating (closing the iterator in `finally`
+            # cancels the decode stream) and answer nobody.
+            log.info("client of %s disconnected mid-stream", route.request_id)
+            return resp
+        except Exception as exc:  # headers are sent: report in-stream
+            err = http_error(exc)
+            log.warning("request %s failed mid-stream: %s", route.request_id,
+                        err.body["error"]["message"])
+            self.metrics.stream_errors.inc()
+            await resp.write(sse(err.body))
+        finally:
+            await events.aclose()
+        with contextlib.suppress(ConnectionError):
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
+        return resp
+
+    @staticmethod
+    def _headers(route: RouteRequest, first: GenEvent) -> dict[str, str]:
+        return {REQUEST_ID_HEADER: route.request_id, PREFILL_HEADER: first.prefill_instance,
+                DECODE_HEADER: first.decode_instance}
+
+    def _finish(self, last: GenEvent) -> Usage:
+        if not last.finished or last.usage is None:
+            raise RouterError("the generation stream ended without its usage")
+        usage = last.usage
+        self.metrics.tokens.labels(kind="prompt").inc(usage.prompt_tokens)
+        self.metrics.tokens.labels(kind="cached").inc(usage.cached_tokens)
+        self.metrics.tokens.labels(kind="completion").inc(usage.completion_tokens)
+        return usage
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# aiohttp's own HTTP exceptions (unknown path, wrong method, body too large) as ours.
+_HTTP_EXC: dict[int, Callable[[web.Request], RouterError]] = {
+    404: lambda r: RouteNotFoundError(f"no route {r.method} {r.path}"),
+    405: lambda r: MethodNotAllowedError(f"method {r.method} not allowed on {r.path}"),
+    413: lambda r: PayloadTooLargeError("request body too large", param="body",
+                                        code="request_too_large"),
+}
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    front: Front = request.app[_APP_KEY]  # type: ignore[assignment]
+    t0 = time.perf_counter()
+    front.metrics.begin_request()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except web.HTTPException as exc:
+        make = _HTTP_EXC.get(exc.status)
+        if make is None:
+            if exc.status < 400:
+                raise
+            err = http_error(RouterError(exc.reason))
+            err.body["error"]["type"] = "invalid_request_error"
+            status = exc.status
+        else:
+            err = http_error(make(request))
+            status = err.status
+        return web.json_response(err.body, status=status)
+    except Exception as exc:  # every failure becomes an OpenAI error body
+        err = http_error(exc)
+        status = err.status
+        if status >= 500:
+            log.error("request %s %s failed: %s", request.method, request.path,
+                      err.body["error"]["message"], exc_info=not isinstance(exc, RouterError))
+        return web.json_response(err.body, status=status)
+    finally:
+        front.metrics.end_request()
+        endpoint = request.match_info.route.resource.canonical if (
+            request.match_info.route.resource is not None) else "unmatched"
+        front.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        front.metrics.request_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
+
+
+def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics) -> web.Application:
+    front = Front(cfg, core, metrics)
+    app = web.Application(middlewares=[_error_middleware], client_max_size=cfg.max_body_bytes)
+    app[_APP_KEY] = front
+    app.router.add_post("/v1/chat/completions", front.chat)
+    app.router.add_post("/v1/completions", front.completions)
+    app.router.add_get("/v1/models", front.models)
+    app.router.add_get("/health", front.health)
+    app.router.add_get("/metrics", front.metrics_handler)
+    return app

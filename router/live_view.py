@@ -1,0 +1,230 @@
+"""The router's live picture of the cluster, kept current from Redis.
+
+Two background tasks feed it:
+
+* the instance registry, polled every ``poll_s``: instances whose heartbeat
+  hash expired are gone from the listing, so a killed instance leaves the
+  view within ``instance_ttl_s + poll_s``. An instance the router itself saw
+  fail is quarantined at once (until it stops heartbeating, or for
+  ``instance_ttl_s`` if it keeps heartbeating: it may have recovered);
+* the KV event stream (``kvserve:events``), applied to the prefix view so
+  affinity reflects blocks stored and evicted since the last lookup.
+
+The state lives in the router-core library's ``ClusterView``/``PrefixView``
+and choosing is its ``Placer`` (router.placement): this module only keeps
+them current and turns a ``Decision`` into the ``Choice`` the flow records.
+The event reader starts from the oldest retained entry, so a restarted router
+rebuilds which location holds which prefix from the stream's history
+(stored and evicted events replayed in order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvserve.config import ConfigError, HitRule
+from kvstore.events import EventReader, KVEvent
+from kvstore.registry import InstanceInfo, InstanceRegistry
+from router.errors import NoInstanceError
+from router.metrics import RouterMetrics
+from router.placement import Decision, NoCandidateError, Placer, make_router_policy
+from router.view import CandidateSet, ClusterView, PrefixView, ViewError
+
+log = logging.getLogger(__name__)
+
+ENGINE_ROLES = ("prefill", "decode")
+_TRACKED_ROLES = frozenset({"prefill", "decode", "kvstore"})
+OnChange = Callable[[Sequence[str]], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class ViewConfig:
+    policy: str = "cache_aware"
+    hit_rule: HitRule = field(default_factory=HitRule)
+    heartbeat_s: float = 1.0
+    instance_ttl_s: float = 5.0
+    poll_s: float = 0.5
+    events_block_ms: int = 500
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_s <= 0 or self.instance_ttl_s <= self.heartbeat_s:
+            raise ConfigError("router instance_ttl_s must exceed heartbeat_s > 0")
+        if not 0 < self.poll_s <= self.instance_ttl_s:
+            raise ConfigError("router poll_s must be in (0, instance_ttl_s]")
+        if self.events_block_ms < 1:
+            raise ConfigError("router events_block_ms must be >= 1")
+        try:
+            make_router_policy(self.policy)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One placement decision, with what the log and /metrics show about it."""
+
+    instance: InstanceInfo
+    score: float
+    reason: str
+    policy: str
+    detail: str = ""
+
+
+class LiveView:
+    def __init__(self, redis_url: str, cfg: ViewConfig, metrics: RouterMetrics) -> None:
+        self.redis_url = redis_url
+        self.cfg = cfg
+        self.metrics = metrics
+        self.cluster = ClusterView(expiry_s=cfg.instance_ttl_s)
+        self.prefixes = PrefixView()
+        self.placer = Placer(make_router_policy(cfg.policy), self.prefixes,
+                             hit_rule=cfg.hit_rule)
+        self._quarantine: dict[str, float] = {}      # id -> until (monotonic)
+        self._nodes_with_store: set[str] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._listeners: list[OnChange] = []
+        self._registry: InstanceRegistry | None = None
+        self._events: EventReader | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._registry = InstanceRegistry(self.redis_url, ttl_s=self.cfg.instance_ttl_s)
+        self._events = EventReader(self.redis_url, start_id="0")
+        await self.refresh()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._poll_registry(), name="view-registry"),
+                       loop.create_task(self._follow_events(), name="view-events")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        if self._events is not None:
+            await self._events.close()
+        if self._registry is not None:
+            await self._registry.close()
+
+    def on_change(self, listener: OnChange) -> None:
+        """Called with the live addresses whenever the instance set changes."""
+        self._listeners.append(listener)
+
+    # -- registry -----------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        assert self._registry is not None
+        listed = [i for i in await self._registry.list_instances() if i.role in _TRACKED_ROLES]
+        before = {i.instance_id for i in self.cluster.instances()}
+        self.cluster.replace(listed)
+        now_ids = {i.instance_id for i in listed}
+        # Quarantine ends when the instance stops heartbeating (it leaves the
+        # listing) or when it runs out while heartbeats continue (it recovered).
+        now = time.monotonic()
+        self._quarantine = {k: until for k, until in self._quarantine.items()
+                            if k in now_ids and until > now}
+        for gone in before - now_ids:
+            self.prefixes.drop_location(gone)             # its G1 blocks went with it
+        stores = {i.node for i in listed if i.role == "kvstore"}
+        for node in self._nodes_with_store - stores:
+            self.prefixes.drop_location(node)             # its G2/G3 blocks are unreachable
+        self._nodes_with_store = stores
+        for role in ENGINE_ROLES:
+            self.metrics.instances.labels(role=role).set(len(self._candidates(role, set())))
+        if before != now_ids:
+            log.info("live instances: %s", sorted(now_ids))
+            addresses = [i.address for i in listed if i.role in ENGINE_ROLES]
+            for listener in self._listeners:
+                await listener(addresses)
+
+    async def _poll_registry(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.poll_s)
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis hiccup: keep the last view, retry next poll
+                log.warning("registry poll failed: %s", exc)
+
+    def _candidates(self, role: str, exclude: set[str]) -> CandidateSet:
+        # The cluster view rebuilds its candidate arrays at each registry poll,
+        # leaving out instances whose last heartbeat is older than the expiry;
+        # between polls a decision reuses them (the placer caches by identity).
+        return self.cluster.candidates(role, exclude=exclude | self._quarantine.keys())
+
+    def live_counts(self) -> dict[str, int]:
+        return {role: len(self._candidates(role, set())) for role in ENGINE_ROLES}
+
+    def mark_failed(self, instance_id: str) -> None:
+        self._quarantine[instance_id] = time.monotonic() + self.cfg.instance_ttl_s
+
+    def fingerprint(self) -> str:
+        """The model fingerprint the prefill instances serve (block keys depend on it)."""
+        prints = {i.model_fingerprint for i in self._candidates("prefill", set()).infos
+                  if i.model_fingerprint}
+        if not prints:
+            raise NoInstanceError("no live prefill instance is registered")
+        if len(prints) > 1:
+            # Mixed models behind one router would split the cache and the answers.
+            raise NoInstanceError(f"prefill instances disagree on the model fingerprint: "
+                                  f"{sorted(prints)}")
+        return prints.pop()
+
+    # -- KV events ---------------------------------------------------------------------
+
+    async def _follow_events(self) -> None:
+        assert self._events is not None
+        while True:
+            try:
+                for ev in await self._events.read(block_ms=self.cfg.events_block_ms):
+                    self._apply(ev)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("KV event stream read failed: %s", exc)
+                await asyncio.sleep(self.cfg.poll_s)
+
+    def _apply(self, ev: KVEvent) -> None:
+        try:
+            self.prefixes.apply(ev)
+        except ViewError as exc:
+            log.warning("skipping KV event %s: %s", ev.id, exc)
+            return
+        self.metrics.kv_events.labels(kind=ev.kind).inc()
+
+    # -- placement ---------------------------------------------------------------------
+
+    def choose_prefill(self, keys: Sequence[bytes], prompt_tokens: int, *,
+                       exclude: set[str]) -> Choice:
+        cands = self._candidates("prefill", exclude)
+        try:
+            decision = self.placer.place_prefill(cands, keys, prompt_tokens)
+        except NoCandidateError:
+            raise self._none("prefill", exclude) from None
+        self.cluster.add_pending(decision.instance_id, prompt_tokens)
+        return self._choice(cands, decision)
+
+    def choose_decode(self, prompt_tokens: int, *, exclude: set[str]) -> Choice:
+        cands = self._candidates("decode", exclude)
+        try:
+            decision = self.placer.place_decode(cands, prompt_tokens)
+        except NoCandidateError:
+            raise self._none("decode", exclude) from None
+        self.cluster.add_pending(decision.instance_id, prompt_tokens)
+        return self._choice(cands, decision)
+
+    @staticmethod
+    def _choice(cands: CandidateSet, d: Decision) -> Choice:
+        return Choice(cands.infos[d.index], d.score, d.reason, d.policy, d.detail)
+
+    def _none(self, role: str, exclude: set[str]) -> NoInstanceError:
+        why = f" (abandoned after failures: {sorted(exclude)})" if exclude else ""
+        return NoInstanceError(f"no live {role} instance available{why}")

@@ -1,0 +1,92 @@
+"""Prometheus metrics of one router process, on a registry of its own.
+
+A private ``CollectorRegistry`` per ``RouterMetrics`` keeps several routers
+in one process (tests) from colliding on the global registry. Placement
+decisions are counted with the policy's reason and the chosen score observed,
+so /metrics shows why traffic went where it did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from kvserve.config import HitRule
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(slots=True)
+class RouterMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    requests: Counter = field(init=False)
+    stream_errors: Counter = field(init=False)
+    in_flight: Gauge = field(init=False)
+    request_seconds: Histogram = field(init=False)
+    ttft_seconds: Histogram = field(init=False)
+    tokens: Counter = field(init=False)
+    placements: Counter = field(init=False)
+    placement_score: Histogram = field(init=False)
+    retries: Counter = field(init=False)
+    instances: Gauge = field(init=False)
+    kv_events: Counter = field(init=False)
+    hit_rule: Gauge = field(init=False)
+    in_flight_now: int = 0
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("kvserve_router_requests", "Requests answered",
+                                ["endpoint", "status"], registry=r)
+        self.stream_errors = Counter("kvserve_router_stream_errors",
+                                     "Streams that failed after the first token", registry=r)
+        self.in_flight = Gauge("kvserve_router_in_flight", "Requests being served", registry=r)
+        self.request_seconds = Histogram("kvserve_router_request_seconds",
+                                         "Time from request to last byte", ["endpoint"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_seconds = Histogram("kvserve_router_ttft_seconds",
+                                      "Time from request to the first generated token",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("kvserve_router_tokens", "Tokens by kind (prompt, cached, "
+                              "completion)", ["kind"], registry=r)
+        self.placements = Counter("kvserve_router_placements",
+                                  "Placement decisions by role, policy, chosen instance and "
+                                  "reason", ["role", "policy", "instance", "reason"], registry=r)
+        self.placement_score = Histogram("kvserve_router_placement_score",
+                                         "Score of the chosen instance", ["role", "policy"],
+                                         buckets=(-1e6, -1e4, -100, -10, -1, 0, 1, 10, 100,
+                                                  1e4, 1e6), registry=r)
+        self.retries = Counter("kvserve_router_retries",
+                               "Instances abandoned before the first token, by role and reason",
+                               ["role", "reason"], registry=r)
+        self.instances = Gauge("kvserve_router_live_instances",
+                               "Instances in the live view by role", ["role"], registry=r)
+        self.kv_events = Counter("kvserve_router_kv_events", "KV events applied to the view",
+                                 ["kind"], registry=r)
+        self.hit_rule = Gauge("kvserve_router_hit_rule",
+                              "Hit-rule configuration (DESIGN §3)", ["field"], registry=r)
+
+    def begin_request(self) -> None:
+        self.in_flight_now += 1
+        self.in_flight.inc()
+
+    def end_request(self) -> None:
+        self.in_flight_now -= 1
+        self.in_flight.dec()
+
+    def set_hit_rule(self, rule: HitRule) -> None:
+        for name, value in (("block_tokens", rule.block_tokens), ("window", rule.window),
+                            ("backtrack", rule.backtrack), ("reserve", rule.reserve),
+                            ("replay_keep_tokens", rule.replay_keep_tokens)):
+            self.hit_rule.labels(field=name).set(value)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """Body and content type of GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

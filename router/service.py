@@ -1,0 +1,112 @@
+"""The gRPC ``Router`` service: the HTTP front's generate call for internal clients.
+
+Same flow (``RouterCore.generate``), same validation rules, same error
+mapping (``errors.grpc_status``). The tenant comes from the API key in the
+``authorization`` metadata when keys are configured, else from
+``ctx.tenant`` (internal callers are trusted to name it) or the default.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvserve.config import TrafficClasses
+from kvstore.keys import KeyInputError, validate_tenant
+from proto import common_pb2, decode_pb2, router_pb2, router_pb2_grpc
+from router.auth import DEFAULT_TENANT, ApiKeys, traffic_class
+from router.core import RouterCore
+from router.errors import InvalidRequestError, grpc_status
+from router.generation import GenEvent, RouteRequest
+from router.openai_schema import MAX_STOP, Message, Sampling
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvserve.v1.Router"
+_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def _sampling(p: common_pb2.SamplingParams, max_context: int) -> Sampling:
+    if not (math.isfinite(p.temperature) and 0.0 <= p.temperature <= 2.0):
+        raise InvalidRequestError(f"temperature must be in [0, 2], got {p.temperature}",
+                                  param="sampling.temperature")
+    if not (math.isfinite(p.top_p) and 0.0 <= p.top_p <= 1.0):
+        raise InvalidRequestError(f"top_p must be in [0, 1] (0 = off), got {p.top_p}",
+                                  param="sampling.top_p")
+    if p.max_tokens > max_context:
+        raise InvalidRequestError(f"max_tokens is {p.max_tokens}, but this model's maximum "
+                                  f"context length is {max_context} tokens",
+                                  param="sampling.max_tokens", code="context_length_exceeded")
+    if len(p.stop) > MAX_STOP or any(not s for s in p.stop):
+        raise InvalidRequestError(f"stop takes at most {MAX_STOP} non-empty strings",
+                                  param="sampling.stop")
+    # Proto zeros mean "unset": greedy, no top-p, the router's default length.
+    return Sampling(temperature=p.temperature, top_p=p.top_p or 1.0, seed=p.seed,
+                    max_tokens=p.max_tokens or None, stop=tuple(p.stop),
+                    ignore_eos=p.ignore_eos)
+
+
+def route_request(req: router_pb2.GenerateRequest, *, tenant: str, classes: TrafficClasses,
+                  max_context: int) -> RouteRequest:
+    given = [n for n, ok in (("messages", bool(req.messages)), ("prompt", bool(req.prompt)),
+                             ("token_ids", bool(req.token_ids))) if ok]
+    if len(given) != 1:
+        raise InvalidRequestError("send exactly one of messages, prompt or token_ids (got "
+                                  f"{given or 'none'})", param="messages")
+    for i, m in enumerate(req.messages):
+        if m.role not in _ROLES:
+            raise InvalidRequestError(f"messages[{i}].role {m.role!r} is not one of "
+                                      f"{sorted(_ROLES)}", param=f"messages[{i}].role")
+    return RouteRequest(
+        request_id=req.ctx.request_id[:128] or uuid.uuid4().hex, tenant=tenant,
+        traffic_class=traffic_class(req.ctx.traffic_class, classes),
+        sampling=_sampling(req.sampling, max_context),
+        messages=tuple(Message(m.role, m.content) for m in req.messages),
+        prompt=req.prompt, token_ids=tuple(req.token_ids))
+
+
+def _event(ev: GenEvent) -> router_pb2.GenerateEvent:
+    out = router_pb2.GenerateEvent(text=ev.text, token_ids=list(ev.token_ids),
+                                   finished=ev.finished, finish_reason=ev.finish_reason,
+                                   prefill_instance=ev.prefill_instance,
+                                   decode_instance=ev.decode_instance)
+    if ev.usage is not None:
+        out.usage.CopyFrom(decode_pb2.Usage(prompt_tokens=ev.usage.prompt_tokens,
+                                            completion_tokens=ev.usage.completion_tokens,
+                                            cached_tokens=ev.usage.cached_tokens))
+    return out
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, core: RouterCore, *, classes: TrafficClasses, api_keys: ApiKeys) -> None:
+        self.core = core
+        self.classes = classes
+        self.api_keys = api_keys
+
+    def _tenant(self, req: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+        if self.api_keys.enabled:
+            meta = {k.lower(): v for k, v in (context.invocation_metadata() or ())
+                    if isinstance(v, str)}
+            return self.api_keys.tenant_for(meta.get("authorization"))
+        try:
+            return validate_tenant(req.ctx.tenant or DEFAULT_TENANT)
+        except KeyInputError as exc:
+            raise InvalidRequestError(str(exc), param="ctx.tenant") from exc
+
+    async def Generate(self, request: router_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[router_pb2.GenerateEvent]:
+        try:
+            route = route_request(request, tenant=self._tenant(request, context),
+                                  classes=self.classes, max_context=self.core.meta.max_context)
+            async for ev in self.core.generate(route):
+                yield _event(ev)
+        except Exception as exc:  # every failure leaves as a status code
+            status = grpc_status(exc)
+            if status.code == grpc.StatusCode.INTERNAL:
+                log.exception("Router.Generate failed")
+            await context.abort(status.code, status.message)

@@ -1,0 +1,81 @@
+"""Must show 1 and 2: disaggregated generation (prefill process -> decode
+process over real gRPC, warehouse in a third) is token-identical to the
+engine's monolithic greedy generation, cold and warm, alone and batched; and
+the agent pattern hits the whole previous context from turn 2 on."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.decode_svc.stack import (
+    Stack,
+    generate,
+    keys_of,
+    prompt,
+    reference,
+    stored_blocks,
+    wait_stored,
+)
+
+B = 16
+# Lengths around block boundaries: shorter than a block, exact multiples, partial tails.
+LENGTHS = [5, 16, 17, 31, 32, 33, 47, 64, 70, 100, 129]
+
+
+def test_token_identity_cold_then_warm_and_batched(stack: Stack) -> None:
+    prompts = [prompt(100 + i, n) for i, n in enumerate(LENGTHS)]
+    want = [reference(stack.ref, p, max_tokens=10) for p in prompts]
+    hit_rule = stack.ref.hit_rule
+
+    # Cold: nothing stored for these prompts yet.
+    for p, w in zip(prompts, want, strict=True):
+        h, out = generate(stack, p, max_tokens=10)
+        assert h.cached_tokens == 0
+        assert out.tokens == w, f"prompt of {len(p)} tokens"
+        assert out.events[-1].usage.prompt_tokens == len(p)
+        assert out.events[-1].usage.completion_tokens == len(w)
+
+    # Warm: the prompt blocks were written through, and the canonical blocks of
+    # prompt + output after decode. Wait until the warehouse holds them.
+    for p, w in zip(prompts, want, strict=True):
+        kv_len = len(p) + len(w) - 1
+        wait_stored(stack.store.address, keys_of(stack.ref, p + w), kv_len // B, len(p) + len(w))
+
+    # Warm, all at once: the decode instance batches them; batch invariance
+    # keeps every sequence's tokens identical to running it alone.
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: generate(stack, p, max_tokens=10), prompts))
+    for p, w, (h, out) in zip(prompts, want, results, strict=True):
+        stored = stored_blocks(stack.store.address, keys_of(stack.ref, p), len(p))
+        assert h.cached_tokens == hit_rule.usable_tokens(stored * B, len(p))
+        if len(p) > 2 * B:
+            assert h.cached_tokens > 0 and h.fetch_decision.startswith("fetch")
+        assert out.tokens == w, f"warm prompt of {len(p)} tokens"
+
+
+def test_agent_conversation_hits_the_whole_previous_context(stack: Stack) -> None:
+    """Six turns; each resends the whole context (previous prompt + answer +
+    a new user message). From turn 2 on, cached_tokens is the hit rule's value
+    for what the warehouse holds, which after the canonical write of prompt +
+    output is floor_to_block(min(previous context, L - reserve))."""
+    tenant = "agent-test"
+    hit_rule = stack.ref.hit_rule
+    context = prompt(7, 40)
+    prev_kv = 0                                  # tokens of the previous turn with KV
+    for turn in range(6):
+        L = len(context)
+        keys = keys_of(stack.ref, context, tenant)
+        if turn:
+            held = wait_stored(stack.store.address, keys, prev_kv // B, L)
+            assert held == prev_kv // B, f"turn {turn}: warehouse holds {held} blocks"
+        h, out = generate(stack, context, max_tokens=12, tenant=tenant, ignore_eos=True)
+        want = reference(stack.ref, context, max_tokens=12, ignore_eos=True)
+        assert out.tokens == want, f"turn {turn}: output differs from a cache-less run"
+        if turn == 0:
+            assert h.cached_tokens == 0
+        else:
+            expect = hit_rule.usable_tokens(prev_kv, L)
+            assert expect == (min(prev_kv, L - hit_rule.reserve) // B) * B
+            assert h.cached_tokens == expect, f"turn {turn}"
+        prev_kv = L + len(out.tokens) - 1
+        context = context + out.tokens + prompt(50 + turn, 9)

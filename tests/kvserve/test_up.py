@@ -1,0 +1,78 @@
+"""``kvserve up`` on one machine, then ``kvserve chat`` and ``kvserve status``
+against it, then Ctrl-C: real processes, real sockets, real Redis (its own
+embedded one, as a user gets)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.prefill_svc.procs import healthy
+
+
+def _kvserve(*args: str, env: dict[str, str],
+             timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvserve.cli", *args], env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def test_up_chat_status_and_clean_stop(tmp_path: Path) -> None:
+    env = {**os.environ, "KVSERVE_STATE": str(tmp_path / "up.json")}
+    env.pop("REDIS_URL", None)
+    up = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "up", "--model", "tiny-dense",
+                           "--free-ports", "--grace", "5"], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        lines = []
+        deadline = time.monotonic() + 150
+        assert up.stdout is not None
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("  try:"):
+                break
+        banner = "".join(lines)
+        assert "kvserve up: running" in banner, banner + (up.stderr.read() if up.poll() else "")
+        state = json.loads((tmp_path / "up.json").read_text())
+        assert state["model"] == "tiny-dense" and state["redis_url"].startswith("redis://")
+        for role in ("kvstore", "prefill", "decode"):
+            assert f"  {role}" in banner
+        assert state["redis_url"] in banner and "G2 host" in banner
+
+        chat = _kvserve("chat", "--prompt", "Hello, warehouse!", "--max-tokens", "6",
+                        "--stats", env=env)
+        assert chat.returncode == 0, chat.stderr
+        assert "output 6" in chat.stderr and "cached 0" in chat.stderr
+        again = _kvserve("chat", "--prompt", "Hello, warehouse!", "--max-tokens", "6",
+                         "--stats", env=env)
+        assert again.returncode == 0 and again.stdout == chat.stdout      # greedy: same text
+
+        status = _kvserve("status", "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        snap = json.loads(status.stdout)
+        roles = {i["role"] for i in snap["instances"]}
+        assert {"kvstore", "prefill", "decode"} <= roles
+        (store,) = snap["stores"].values()
+        assert {t["tier"] for t in store["tiers"]} >= {"G2"}
+        assert {c["traffic_class"] for c in store["classes"]} == {"agent", "chat"}
+        table = _kvserve("status", env=env)
+        assert "hit rate" in table.stdout and "prefill" in table.stdout
+
+        up.send_signal(signal.SIGINT)
+        out, err = up.communicate(timeout=60)
+        assert up.returncode == 0, err
+        assert "kvserve up: stopped" in out
+        assert not (tmp_path / "up.json").exists()
+        assert not healthy(state["prefill"]) and not healthy(state["decode"])
+        assert not healthy(state["store"])
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

@@ -1,0 +1,164 @@
+"""Real stacks for the router-front tests: ``kvserve up`` as a child process,
+or separate service processes (tests/prefill_svc/procs.py) plus a router,
+and a small HTTP helper that never raises on 4xx/5xx."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.redis_server import free_port
+from tests.prefill_svc.procs import Proc, healthy
+
+
+@dataclass(slots=True)
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> dict:  # type: ignore[type-arg]
+        return json.loads(self.body)
+
+    def events(self) -> list[str]:
+        """SSE ``data:`` payloads in order."""
+        return [line[len("data: "):] for line in self.body.decode().split("\n")
+                if line.startswith("data: ")]
+
+
+def http(method: str, url: str, body: bytes | dict | None = None,  # type: ignore[type-arg]
+         headers: dict[str, str] | None = None, timeout: float = 60.0) -> Reply:
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return Reply(r.status, dict(r.headers), r.read())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, dict(e.headers), e.read())
+
+
+@dataclass(slots=True)
+class UpStack:
+    """A ``kvserve up`` launcher and what its state file says."""
+
+    proc: subprocess.Popen[bytes]
+    state: dict  # type: ignore[type-arg]
+    run_dir: Path
+
+    @property
+    def http(self) -> str:
+        return str(self.state["router_http"])
+
+    @property
+    def grpc(self) -> str:
+        return str(self.state["router_grpc"])
+
+    @property
+    def redis_url(self) -> str:
+        return str(self.state["redis_url"])
+
+    def log(self, name: str) -> str:
+        return Path(self.state["logs"][name]).read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def up_stack(run_dir: Path, *, model: str, config: Path | None = None,
+             timeout_s: float = 180.0) -> Iterator[UpStack]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state_file = run_dir / "up.json"
+    env = {**os.environ, "KVSERVE_STATE": str(state_file)}
+    env.pop("REDIS_URL", None)
+    argv = [sys.executable, "-m", "kvserve.cli", "up", "--model", model, "--free-ports",
+            "--run-dir", str(run_dir), "--grace", "3"]
+    if config is not None:
+        argv += ["--config", str(config)]
+    out = open(run_dir / "up.out", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                            stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not state_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvserve up did not start:\n"
+                                   + (run_dir / "up.out").read_text(errors="replace")[-4000:])
+            time.sleep(0.2)
+        time.sleep(0.1)  # the state file is written in one call; let it land
+        yield UpStack(proc, json.loads(state_file.read_text()), run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        out.close()
+
+
+@dataclass(slots=True)
+class RouterProc:
+    """``kvserve router serve`` on free ports."""
+
+    proc: Proc
+    http_port: int
+    extra: tuple[str, ...] = field(default=())
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return self.proc.address
+
+
+def router_proc(config: Path, redis_url: str, log_dir: Path, *,
+                extra: tuple[str, ...] = ()) -> RouterProc:
+    port, http_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvserve.cli", "router", "serve", "--config", str(config),
+            "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
+            "--redis-url", redis_url, *extra]
+    return RouterProc(Proc("router", argv, port, log_dir / f"router-{port}.log"), http_port,
+                      extra)
+
+
+def wait_until(cond: object, timeout_s: float, what: str, step_s: float = 0.05) -> float:
+    """Poll ``cond()`` until true; returns the seconds it took."""
+    t0 = time.monotonic()
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{what} not within {timeout_s}s")
+        time.sleep(step_s)
+    return time.monotonic() - t0
+
+
+def live_counts(http_base: str) -> dict[str, int]:
+    return dict(http("GET", f"{http_base}/health").json()["instances"])
+
+
+def metric_sum(http_base: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = http("GET", f"{http_base}/metrics").body.decode()
+    total = 0.0
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+__all__ = ["Reply", "RouterProc", "UpStack", "healthy", "http", "live_counts", "metric_sum",
+           "router_proc", "up_stack", "wait_until"]
