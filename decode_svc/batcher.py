@@ -2,11 +2,12 @@
 
 One asyncio task drives the engine: each iteration takes the active
 sequences, runs one ``decode_step`` for all of them on the engine thread,
-and hands each sequence its token. Sequences join (``Engine.adopt``) and
-leave between steps; both run on the same FIFO engine thread, so a join or a
-free never interleaves with a step. A cancelled sequence is out of the
-active set at once (it is never stepped again) and freed right after the
-step in flight, if any.
+and hands each sequence its token with the engine's verdict on stopping
+(``finish_reason``) and its text so far (``completion_text``). Sequences join
+(``adopt`` or a rebuild) and leave between steps; both run on the same FIFO
+engine thread, so a join or a free never interleaves with a step. A
+cancelled sequence is out of the active set at once (it is never stepped
+again) and freed right after the step in flight, if any.
 
 Batch invariance (INTERFACES §0) is the engine's: it pads every step to a
 fixed bucket, so a sequence's tokens do not depend on who else is here.
@@ -20,9 +21,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from decode_svc.stopping import StopRule, StopState
+from decode_svc.stopping import TextStream
 from prefill_svc.engine_thread import EngineThread
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,7 @@ class Finished:
     finish hook (the canonical write) frees it."""
 
     seq_id: str
-    prompt_tokens: int
-    output: tuple[int, ...]
+    completion_tokens: int
     finish_reason: str
 
 
@@ -53,14 +53,23 @@ FinishHook = Callable[[Finished], Awaitable[None]]
 StepHook = Callable[[], None]       # runs on the engine thread right after each step
 
 
+class _Out(NamedTuple):
+    """One sequence after a step, read on the engine thread."""
+
+    token: int
+    text: str                       # the completion so far (engine rules)
+    reason: str                     # "" while it goes on
+
+
 @dataclass(slots=True)
 class _Seq:
     seq_id: str
     prompt_tokens: int
-    stop: StopState
+    stream: TextStream
     t0: float
     on_finish: FinishHook | None
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    n: int = 0                      # tokens generated so far
     done: bool = False
 
 
@@ -105,13 +114,13 @@ class Batcher:
             await asyncio.gather(*self._finishing, return_exceptions=True)
 
     async def generate(self, seq_id: str, make_live: Callable[[], None], *, prompt_tokens: int,
-                       first_token: int, rule: StopRule, on_finish: FinishHook | None = None,
+                       stop: tuple[str, ...] = (), on_finish: FinishHook | None = None,
                        t0: float | None = None) -> AsyncIterator[TokenEvent]:
         """Make the sequence live (``make_live`` runs on the engine thread: an
         ``adopt`` of pulled KV, or a rebuild), then stream its tokens; the first
-        event carries ``first_token`` (sampled by prefill). Leaving the
-        iterator early (client gone) frees the sequence at once. ``on_finish``
-        gets a sequence that ran to its end, still live, and must free it."""
+        event carries the token prefill sampled. Leaving the iterator early
+        (client gone) frees the sequence at once. ``on_finish`` gets a
+        sequence that ran to its end, still live, and must free it."""
         t0 = time.monotonic() if t0 is None else t0
         self._waiting += 1
         try:
@@ -121,13 +130,12 @@ class Batcher:
         seq: _Seq | None = None
         try:
             try:
-                await self._thread.call(make_live)
+                first = await self._thread.call(self._join, seq_id, make_live)
             except asyncio.CancelledError:
                 self._thread.submit(self._free_quietly, seq_id)
                 raise
-            seq = _Seq(seq_id, prompt_tokens, StopState(rule, self._engine.tokenizer.decode),
-                       t0, on_finish)
-            self._accept(seq, first_token)
+            seq = _Seq(seq_id, prompt_tokens, TextStream(stop), t0, on_finish)
+            self._accept(seq, first)
             if not seq.done:
                 self._active[seq_id] = seq
                 self._wake.set()
@@ -149,28 +157,47 @@ class Batcher:
             self.stats.cancelled_total += 1
         self._thread.submit(self._free_quietly, seq_id)
 
+    # -- engine thread ---------------------------------------------------------
+
+    def _read(self, seq_id: str, token: int) -> _Out:
+        eng = self._engine
+        return _Out(token, eng.completion_text(seq_id), eng.finish_reason(seq_id) or "")
+
+    def _join(self, seq_id: str, make_live: Callable[[], None]) -> _Out:
+        make_live()
+        return self._read(seq_id, self._engine.seq_tokens(seq_id)[-1])
+
+    def _step(self, seq_ids: list[str]) -> dict[str, _Out]:
+        tokens = self._engine.decode_step(seq_ids)
+        if self._after_step is not None:
+            self._after_step()
+        return {s: self._read(s, t) for s, t in tokens.items()}
+
     def _free_quietly(self, seq_id: str) -> None:
         with contextlib.suppress(Exception):
             self._engine.free(seq_id)
 
-    def _accept(self, seq: _Seq, token: int) -> None:
-        step = seq.stop.accept(token)
+    # -- event loop --------------------------------------------------------------
+
+    def _accept(self, seq: _Seq, out: _Out) -> None:
+        seq.n += 1
         self.stats.tokens_total += 1
-        ev = TokenEvent((token,), step.text, time.monotonic() - seq.t0, step.finished,
-                        step.finish_reason, len(seq.stop.tokens))
-        seq.events.put_nowait(ev)
-        if step.finished:
+        finished = bool(out.reason)
+        seq.events.put_nowait(TokenEvent((out.token,), seq.stream.delta(out.text, finished),
+                                         time.monotonic() - seq.t0, finished, out.reason,
+                                         seq.n))
+        if finished:
             seq.done = True
             self._active.pop(seq.seq_id, None)
-            reason = step.finish_reason
-            self.stats.finished_total[reason] = self.stats.finished_total.get(reason, 0) + 1
-            self._finish(seq, reason)
+            self.stats.finished_total[out.reason] = self.stats.finished_total.get(out.reason,
+                                                                                  0) + 1
+            self._finish(seq, out.reason)
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         if seq.on_finish is None:
             self._thread.submit(self._free_quietly, seq.seq_id)
             return
-        done = Finished(seq.seq_id, seq.prompt_tokens, tuple(seq.stop.tokens), reason)
+        done = Finished(seq.seq_id, seq.n, reason)
         task = asyncio.get_running_loop().create_task(self._run_finish(seq.on_finish, done))
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
@@ -181,12 +208,6 @@ class Batcher:
         except Exception:  # a failed cache write never fails the request
             log.exception("finish hook of %s failed", done.seq_id)
             self._thread.submit(self._free_quietly, done.seq_id)
-
-    def _step(self, seq_ids: list[str]) -> dict[str, int]:
-        out = self._engine.decode_step(seq_ids)
-        if self._after_step is not None:
-            self._after_step()
-        return out
 
     async def _loop(self) -> None:
         while True:
@@ -204,7 +225,7 @@ class Batcher:
                     seq = self._active.get(seq_id)
                     if seq is not None:
                         seq.events.put_nowait(TokenEvent((), "", time.monotonic() - seq.t0,
-                                                         True, "error", len(seq.stop.tokens)))
+                                                         True, "error", seq.n))
                         self.cancel(seq_id)
                 continue
             self.stats.steps_total += 1
@@ -218,5 +239,4 @@ class Batcher:
     def _update_gauges(self) -> None:
         self.stats.active = len(self._active)
         self.stats.waiting = self._waiting
-        self.stats.tokens_in_flight = sum(s.prompt_tokens + len(s.stop.tokens)
-                                          for s in self._active.values())
+        self.stats.tokens_in_flight = sum(s.prompt_tokens + s.n for s in self._active.values())

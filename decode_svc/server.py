@@ -29,7 +29,6 @@ from decode_svc.batcher import Batcher, Finished
 from decode_svc.config import DecodeConfig
 from decode_svc.experts import ExpertLoad, ExpertPlacement
 from decode_svc.pull import KVPuller
-from decode_svc.stopping import StopRule
 from kvstore.keys import chain_keys
 from kvstore.registry import LoadReport
 from kvstore.types import PutResult, RequestCtx
@@ -71,7 +70,6 @@ class _Checked:
     ctx: RequestCtx
     tokens: list[int]
     sampling: Any                        # engine.SamplingParams
-    rule: StopRule
 
 
 class DecodeService(decode_pb2_grpc.DecodeServicer):
@@ -93,12 +91,13 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s)
         self.cost = CostModel(cfg.cost, block_nbytes=engine.layout.block_nbytes,
                               block_tokens=self.block_tokens)
-        self.restorer = Restorer(self.store, self.cost, engine.hit_rule, engine.layout)
+        self.restorer = Restorer(self.store, self.cost, engine.hit_rule, engine.layout,
+                                 pin=engine.device.type == "cuda")
         self.writer = BlockWriter(self._put, retries=cfg.writer.retries,
                                   backoff_s=cfg.writer.backoff_s, max_queue=cfg.writer.max_queue)
         self.stats = DecodeStats()
         self._ids = itertools.count()
-        self._busy_mark = (time.monotonic(), 0.0)
+        self._releases: set[asyncio.Task[None]] = set()
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -130,13 +129,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.cost.observe_prefill(res.computed_tokens, res.compute_s, calibrate=True)
 
     def load_report(self) -> LoadReport:
-        now, busy = time.monotonic(), self.thread.busy_s
-        t0, b0 = self._busy_mark
-        self._busy_mark = (now, busy)
         st = self.batcher.stats
         return LoadReport(
-            load=min(1.0, (busy - b0) / (now - t0)) if now > t0 else 0.0,
-            queue=st.waiting, tokens_in_flight=st.tokens_in_flight,
+            load=self.thread.utilization(), queue=st.waiting, tokens_in_flight=st.tokens_in_flight,
             expert_imbalance=self.experts.current if self.experts else None,
             capacity=float(self.cfg.engine.num_blocks))
 
@@ -165,20 +160,18 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         make_live = await self._obtain_kv(handle, chk)
         seq_id = f"{chk.ctx.request_id}#{next(self._ids)}"
         on_finish = self._canonical_writer(chk.ctx) if self.cfg.canonical_write else None
-        n_out = 0
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
-                first_token=handle.first_token, rule=chk.rule, on_finish=on_finish, t0=t0):
+                stop=chk.sampling.stop, on_finish=on_finish, t0=t0):
             if ev.finish_reason == "error":
                 raise RuntimeError("the decode step failed; see the decode instance's log")
-            n_out = ev.completion_tokens
             out = decode_pb2.DecodeEvent(token_ids=ev.token_ids, text=ev.text, t_s=ev.t_s,
                                          finished=ev.finished, finish_reason=ev.finish_reason)
             if self.experts is not None:
                 out.expert_imbalance = self.experts.current
             if ev.finished:
                 out.usage.CopyFrom(decode_pb2.Usage(prompt_tokens=len(chk.tokens),
-                                                    completion_tokens=n_out,
+                                                    completion_tokens=ev.completion_tokens,
                                                     cached_tokens=handle.cached_tokens))
                 self._count(ev.finish_reason)
             yield out
@@ -208,13 +201,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                          tenant=handle.ctx.tenant or "default",
                          traffic_class=handle.ctx.traffic_class,
                          model_fingerprint=self.model.fingerprint_hex)
-        # The context limit ends a sequence like max_tokens does (the engine's rule):
-        # after n tokens the KV holds L + n - 1 of at most max_position.
-        room = self.engine.model_config.max_position - len(tokens) + 1
-        rule = StopRule(max_tokens=min(sampling.max_tokens, room), stop=sampling.stop,
-                        eos_ids=frozenset(self.engine.tokenizer.eos_token_ids),
-                        ignore_eos=sampling.ignore_eos)
-        return _Checked(ctx, tokens, sampling, rule)
+        return _Checked(ctx, tokens, sampling)
 
     async def _obtain_kv(self, handle: prefill_pb2.KVHandle,
                          chk: _Checked) -> Callable[[str], None]:
@@ -227,7 +214,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             log.info("pull of %s from %s failed (%s); rebuilding from the warehouse",
                      chk.ctx.request_id, handle.prefill_address, exc)
             return await self._rebuild(handle, chk)
-        asyncio.get_running_loop().create_task(self.puller.release(handle))
+        task = asyncio.get_running_loop().create_task(self.puller.release(handle))
+        self._releases.add(task)                 # keep a reference until it is done
+        task.add_done_callback(self._releases.discard)
         self._source(pulled.path)
         self.stats.pull_bytes_total += pulled.nbytes
         self.stats.pull_seconds_total += pulled.seconds

@@ -1,10 +1,18 @@
-"""Paged attention, one sequence at a time.
+"""Attention over the KV of one sequence at a time.
 
 A forward call covers rows of one or more sequences (segments): a prefill
 chunk is one segment of up to ``chunk`` rows; a decode step has one row per
 sequence plus padding rows. Each segment attends only to its own sequence's
-keys, gathered from the pool by its block table, with shapes that depend only
-on that sequence's positions, so co-tenants never change its bits.
+keys, with shapes that depend only on that sequence's positions, so
+co-tenants never change its bits.
+
+New K/V rows go to two places: the paged pool (block tables: the source of
+truth for export/import and the G1 cache) and the sequence's contiguous
+*mirror* ``[layers, 2, kv_heads, capacity, head_dim]``, which attention reads
+as a strided view. torch has no paged-attention kernel on CPU, and gathering
+a sequence's blocks for every layer of every decode step cost as much as all
+the GEMMs (measured: 30% of a batch-8 step at 1.5k context); the mirror holds
+the same bits as the pool, so results are unchanged.
 
 Sliding-window layers see keys ``(p - window, p]`` for a query at position
 ``p`` (the window counts the token itself).
@@ -26,31 +34,28 @@ class Segment:
     rows: int                  # its number of rows (query tokens)
     q_start: int               # absolute position of its first row
     table: torch.Tensor        # its block ids, int64 on the pool device: [n_blocks]
+    mirror: torch.Tensor       # its KV, [layers, 2, kv_heads, capacity, head_dim]
 
 
 @dataclass(frozen=True, slots=True)
 class _KeyPlan:
-    block_ids: torch.Tensor    # blocks to gather: [n]
-    offset: int                # first key's offset inside the gathered run
-    n_keys: int
-    mask: torch.Tensor | None  # [g * rows, n_keys] True = attend; None = attend to all
+    lo: int                    # first key position attended
+    mask: torch.Tensor | None  # [g * rows, keys] True = attend; None = attend to all
 
 
-def _key_plan(seg: Segment, window: int, block_tokens: int, group: int) -> _KeyPlan:
+def _key_plan(seg: Segment, window: int, group: int) -> _KeyPlan:
     end = seg.q_start + seg.rows                       # keys [lo, end) after this step's write
     lo = 0 if window == 0 else max(0, seg.q_start - window + 1)
-    first, last = lo // block_tokens, (end + block_tokens - 1) // block_tokens
-    n_keys = end - lo
     mask = None
     if seg.rows > 1:
         dev = seg.table.device
         q_pos = torch.arange(seg.q_start, end, device=dev).unsqueeze(1)   # [m, 1]
-        k_pos = torch.arange(lo, end, device=dev).unsqueeze(0)            # [1, n_keys]
+        k_pos = torch.arange(lo, end, device=dev).unsqueeze(0)            # [1, keys]
         allowed = k_pos <= q_pos
         if window:
             allowed &= k_pos > q_pos - window
         mask = allowed.repeat(group, 1)
-    return _KeyPlan(seg.table[first:last], lo - first * block_tokens, n_keys, mask)
+    return _KeyPlan(lo, mask)
 
 
 class PagedAttention:
@@ -70,7 +75,7 @@ class PagedAttention:
             slots.append(seg.table[pos // B] * B + pos % B)
         self.slots = torch.cat(slots)                  # [n_real]
         self.n_real = int(self.slots.numel())
-        self.plans = {w: [_key_plan(s, w, B, self.group) for s in segments]
+        self.plans = {w: [_key_plan(s, w, self.group) for s in segments]
                       for w in sorted(set(windows))}
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
@@ -81,11 +86,14 @@ class PagedAttention:
         hkv, g, d = self.kv_heads, self.group, self.head_dim
         out = q.new_zeros(self.rows, hkv * g * d)
         for seg, plan in zip(self.segments, self.plans[self.windows[layer]], strict=True):
-            kv = self.storage.gather(layer, plan.block_ids)            # [2, Hkv, n*B, D]
-            kv = kv.narrow(2, plan.offset, plan.n_keys)
-            m = seg.rows
-            qs = q[seg.row0: seg.row0 + m]                             # [m, H, D]
-            qs = qs.reshape(m, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * m, d)
+            m, r0, end = seg.rows, seg.row0, seg.q_start + seg.rows
+            kv = seg.mirror[layer]                                     # [2, Hkv, cap, D]
+            kv[0, :, seg.q_start:end] = k[r0:r0 + m].transpose(0, 1)
+            kv[1, :, seg.q_start:end] = v[r0:r0 + m].transpose(0, 1)
+            kv = kv[:, :, plan.lo:end].unsqueeze(1)                    # [2, 1, Hkv, keys, D]
+            # GQA without repeating K/V: the g query heads of a KV head become
+            # g*m query rows of that head.
+            qs = q[r0:r0 + m].reshape(m, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * m, d)
             o = F.scaled_dot_product_attention(qs, kv[0], kv[1], attn_mask=plan.mask)
-            out[seg.row0: seg.row0 + m] = o.view(hkv, g, m, d).permute(2, 0, 1, 3).reshape(m, -1)
+            out[r0:r0 + m] = o.view(hkv, g, m, d).permute(2, 0, 1, 3).reshape(m, -1)
         return out

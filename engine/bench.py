@@ -35,6 +35,7 @@ class BenchOptions:
     decode_steps: int = 32
     decode_ctx: int = 256
     big_model: str = "llama-8b-shape"        # also timed on CUDA, in bf16
+    threads: int = 0                         # torch CPU threads; 0 = torch's default
 
     def __post_init__(self) -> None:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -173,6 +174,8 @@ def _engine(opts: BenchOptions, model: str, dtype: str, bucket: int) -> Engine:
 
 
 def run_engine_bench(opts: BenchOptions) -> EngineBench:
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     res = EngineBench(machine=_machine(opts))
     prefill = opts.prefill_tokens or ((4096, 16384) if opts.cuda else (256,))
     batches = opts.decode_batches or ((1, 8, 64) if opts.cuda else (1, 8))

@@ -164,7 +164,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *,
                              f"supported: {SUPPORTED_ARCHS}")
     tok, tcfg = _tokenizer(reader)
     names = {t.name for t in reader.tensors}
-    cfg = _config(reader, len(_field(reader, "tokenizer.ggml.tokens")), "output.weight" not in names)
+    vocab = len(_field(reader, "tokenizer.ggml.tokens"))
+    cfg = _config(reader, vocab, tied="output.weight" not in names)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"import {src.name}", unit="tensor", disable=not progress):

@@ -84,6 +84,11 @@ class KVStorage:
         kv = self.data[layer].index_select(2, block_ids)                # [2, H, n, B, D]
         return kv.view(2, kv.shape[1], -1, kv.shape[-1])
 
+    def gather_all(self, block_ids: torch.Tensor) -> torch.Tensor:
+        # -> [L, 2, H, n * B, D]: every layer's KV of these blocks, in table order
+        kv = self.data.index_select(3, block_ids)                         # [L, 2, H, n, B, D]
+        return kv.view(*kv.shape[:3], -1, kv.shape[-1])
+
     def export(self, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, L, 2, H, B, D]: one device-side gather; on CUDA then one
         non_blocking copy into pinned host memory."""

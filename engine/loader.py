@@ -107,20 +107,21 @@ def _weights(cfg: ModelConfig, src: _TensorSource) -> ModelWeights:
         up = src.get(p + "mlp.up_proj.weight", (cfg.intermediate_size, hd))
         layers.append(LayerWeights(
             attn_norm=src.get(p + "input_layernorm.weight", (hd,)),
-            wqkv=torch.cat([q, k, v]),
+            qkv_t=torch.cat([q, k, v]).t(),
             bqkv=bqkv,
-            wo=src.get(p + "self_attn.o_proj.weight", (hd, q_rows)),
+            o_t=src.get(p + "self_attn.o_proj.weight", (hd, q_rows)).t(),
             ffn_norm=src.get(p + "post_attention_layernorm.weight", (hd,)),
-            ffn=DenseFFNWeights(gate_up=torch.cat([gate, up]),
-                                down=src.get(p + "mlp.down_proj.weight",
-                                             (hd, cfg.intermediate_size))),
+            ffn=DenseFFNWeights(gate_up_t=torch.cat([gate, up]).t(),
+                                down_t=src.get(p + "mlp.down_proj.weight",
+                                               (hd, cfg.intermediate_size)).t()),
         ))
     norm = src.get("model.norm.weight", (hd,))
     if cfg.tie_embeddings and not src.has("lm_head.weight"):
         lm_head = embed
     else:
         lm_head = src.get("lm_head.weight", (cfg.vocab_size, hd))
-    return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+    # Transposed views here; move_weights makes them contiguous [in, out].
+    return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head_t=lm_head.t())
 
 
 def weights_hash(files: list[Path], cache_dir: Path) -> bytes:

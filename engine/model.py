@@ -47,10 +47,15 @@ class RotaryTable:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [M, in] @ w_t: [in, out] -> [M, out]
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
 def dense_ffn(h: torch.Tensor, w: DenseFFNWeights) -> torch.Tensor:
     # h: [M, hidden] -> [M, hidden]
-    gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w.down)
+    gate, up = linear(h, w.gate_up_t).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w.down_t)
 
 
 def moe_ffn(h: torch.Tensor, w: MoEWeights, top_k: int, n_real: int,
@@ -61,7 +66,7 @@ def moe_ffn(h: torch.Tensor, w: MoEWeights, top_k: int, n_real: int,
     gathering only its rows would make the GEMM's row count depend on the
     other tokens in the batch and so change the bits of this token's result.
     """
-    probs = F.linear(h, w.router).float().softmax(dim=-1)   # [M, E]
+    probs = linear(h, w.router_t).float().softmax(dim=-1)    # [M, E]
     top_w, top_i = probs.topk(top_k, dim=-1)                 # [M, k]
     top_w = (top_w / top_w.sum(-1, keepdim=True)).to(h.dtype)
     real = top_i[:n_real].reshape(-1)
@@ -100,11 +105,11 @@ class Transformer:
                attend: AttendFn, n_real: int, expert_counts: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
         h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
-        qkv = F.linear(h, layer.wqkv, layer.bqkv).view(x.shape[0], -1, cfg.head_dim)
+        qkv = linear(h, layer.qkv_t, layer.bqkv).view(x.shape[0], -1, cfg.head_dim)
         qk = self.rope.apply(qkv[:, : self._qk_heads], positions)   # [M, H + Hkv, D]
         q, k = qk[:, : self._q_heads], qk[:, self._q_heads:]
         v = qkv[:, self._qk_heads:]                                  # [M, Hkv, D]
-        x = x + F.linear(attend(i, q, k, v), layer.wo)
+        x = x + linear(attend(i, q, k, v), layer.o_t)
         h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
         if isinstance(layer.ffn, DenseFFNWeights):
             return x + dense_ffn(h, layer.ffn)
@@ -114,4 +119,4 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, V] in fp32
-        return F.linear(rms_norm(hidden, self.w.norm, self.cfg.rms_eps), self.w.lm_head).float()
+        return linear(rms_norm(hidden, self.w.norm, self.cfg.rms_eps), self.w.lm_head_t).float()

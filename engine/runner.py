@@ -26,6 +26,8 @@ from engine.sampling import SamplingParams, sample_row, sample_rows
 from engine.sequence import GenerationResult, PrefillResult, Sequence
 from engine.source import load_source
 
+GREEDY = SamplingParams()
+
 
 def _device(name: str) -> torch.device:
     dev = torch.device(name)
@@ -91,7 +93,7 @@ class Engine:
     # --------------------------------------------------------------- prefill
     @torch.inference_mode()
     def prefill(self, seq_id: str, tokens: Seq[int], *,
-                sampling: SamplingParams = SamplingParams(),
+                sampling: SamplingParams = GREEDY,
                 block_keys: Seq[bytes] | None = None,
                 restored: torch.Tensor | None = None,
                 max_restore_tokens: int | None = None,
@@ -135,7 +137,8 @@ class Engine:
         if use_rest:
             assert restored is not None
             self.storage.import_(table[use_g1:reuse], restored[:use_rest])
-        seq = Sequence(seq_id, toks, n, 0, blocks, table, sampling, canonical_full=n // B)
+        seq = Sequence(seq_id, toks, n, 0, blocks, table, sampling,
+                       self._mirror(table, reuse * B, self._capacity(n)), canonical_full=n // B)
         self._seqs[seq_id] = seq
         try:
             hidden = self._run_chunks(seq, reuse * B, n, all_logits=False)
@@ -150,12 +153,29 @@ class Engine:
         return PrefillResult(first, use_rest * B, use_g1 * B, n - reuse * B,
                              time.perf_counter() - t0)
 
+    def _capacity(self, tokens: int) -> int:
+        """Mirror capacity for ``tokens`` plus room to decode (grown 1.5x later)."""
+        B = self.config.block_tokens
+        cap = tokens + max(4 * B, tokens // 2)
+        return min(-(-cap // B) * B, -(-self.model_config.max_position // B) * B)
+
+    def _mirror(self, table: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
+        """A new mirror whose first ``filled`` tokens come from the pool (one gather)."""
+        L, _, H, _, D = self.layout.block_shape
+        mirror = torch.empty(L, 2, H, capacity, D, dtype=self.dtype, device=self.device)
+        if filled:
+            n_blocks = -(-filled // self.config.block_tokens)
+            mirror[:, :, :, :filled] = self.storage.gather_all(table[:n_blocks])[:, :, :, :filled]
+        return mirror
+
     def _run_chunks(self, seq: Sequence, start: int, end: int, *, all_logits: bool,
-                    table: torch.Tensor | None = None) -> torch.Tensor:
+                    table: torch.Tensor | None = None,
+                    mirror: torch.Tensor | None = None) -> torch.Tensor:
         """Compute tokens [start, end) of ``seq`` in chunks aligned to absolute
         positions; returns the last chunk's hidden states (or all logits)."""
         chunk = self.config.chunk_tokens
         table = seq.table if table is None else table
+        mirror = seq.mirror if mirror is None else mirror
         outs: list[torch.Tensor] = []
         hidden = torch.empty(0)
         s = start
@@ -163,8 +183,8 @@ class Engine:
             e = min(end, (s // chunk + 1) * chunk)
             toks = torch.tensor(seq.tokens[s:e], dtype=torch.int64, device=self.device)
             pos = torch.arange(s, e, device=self.device)
-            attn = PagedAttention(self.storage, [Segment(0, e - s, s, table)], self._windows,
-                                  self.model_config.num_heads, e - s)
+            attn = PagedAttention(self.storage, [Segment(0, e - s, s, table, mirror)],
+                                  self._windows, self.model_config.num_heads, e - s)
             hidden = self.model.forward(toks, pos, attn, e - s, self._counts)
             if all_logits:
                 outs.append(self.model.logits(hidden))
@@ -180,7 +200,8 @@ class Engine:
         blocks = self.blocks.allocate(-(-len(toks) // B))
         try:
             table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            seq = Sequence("_score", toks, len(toks), 0, blocks, table, SamplingParams(), 0)
+            seq = Sequence("_score", toks, len(toks), 0, blocks, table, GREEDY,
+                           self._mirror(table, 0, len(toks)), canonical_full=0)
             return self._run_chunks(seq, 0, len(toks), all_logits=True).cpu()
         finally:
             self.blocks.release(blocks)
@@ -205,7 +226,7 @@ class Engine:
             pad = bucket - len(group)
             toks = torch.tensor([s.pending for s in group] + [0] * pad, device=self.device)
             pos = torch.tensor([s.kv_len for s in group] + [0] * pad, device=self.device)
-            segs = [Segment(j, 1, s.kv_len, s.table) for j, s in enumerate(group)]
+            segs = [Segment(j, 1, s.kv_len, s.table, s.mirror) for j, s in enumerate(group)]
             attn = PagedAttention(self.storage, segs, self._windows,
                                   self.model_config.num_heads, bucket)
             hidden = self.model.forward(toks, pos, attn, len(group), self._counts)
@@ -226,6 +247,11 @@ class Engine:
         for s, b in zip(need, new, strict=True):
             s.blocks.append(b)
             s.table = torch.tensor(s.blocks, dtype=torch.int64, device=self.device)
+        for s in seqs:
+            if s.mirror.shape[3] <= s.kv_len:
+                grown = self._mirror(s.table, 0, self._capacity(s.kv_len * 3 // 2 + 1))
+                grown[:, :, :, :s.kv_len] = s.mirror[:, :, :, :s.kv_len]
+                s.mirror = grown
 
     def finish_reason(self, seq_id: str) -> str | None:
         """"stop" (EOS or a stop string), "length" (max_tokens or context), or None."""
@@ -248,7 +274,7 @@ class Engine:
         cuts = [text.find(x) for x in s.sampling.stop if x in text]
         return text[: min(cuts)] if cuts else text
 
-    def generate(self, tokens: Seq[int], sampling: SamplingParams = SamplingParams(),
+    def generate(self, tokens: Seq[int], sampling: SamplingParams = GREEDY,
                  restored: torch.Tensor | None = None,
                  block_keys: Seq[bytes] | None = None) -> GenerationResult:
         self._gen_ids += 1
@@ -283,11 +309,11 @@ class Engine:
         if not 0 <= start <= end <= s.kv_len:
             raise EngineInputError(f"tokens [{start}, {end}) out of range: sequence "
                                    f"{seq_id!r} has KV for {s.kv_len} tokens")
-        return self.storage.export_tokens(self._slots(s, start, end)).cpu()
+        return self.storage.export_tokens(self._slots(s.table, start, end)).cpu()
 
     @torch.inference_mode()
     def adopt(self, seq_id: str, tokens: Seq[int], kv: torch.Tensor, first_token: int,
-              sampling: SamplingParams = SamplingParams()) -> None:
+              sampling: SamplingParams = GREEDY) -> None:
         """Make a live sequence from KV computed elsewhere (kv covers all tokens)."""
         if seq_id in self._seqs:
             raise EngineInputError(f"sequence {seq_id!r} is already live")
@@ -301,10 +327,11 @@ class Engine:
         B = self.config.block_tokens
         blocks = self.blocks.allocate(-(-len(toks) // B))
         table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        seq = Sequence(seq_id, [*toks, first_token], len(toks), len(toks), blocks, table,
-                       sampling, canonical_full=len(toks) // B)
-        self.storage.import_tokens(self._slots(seq, 0, len(toks)), kv)
-        self._seqs[seq_id] = seq
+        self.storage.import_tokens(self._slots(table, 0, len(toks)), kv)
+        self._seqs[seq_id] = Sequence(
+            seq_id, [*toks, first_token], len(toks), len(toks), blocks, table, sampling,
+            self._mirror(table, len(toks), self._capacity(len(toks))),
+            canonical_full=len(toks) // B)
 
     @torch.inference_mode()
     def canonical_blocks(self, seq_id: str) -> tuple[int, torch.Tensor]:
@@ -321,7 +348,8 @@ class Engine:
         s.shadow = self.blocks.allocate(last - first)
         table = torch.tensor(s.blocks[:first] + s.shadow, dtype=torch.int64,
                              device=self.device)
-        self._run_chunks(s, first * B, last * B, all_logits=False, table=table)
+        mirror = self._mirror(table, first * B, last * B)
+        self._run_chunks(s, first * B, last * B, all_logits=False, table=table, mirror=mirror)
         return first, self.storage.export(table[first:])
 
     def free(self, seq_id: str, keep_keys: Seq[bytes] | None = None) -> None:
@@ -347,10 +375,10 @@ class Engine:
         except KeyError:
             raise EngineInputError(f"no live sequence {seq_id!r}") from None
 
-    def _slots(self, s: Sequence, start: int, end: int) -> torch.Tensor:
+    def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         B = self.config.block_tokens
         pos = torch.arange(start, end, device=self.device)
-        return s.table[pos // B] * B + pos % B
+        return table[pos // B] * B + pos % B
 
     def _check_prompt(self, tokens: Seq[int]) -> list[int]:
         toks = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor)

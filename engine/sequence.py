@@ -35,6 +35,9 @@ class Sequence:
     blocks: list[int]           # block table, append-only
     table: torch.Tensor         # the same ids as int64 on the pool device
     sampling: SamplingParams
+    # The same KV as the pool, contiguous per layer, read by attention
+    # (engine.attention): [layers, 2, kv_heads, capacity, head_dim].
+    mirror: torch.Tensor
     # Leading full blocks whose KV is canonical (what a cold chunked prefill
     # gives): the prompt's full blocks. Blocks written by decode are not.
     canonical_full: int

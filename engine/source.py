@@ -29,8 +29,8 @@ def _random(name: str, device: torch.device, dtype: torch.dtype, seed: int) -> M
     cfg = ModelConfig.from_name(name)
     where = init_device(cfg, device)
     weights = random_weights(cfg, seed, device, dtype)
-    wid = hashlib.blake2b(f"random-v{RANDOM_INIT_VERSION}|{cfg.describe()}|seed={seed}|init={where.type}".encode(),
-                          digest_size=16).digest()
+    ident = f"random-v{RANDOM_INIT_VERSION}|{cfg.describe()}|seed={seed}|init={where.type}"
+    wid = hashlib.blake2b(ident.encode(), digest_size=16).digest()
     return ModelSource(cfg, weights, ByteTokenizer(cfg.vocab_size), wid)
 
 

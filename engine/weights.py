@@ -1,8 +1,10 @@
 """Weight containers (plain tensors, fused where it saves a GEMM) and the
 deterministic random initialisation of the named configs.
 
-Fusion: q/k/v are one ``[(H + 2*Hkv) * D, hidden]`` matrix and gate/up one
-``[2 * I, hidden]`` matrix, so a layer runs four GEMMs instead of seven.
+Fusion: q/k/v are one matrix and gate/up one, so a layer runs four GEMMs
+instead of seven. Matrices are stored transposed, ``[in, out]`` (suffix
+``_t``): ``x @ w_t`` measured 1.2-1.7x faster than ``F.linear(x, w)`` on the
+CPU machine for 1-64 rows (MKL), and the same on GPUs.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ RANDOM_INIT_VERSION = 2
 
 @dataclass(slots=True)
 class DenseFFNWeights:
-    gate_up: torch.Tensor          # [2 * I, hidden]  (gate rows first, then up rows)
-    down: torch.Tensor             # [hidden, I]
+    gate_up_t: torch.Tensor        # [hidden, 2 * I]  (gate columns first, then up)
+    down_t: torch.Tensor           # [I, hidden]
 
 
 @dataclass(slots=True)
 class MoEWeights:
-    router: torch.Tensor           # [E, hidden]
+    router_t: torch.Tensor         # [hidden, E]
     experts: list[DenseFFNWeights]
     shared: DenseFFNWeights | None  # all shared experts merged into one wider FFN
 
@@ -35,9 +37,9 @@ class MoEWeights:
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor        # [hidden]
-    wqkv: torch.Tensor             # [(H + 2 * Hkv) * D, hidden]
+    qkv_t: torch.Tensor            # [hidden, (H + 2 * Hkv) * D]
     bqkv: torch.Tensor | None      # [(H + 2 * Hkv) * D]
-    wo: torch.Tensor               # [hidden, H * D]
+    o_t: torch.Tensor              # [H * D, hidden]
     ffn_norm: torch.Tensor         # [hidden]
     ffn: DenseFFNWeights | MoEWeights
 
@@ -47,20 +49,20 @@ class ModelWeights:
     embed: torch.Tensor            # [V, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor             # [hidden]
-    lm_head: torch.Tensor          # [V, hidden]; the same tensor as embed when tied
+    lm_head_t: torch.Tensor        # [hidden, V]; a transposed copy of embed when tied
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.embed, self.norm, self.lm_head]
+        out = [self.embed, self.norm, self.lm_head_t]
         for layer in self.layers:
-            out += [layer.attn_norm, layer.wqkv, layer.wo, layer.ffn_norm]
+            out += [layer.attn_norm, layer.qkv_t, layer.o_t, layer.ffn_norm]
             if layer.bqkv is not None:
                 out.append(layer.bqkv)
             ffns = [layer.ffn] if isinstance(layer.ffn, DenseFFNWeights) else (
                 layer.ffn.experts + ([layer.ffn.shared] if layer.ffn.shared else []))
             if isinstance(layer.ffn, MoEWeights):
-                out.append(layer.ffn.router)
+                out.append(layer.ffn.router_t)
             for f in ffns:
-                out += [f.gate_up, f.down]
+                out += [f.gate_up_t, f.down_t]
         return out
 
     def nbytes(self) -> int:
@@ -86,16 +88,18 @@ class _Init:
         return t.mul_(std)
 
     def linear(self, out_f: int, in_f: int) -> torch.Tensor:
+        """An HF-convention [out, in] draw, returned transposed (a view)."""
         # 2/sqrt(fan_in): at 1/sqrt(fan_in) the tiny models collapse to repeating
         # one token; at 2x they generate varied text, which makes exactness
         # tests sensitive (any changed bit soon changes a token).
-        return self.normal(out_f, in_f, std=2.0 / math.sqrt(in_f))
+        return self.normal(out_f, in_f, std=2.0 / math.sqrt(in_f)).t()
 
     def norm(self, n: int) -> torch.Tensor:
         return self.normal(n, std=0.1).add_(1.0)
 
     def ffn(self, hidden: int, inter: int) -> DenseFFNWeights:
-        return DenseFFNWeights(gate_up=self.linear(2 * inter, hidden), down=self.linear(hidden, inter))
+        return DenseFFNWeights(gate_up_t=self.linear(2 * inter, hidden),
+                               down_t=self.linear(hidden, inter))
 
 
 def init_device(cfg: ModelConfig, device: torch.device) -> torch.device:
@@ -130,29 +134,31 @@ def random_weights(cfg: ModelConfig, seed: int, device: torch.device,
     layers = []
     for _ in range(cfg.num_layers):
         attn_norm = init.norm(cfg.hidden_size)
-        wqkv = init.linear(qkv_rows, cfg.hidden_size)
+        qkv_t = init.linear(qkv_rows, cfg.hidden_size)
         bqkv = init.normal(qkv_rows, std=0.1) if cfg.qkv_bias else None
-        wo = init.linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+        o_t = init.linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
         ffn_norm = init.norm(cfg.hidden_size)
         ffn: DenseFFNWeights | MoEWeights
         if cfg.moe is None:
             ffn = init.ffn(cfg.hidden_size, cfg.intermediate_size)
         else:
             m = cfg.moe
-            router = init.linear(m.n_experts, cfg.hidden_size)
+            router_t = init.linear(m.n_experts, cfg.hidden_size)
             experts = [init.ffn(cfg.hidden_size, m.expert_intermediate) for _ in range(m.n_experts)]
             shared = init.ffn(cfg.hidden_size, m.expert_intermediate * m.n_shared) \
                 if m.n_shared else None
-            ffn = MoEWeights(router=router, experts=experts, shared=shared)
-        layers.append(LayerWeights(attn_norm, wqkv, bqkv, wo, ffn_norm, ffn))
+            ffn = MoEWeights(router_t=router_t, experts=experts, shared=shared)
+        layers.append(LayerWeights(attn_norm, qkv_t, bqkv, o_t, ffn_norm, ffn))
     norm = init.norm(cfg.hidden_size)
-    lm_head = embed if cfg.tie_embeddings else init.linear(cfg.vocab_size, cfg.hidden_size)
-    weights = ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+    lm_head_t = embed.t() if cfg.tie_embeddings else init.linear(cfg.vocab_size,
+                                                                   cfg.hidden_size)
+    weights = ModelWeights(embed=embed, layers=layers, norm=norm, lm_head_t=lm_head_t)
     return move_weights(weights, device, dtype)
 
 
 def move_weights(w: ModelWeights, device: torch.device, dtype: torch.dtype) -> ModelWeights:
-    """Cast/move every tensor once, keeping tied tensors tied."""
+    """Cast/move every tensor once; the result is contiguous (transposed views
+    become real ``[in, out]`` matrices)."""
     cache: dict[int, torch.Tensor] = {}
 
     def mv(t: torch.Tensor) -> torch.Tensor:
@@ -162,7 +168,7 @@ def move_weights(w: ModelWeights, device: torch.device, dtype: torch.dtype) -> M
         return cache[key]
 
     def mv_ffn(f: DenseFFNWeights) -> DenseFFNWeights:
-        return DenseFFNWeights(mv(f.gate_up), mv(f.down))
+        return DenseFFNWeights(mv(f.gate_up_t), mv(f.down_t))
 
     layers = []
     for ly in w.layers:
@@ -170,9 +176,9 @@ def move_weights(w: ModelWeights, device: torch.device, dtype: torch.dtype) -> M
         if isinstance(ly.ffn, DenseFFNWeights):
             ffn = mv_ffn(ly.ffn)
         else:
-            ffn = MoEWeights(mv(ly.ffn.router), [mv_ffn(e) for e in ly.ffn.experts],
+            ffn = MoEWeights(mv(ly.ffn.router_t), [mv_ffn(e) for e in ly.ffn.experts],
                              mv_ffn(ly.ffn.shared) if ly.ffn.shared else None)
-        layers.append(LayerWeights(mv(ly.attn_norm), mv(ly.wqkv),
+        layers.append(LayerWeights(mv(ly.attn_norm), mv(ly.qkv_t),
                                    mv(ly.bqkv) if ly.bqkv is not None else None,
-                                   mv(ly.wo), mv(ly.ffn_norm), ffn))
-    return ModelWeights(mv(w.embed), layers, mv(w.norm), mv(w.lm_head))
+                                   mv(ly.o_t), mv(ly.ffn_norm), ffn))
+    return ModelWeights(mv(w.embed), layers, mv(w.norm), mv(w.lm_head_t))

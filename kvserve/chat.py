@@ -117,10 +117,7 @@ async def _session(args: argparse.Namespace, target: Target) -> int:
                 if not user.strip():
                     continue
             messages.append(("user", user))
-            try:
-                reply = await client.turn(messages)
-            except grpc.aio.AioRpcError as exc:
-                raise UsageError(f"{exc.code().name}: {exc.details()}") from exc
+            reply = await _turn_with_retry(client, messages)
             messages.append(("assistant", reply.text))
             if args.stats:
                 print(f"[prompt {reply.prompt_tokens} tokens, cached {reply.cached_tokens}, "
@@ -130,11 +127,28 @@ async def _session(args: argparse.Namespace, target: Target) -> int:
                 return 0
 
 
+async def _turn_with_retry(client: _Client, messages: list[tuple[str, str]],
+                           attempts: int = 3) -> Reply:
+    """A deployment that just started may not list its instances yet: retry an
+    UNAVAILABLE that came before any text, then give up with the reason."""
+    for attempt in range(attempts):
+        try:
+            return await client.turn(messages)
+        except grpc.aio.AioRpcError as exc:
+            again = (exc.code() == grpc.StatusCode.UNAVAILABLE and not client.printed
+                     and attempt + 1 < attempts)
+            if not again:
+                raise UsageError(f"{exc.code().name}: {exc.details()}") from exc
+            await asyncio.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
 class _Client:
     def __init__(self, target: Target, args: argparse.Namespace) -> None:
         self._target = target
         self._args = args
         self._channels: list[grpc.aio.Channel] = []
+        self.printed = False                 # text of the current turn reached the user
 
     async def __aenter__(self) -> _Client:
         return self
@@ -164,11 +178,14 @@ class _Client:
         ttft = 0.0
         parts: list[str] = []
         usage = (0, 0, 0)
+        self.printed = False
         async for text, first, final_usage in stream:
             if first and not ttft:
                 ttft = time.perf_counter() - t0
             parts.append(text)
-            print(text, end="", flush=True)
+            if text:
+                self.printed = True
+                print(text, end="", flush=True)
             if final_usage is not None:
                 usage = final_usage
         print(flush=True)

@@ -116,7 +116,10 @@ def run(args: argparse.Namespace) -> int:
     children = _children(cfg, config_file, run_dir, router=not args.no_router)
     state = _state(cfg, children)
     try:
-        start_children(children, args.ready_timeout, stop)
+        # The router last: its first view of the registry then holds the others.
+        start_children([c for c in children if c.name != "router"], args.ready_timeout, stop)
+        _wait_registered(redis_url, {"kvstore", "prefill", "decode"}, args.ready_timeout)
+        start_children([c for c in children if c.name == "router"], args.ready_timeout, stop)
         state_path().parent.mkdir(parents=True, exist_ok=True)
         state_path().write_text(json.dumps(asdict(state), indent=1))
         _print_started(state, children)
@@ -286,6 +289,27 @@ def _wait_ready(children: list[Child], timeout_s: float, stop: _Stop | None) -> 
                              f"{pending[0].log.parent})")
         if pending:
             time.sleep(0.2)
+
+
+def _wait_registered(redis_url: str, roles: set[str], timeout_s: float) -> None:
+    """Until every role has a live entry in the instance registry."""
+    import asyncio
+
+    from kvstore.registry import InstanceRegistry
+
+    async def wait() -> None:
+        async with InstanceRegistry(redis_url) as reg:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                have = {i.role for i in await reg.list_instances()}
+                if roles <= have:
+                    return
+                if time.monotonic() > deadline:
+                    raise UsageError(f"not registered after {timeout_s:.0f}s: "
+                                     f"{sorted(roles - have)}")
+                await asyncio.sleep(0.1)
+
+    asyncio.run(wait())
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -28,7 +28,7 @@ import json
 import math
 import re
 import tarfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -252,25 +252,23 @@ def _is_agent_archive(p: Path) -> bool:
     return p.is_dir() or p.name.endswith((".tar.xz", ".tar", ".tar.gz")) or p.suffix == ".json"
 
 
-def _agent_members(p: Path) -> Iterator[tuple[str, Callable[[], bytes]]]:
-    """(member name, loader) pairs; loaders read lazily so skipped members cost
-    no JSON parsing."""
-    if p.is_dir():
-        for f in sorted(p.glob("*.json")):
-            yield f.name, f.read_bytes
-    elif p.suffix == ".json":
-        yield p.name, p.read_bytes
-    else:
-        try:
-            with tarfile.open(p, "r:*") as tf:
-                for m in tf:
-                    if m.isfile() and m.name.endswith(".json"):
-                        fh = tf.extractfile(m)
-                        if fh is not None:
-                            data = fh.read()
-                            yield Path(m.name).name, lambda d=data: d
-        except (tarfile.TarError, OSError, EOFError) as exc:
-            raise TraceFormatError(f"{p}: not a readable tar archive ({exc})") from None
+def _agent_members(p: Path, keep: set[str]) -> Iterator[tuple[str, bytes]]:
+    """(member name, bytes) of the kept sessions, read lazily in archive order."""
+    if p.is_dir() or p.suffix == ".json":
+        for f in sorted(p.glob("*.json")) if p.is_dir() else [p]:
+            if f.name in keep:
+                yield f.name, f.read_bytes()
+        return
+    try:
+        with tarfile.open(p, "r:*") as tf:
+            for m in tf:
+                name = Path(m.name).name
+                if m.isfile() and name in keep:
+                    fh = tf.extractfile(m)
+                    if fh is not None:
+                        yield name, fh.read()
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise TraceFormatError(f"{p}: not a readable tar archive ({exc})") from None
 
 
 def _select(names: list[str], max_sessions: int | None, seed: int) -> set[str]:
@@ -294,15 +292,14 @@ def _session_requests(reqs: Iterable[dict[str, Any]], t0: float, session: str,
 
 def _load_agent(p: Path, tag: int, seed: int, rate: float | None,
                 max_sessions: int | None) -> tuple[list[_Raw], int, str]:
-    names = sorted(name for name, _ in _names_only(p))
-    keep = _select(names, max_sessions, seed)
+    keep = _select(_names_only(p), max_sessions, seed)
     sessions: list[tuple[str, list[_Raw]]] = []
     block_tokens = 64
-    for index, (name, read) in enumerate(m for m in _agent_members(p) if m[0] in keep):
+    for index, (name, data) in enumerate(_agent_members(p, keep)):
         if index >= SESSION_LIMIT:
             raise TraceFormatError(f"{p}: more than {SESSION_LIMIT} sessions in one file")
         try:
-            doc = json.loads(read())
+            doc = json.loads(data)
             block_tokens = int(doc.get("block_size", block_tokens))
             reqs: list[_Raw] = []
             base = tag << FILE_SHIFT | (index + 1) << SESSION_SHIFT
@@ -335,20 +332,17 @@ def _load_agent(p: Path, tag: int, seed: int, rate: float | None,
     return raws, block_tokens, note
 
 
-def _names_only(p: Path) -> Iterator[tuple[str, None]]:
+def _names_only(p: Path) -> list[str]:
     if p.is_dir():
-        for f in sorted(p.glob("*.json")):
-            yield f.name, None
-    elif p.suffix == ".json":
-        yield p.name, None
-    else:
-        try:
-            with tarfile.open(p, "r:*") as tf:
-                for m in tf.getmembers():
-                    if m.isfile() and m.name.endswith(".json"):
-                        yield Path(m.name).name, None
-        except (tarfile.TarError, OSError, EOFError) as exc:
-            raise TraceFormatError(f"{p}: not a readable tar archive ({exc})") from None
+        return sorted(f.name for f in p.glob("*.json"))
+    if p.suffix == ".json":
+        return [p.name]
+    try:
+        with tarfile.open(p, "r:*") as tf:
+            return sorted(Path(m.name).name for m in tf.getmembers()
+                          if m.isfile() and m.name.endswith(".json"))
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise TraceFormatError(f"{p}: not a readable tar archive ({exc})") from None
 
 
 # ------------------------------------------------------------ transformations

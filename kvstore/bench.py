@@ -1,13 +1,17 @@
 """``kvserve bench store``: the warehouse's data paths against raw baselines,
 side by side in one run (same blocks, same machine, same moment).
 
-Rows (GB/s unless noted; best of ``--repeats``, the same rule for every row):
+Rows (GB/s unless noted; best of ``--repeats``, the same rule for every row; a
+row and its baseline run in turn within each round, so both see the same
+moments of a shared machine):
 - memcpy: numpy copy of the blocks into a reused buffer (the ceiling of any
   in-memory path); g2_put / g2_get: the G2 tier (copy + xxh3 checksum);
-- raw_write / raw_read: one plain file per block, write + fsync, read back
-  into a reused buffer; g3_write / g3_read: the G3 tier (temp file, fsync,
-  rename, directory fsync; read + verify). Reads come from the page cache
-  for both, as the files were just written;
+- raw_write / raw_read: the same bytes as ONE plain file written in
+  sequence with one fsync, read back block by block with ``f.read``;
+  g3_write / g3_read: the G3 tier as the warehouse drives it (one file per
+  block, atomic: temp file, fsync, rename, directory fsync, group-committed
+  through ``put_many``; read + verify). Reads come from the page cache for
+  both, as the files were just written;
 - redis_put / redis_get: the blocks as Redis values, one SET/GET each (what
   LMCache's Redis backend does);
 - lookup p50/p99 ms: one chain lookup of ``--chain`` blocks (loopback Redis,
@@ -31,11 +35,44 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-GOALS = (
-    ("g3_write_gbps", "raw_write_gbps", 0.9),
-    ("g3_read_gbps", "raw_read_gbps", 0.9),
-    ("shm_gbps", "memcpy_gbps", 0.9),
+# Mooncake Store over TCP on loopback, measured on these CPU machines (DESIGN §10):
+# put 1.0-1.5 GB/s, get 1.1-1.8 GB/s, 2,048-key existence check 2.65 ms p99.
+MOONCAKE = {"put_gbps": (1.0, 1.5), "get_gbps": (1.1, 1.8), "lookup_p99_ms": 2.65}
+# (goal, metric, at least this multiple of a reference row, or None = at most `bound`)
+GOALS: tuple[tuple[str, str, str | None, float], ...] = (
+    ("G3 write >= 0.9x raw write", "g3_write_gbps", "raw_write_gbps", 0.9),
+    ("G3 read >= 0.9x raw read", "g3_read_gbps", "raw_read_gbps", 0.9),
+    ("shm get >= 0.9x memcpy (interleaved)", "shm_gbps", "shm_memcpy_gbps", 0.9),
+    ("lookup p99 < 2 ms", "lookup_p99_ms", None, 2.0),
+    ("gRPC put >= 1.5x Mooncake (1.5 GB/s high end)", "grpc_put_gbps", None, -1.5 * 1.5),
+    ("gRPC get >= 1.5x Mooncake (1.8 GB/s high end)", "grpc_gbps", None, -1.5 * 1.8),
 )
+
+
+_PEER_GOALS: tuple[tuple[str, str, str | None, float], ...] = (
+    ("gRPC put >= 1.5x Mooncake put (same run)", "grpc_put_gbps", "mooncake_put_gbps", 1.5),
+    ("gRPC get >= 1.5x Mooncake get (same run)", "grpc_gbps", "mooncake_get_gbps", 1.5),
+    ("lookup p99 < Mooncake's (same run)", "lookup_p99_ms", "mooncake_lookup_p99_ms", -1.0),
+)
+
+
+def check_goals(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each goal's measured value, target and verdict (negative bound = a floor;
+    a negative multiple of a reference row = at most that row)."""
+    out = {}
+    goals = GOALS + (_PEER_GOALS if "mooncake_put_gbps" in res else ())
+    for name, metric, ref, k in goals:
+        value = float(res[metric])
+        if ref is not None:
+            target = abs(k) * float(res[ref])
+            met = value >= target if k > 0 else value < target
+        elif k < 0:
+            target, met = -k, value >= -k
+        else:
+            target, met = k, value < k
+        out[name] = {"metric": metric, "value": round(value, 3), "target": round(target, 3),
+                     "met": met}
+    return out
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -48,15 +85,22 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default="", help="Redis (default: an embedded server)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", default="", help="also draw the throughput rows into this PNG")
+    p.add_argument("--mooncake-python", default="",
+                   help="a Python with mooncake-transfer-engine-non-cuda installed (its bin/ "
+                        "holds mooncake_master): adds Mooncake Store rows side by side")
 
 
-def _best_gbps(nbytes: int, repeats: int, fn: Callable[[int], None]) -> float:
-    best = float("inf")
+def _interleaved(nbytes: int, repeats: int,
+                 fns: dict[str, Callable[[int], None]]) -> dict[str, float]:
+    """Best GB/s of each function, running them in turn within every round, so
+    a row and its baseline see the same moments of a shared, busy machine."""
+    best = dict.fromkeys(fns, float("inf"))
     for r in range(repeats):
-        t0 = time.perf_counter()
-        fn(r)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(r)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: nbytes / t / 1e9 for name, t in best.items()}
 
 
 class _Data:
@@ -86,12 +130,9 @@ def bench_memory(d: _Data, repeats: int) -> dict[str, float]:
         for i in range(d.n):
             np.copyto(dst[i], d.arr[i])
 
-    out: dict[str, float] = {"memcpy_gbps": _best_gbps(d.total, repeats, memcpy)}
     g2 = HostTier("mem://bench", name="G2", capacity_bytes=d.total + 2**20, pin=False)
     try:
-        prefault = getattr(g2, "prefault", None)
-        if callable(prefault):
-            prefault()
+        g2.prefault()
 
         def meta(k: bytes) -> BlockMeta:
             return BlockMeta(k, "", "", 1, "chat", time.time() + 3600)
@@ -114,8 +155,8 @@ def bench_memory(d: _Data, repeats: int) -> dict[str, float]:
                 if g2.get(k) is None:
                     raise RuntimeError("G2 lost a block during the benchmark")
 
-        out["g2_put_gbps"] = _best_gbps(d.total, repeats, put)
-        out["g2_get_gbps"] = _best_gbps(d.total, repeats, get)
+        out = _interleaved(d.total, repeats, {"memcpy_gbps": memcpy, "g2_put_gbps": put,
+                                              "g2_get_gbps": get})
     finally:
         g2.close()
     return out
@@ -127,40 +168,47 @@ def bench_disk(d: _Data, repeats: int, root: Path) -> dict[str, float]:
 
     raw_dir = root / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
-    buf = bytearray(d.size)
 
     def raw_write(r: int) -> None:
-        for i, v in enumerate(d.views):
-            fd = os.open(raw_dir / f"{r}-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
+        # One plain file, the blocks written in sequence, one fsync: the disk's ceiling.
+        fd = os.open(raw_dir / f"seq-{r}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for v in d.views:
                 os.write(fd, v)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def raw_read(_: int) -> None:
-        for i in range(d.n):
-            with open(raw_dir / f"0-{i}", "rb", buffering=0) as f:
-                f.readinto(buf)
+        with open(raw_dir / "seq-0", "rb", buffering=0) as f:
+            for _ in range(d.n):
+                if len(f.read(d.size)) != d.size:
+                    raise RuntimeError("short read")
 
-    out = {"raw_write_gbps": _best_gbps(d.total, repeats, raw_write),
-           "raw_read_gbps": _best_gbps(d.total, repeats, raw_read)}
     g3 = open_tier(str(root / "g3"), name="G3", capacity_bytes=100 * d.total)
     keys: list[list[bytes]] = []
 
     def g3_write(r: int) -> None:
         ks = d.keys(100 + r)
         keys.append(ks)
-        for k, v in zip(ks, d.views, strict=True):
-            g3.put(k, v, BlockMeta(k, "", "", 1, "chat", time.time() + 3600))
+        items = [(k, v, BlockMeta(k, "", "", 1, "chat", time.time() + 3600))
+                 for k, v in zip(ks, d.views, strict=True)]
+        put_many = getattr(g3, "put_many", None)      # the warehouse's batched path
+        if callable(put_many):
+            put_many(items)
+        else:
+            for item in items:
+                g3.put(*item)
 
     def g3_read(_: int) -> None:
         for k in keys[0]:
             if g3.get(k) is None:
                 raise RuntimeError("G3 lost a block during the benchmark")
 
-    out["g3_write_gbps"] = _best_gbps(d.total, repeats, g3_write)
-    out["g3_read_gbps"] = _best_gbps(d.total, repeats, g3_read)
+    out = _interleaved(d.total, repeats, {"raw_write_gbps": raw_write,
+                                          "g3_write_gbps": g3_write})
+    out.update(_interleaved(d.total, repeats, {"raw_read_gbps": raw_read,
+                                               "g3_read_gbps": g3_read}))
     g3.close()
     return out
 
@@ -180,8 +228,7 @@ def bench_redis(d: _Data, repeats: int, url: str) -> dict[str, float]:
             if r.get(b"bench:" + k) is None:
                 raise RuntimeError("Redis lost a value")
 
-    out = {"redis_put_gbps": _best_gbps(d.total, repeats, put),
-           "redis_get_gbps": _best_gbps(d.total, repeats, get)}
+    out = _interleaved(d.total, repeats, {"redis_put_gbps": put, "redis_get_gbps": get})
     r.delete(*[b"bench:" + k for k in ks])
     r.close()
     return out
@@ -221,7 +268,9 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
                         lookups: int) -> dict[str, float]:
     import numpy as np
 
+    from kvserve.config import TrafficClasses
     from kvstore.client import KVStoreClient
+    from kvstore.index import BlockIndex, IndexRecord
     from kvstore.redis_server import free_port
     from kvstore.types import RequestCtx
 
@@ -249,7 +298,7 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
                 warm = d.keys(tag + 99)
                 await c.put(warm, d.arr, layout=layout, token_count=1, ctx=ctx)
                 await c.get(warm, ctx=ctx, out=dst)
-                put_times, get_times = [], []
+                put_times, get_times, copy_times = [], [], []
                 for r in range(repeats):
                     ks = d.keys(tag + r)
                     t0 = time.perf_counter()
@@ -260,22 +309,119 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
                     get_times.append(time.perf_counter() - t0)
                     if got.hit_prefix != d.n:
                         raise RuntimeError(f"{mode}: {d.n - got.hit_prefix} blocks missing")
+                    t0 = time.perf_counter()             # the same bytes, same moment
+                    for i in range(d.n):
+                        np.copyto(dst[i], d.arr[i])
+                    copy_times.append(time.perf_counter() - t0)
+                out[f"{mode}_memcpy_gbps"] = d.total / min(copy_times) / 1e9
                 if not np.array_equal(dst, d.arr):
                     raise RuntimeError(f"{mode}: bytes differ after a round trip")
                 out[f"{mode}_put_gbps"] = d.total / min(put_times) / 1e9
                 out[f"{mode}_gbps"] = d.total / min(get_times) / 1e9
+        ks = [b"G" + i.to_bytes(4, "little") + b"\0" * 11 for i in range(chain)]
+        ix = await BlockIndex(url, node="bench-svc", classes=TrafficClasses(),
+                              publish_events=False).start()
+        for i in range(0, chain, 1024):         # entries as the store's own G3 blocks
+            await ix.add([IndexRecord(k, 2**20, "chat") for k in ks[i:i + 1024]], tier="G3")
         async with KVStoreClient(f"127.0.0.1:{port}", timeout_s=30) as c:
-            ks = [b"G" + i.to_bytes(4, "little") + b"\0" * 11 for i in range(chain)]
+            if (await c.lookup(ks, prompt_tokens=chain * 64, ctx=ctx)).matched_blocks != chain:
+                raise RuntimeError("the store does not see the benchmark's index entries")
             times = []
             for _ in range(min(lookups, 100)):
                 t0 = time.perf_counter()
                 await c.lookup(ks, prompt_tokens=chain * 64, ctx=ctx)
                 times.append(time.perf_counter() - t0)
             out["grpc_lookup_p50_ms"], out["grpc_lookup_p99_ms"] = _percentiles(times)
+        await ix.delete(ks)
+        await ix.close()
     finally:
         proc.terminate()
         await proc.wait()
     return out
+
+
+_MOONCAKE_CLIENT = r"""
+import json, os, sys, time
+from mooncake.store import MooncakeDistributedStore
+role, me, meta, master, n, size, repeats, hold = sys.argv[1:9]
+n, size, repeats = int(n), int(size), int(repeats)
+s = MooncakeDistributedStore()
+seg = (2 * n * size * (repeats + 1)) if role == "holder" else 0
+if s.setup(me, meta, seg, 64 << 20, "tcp", "", master) != 0:
+    sys.exit("mooncake setup failed")
+if role == "holder":
+    print("ready", flush=True)
+    time.sleep(float(hold))
+    sys.exit(0)
+data = [os.urandom(size) for _ in range(n)]
+put = get = 0.0
+for r in range(repeats):
+    ks = [f"b{r}-{i}" for i in range(n)]
+    t = time.perf_counter()
+    for k, d in zip(ks, data):
+        if s.put(k, d) != 0:
+            sys.exit("mooncake put failed")
+    put = max(put, n * size / (time.perf_counter() - t) / 1e9)
+    t = time.perf_counter()
+    for k in ks:
+        if len(s.get(k)) != size:
+            sys.exit("mooncake get failed")
+    get = max(get, n * size / (time.perf_counter() - t) / 1e9)
+keys = [f"b0-{i % n}" for i in range(2048)]
+lat = []
+for _ in range(200):
+    t = time.perf_counter()
+    s.batch_is_exist(keys)
+    lat.append(time.perf_counter() - t)
+lat.sort()
+print(json.dumps({"mooncake_put_gbps": put, "mooncake_get_gbps": get,
+                  "mooncake_lookup_p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1e3}))
+"""
+
+
+def bench_mooncake(python: str, d: _Data, repeats: int) -> dict[str, float]:
+    """Mooncake Store (CPU build) over TCP on loopback with the same blocks: a
+    master, one process holding the memory segment, one client process."""
+    import subprocess
+
+    from kvstore.redis_server import free_port
+
+    master_bin = Path(python).parent / "mooncake_master"
+    rpc, http, holder_port, client_port = (free_port() for _ in range(4))
+    meta = f"http://127.0.0.1:{http}/metadata"
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        procs.append(subprocess.Popen(
+            [str(master_bin), f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
+             f"-http_metadata_server_port={http}", "-http_metadata_server_host=127.0.0.1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, text=True))
+        time.sleep(1.0)
+        common = [meta, f"127.0.0.1:{rpc}", str(d.n), str(d.size), str(repeats)]
+        holder = subprocess.Popen(
+            [python, "-c", _MOONCAKE_CLIENT, "holder", f"127.0.0.1:{holder_port}", *common,
+             "600"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        procs.append(holder)
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "ready":
+            raise RuntimeError("mooncake holder did not start")
+        out = subprocess.run(
+            [python, "-c", _MOONCAKE_CLIENT, "client", f"127.0.0.1:{client_port}", *common,
+             "0"], capture_output=True, env=env, text=True, timeout=600, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait()
+
+
+def _mooncake_python(arg: str) -> str:
+    """The interpreter that has Mooncake: --mooncake-python, or this one if it has it."""
+    if arg:
+        return arg
+    import importlib.util
+
+    return sys.executable if importlib.util.find_spec("mooncake") else ""
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -292,7 +438,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if not url:
         embedded = EmbeddedRedis().start()
         url = embedded.url
-    steps = ["memory", "disk", "redis", "lookup", "service"]
+    mooncake = _mooncake_python(args.mooncake_python)
+    steps = ["memory", "disk", "redis", "lookup", "service"] + (["mooncake"] if mooncake else [])
     try:
         with tempfile.TemporaryDirectory(dir=args.dir or None) as tmp, \
                 tqdm(total=len(steps), desc="bench store", file=sys.stderr) as bar:
@@ -306,16 +453,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     res.update(bench_redis(d, args.repeats, url))
                 elif step == "lookup":
                     res.update(asyncio.run(bench_lookup(url, args.chain, args.lookups)))
-                else:
+                elif step == "service":
                     res.update(asyncio.run(bench_service(d, args.repeats, url, args.chain,
                                                          args.lookups)))
+                else:
+                    res.update(bench_mooncake(mooncake, d, args.repeats))
                 bar.update()
     finally:
         if embedded is not None:
             embedded.stop()
-    res["mooncake"] = "not installed (see docs/BENCHMARKS.md)"
-    for got, ref, ratio in GOALS:
-        res[f"{got}_over_{ref}"] = res[got] / res[ref]
+    if not mooncake:
+        res["mooncake"] = "not installed: pass --mooncake-python (see docs/BENCHMARKS.md)"
+    res["goals"] = check_goals(res)
     return res
 
 
@@ -325,6 +474,10 @@ def _table(res: dict[str, Any]) -> str:
     lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -------"]
     lines += [f"{k:<{width}}  {v:8.3f}" for k, v in rows]
     lines.append(f"(blocks {res['blocks']} x {res['block_bytes']} B; best of repeats)")
+    lines.append("")
+    for name, g in res["goals"].items():
+        lines.append(f"{'met ' if g['met'] else 'MISS'}  {name}: {g['value']} "
+                     f"(target {g['target']})")
     return "\n".join(lines)
 
 

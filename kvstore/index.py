@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from string import Template
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -47,7 +48,10 @@ EPOCH_KEY = "kvserve:index:epoch"
 MAX_NODE_ID = 65_535
 MAX_CLASS_ID = 255
 ALL_TIERS_MASK = sum(TIER_BITS.values())
-_MGET_BATCH = 256                         # keys per MGET inside Lua (unpack limits)
+# Keys per MGET inside Lua: a small first probe (a cold prompt misses at once),
+# then large batches (fewer calls; Lua's unpack() is limited to ~8,000 values).
+_MGET_FIRST = 32
+_MGET_BATCH = 4096
 
 
 def g2_set_name(node: str) -> str:
@@ -58,6 +62,12 @@ def index_key(key: bytes) -> bytes:
     return PREFIX + key
 
 
+# ARGV: the chain's keys concatenated (16 bytes each), touch, now, request class
+# id, refresh fraction, node id, local mask, shared mask, then the TTL per class id.
+# Keys travel as one blob: declaring 2,048 KEYS halves the server's time but
+# triples the client's (redis-py packs each argument in Python); one blob is
+# the cheaper total (a Redis Cluster version must declare them, see
+# docs/warehouse-sizing.md).
 _LUA_LOOKUP = Template("""
 local blob = ARGV[1]
 local touch = ARGV[2] == '1'
@@ -71,8 +81,10 @@ local function ttl_of(c) return tonumber(ARGV[9 + c] or '0') or 0 end
 local n = #blob / 16
 local out = {}
 local i = 1
+local step = $first
 while i <= n do
-  local j = math.min(n, i + $batch - 1)
+  local j = math.min(n, i + step - 1)
+  step = $batch
   local ks = {}
   for t = i, j do ks[#ks + 1] = 'B' .. string.sub(blob, t * 16 - 15, t * 16) end
   local vals = redis.call('MGET', unpack(ks))
@@ -98,7 +110,7 @@ while i <= n do
   i = j + 1
 end
 return table.concat(out)
-""").substitute(batch=_MGET_BATCH)
+""").substitute(first=_MGET_FIRST, batch=_MGET_BATCH)
 
 # ARGV: records, tier bit, node id, now, g2 set ('' = none), stream ('' = none),
 # maxlen, node name, tier name, instance, then (field, value) id re-assertions.
@@ -212,16 +224,32 @@ class IndexEntry:
         return cls(*ENTRY.unpack(raw))
 
 
+_ENTRY_DTYPE = np.dtype([("tiers", "u1"), ("class_id", "u1"), ("node_id", "<u2"),
+                         ("size", "<u4"), ("stamp", "<u4")])
+assert _ENTRY_DTYPE.itemsize == ENTRY.size
+
+
 @dataclass(frozen=True, slots=True)
 class ChainMatch:
-    """The leading entries of a key chain that the asking node can fetch."""
+    """The leading entries of a key chain that the asking node can fetch, as
+    the packed reply (decoded lazily: a 2,048-block chain is one numpy view,
+    not 2,048 Python objects)."""
 
-    entries: list[IndexEntry]
+    raw: bytes
     lookup_s: float
 
     @property
     def matched(self) -> int:
-        return len(self.entries)
+        return len(self.raw) // ENTRY.size
+
+    @property
+    def table(self) -> np.ndarray:
+        """Structured array with fields tiers, class_id, node_id, size, stamp."""
+        return np.frombuffer(self.raw, dtype=_ENTRY_DTYPE)
+
+    @property
+    def entries(self) -> list[IndexEntry]:
+        return [IndexEntry(*e) for e in ENTRY.iter_unpack(self.raw)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,11 +264,17 @@ class IndexRecord:
 
 
 def _check_keys(keys: Sequence[bytes]) -> bytes:
+    try:
+        blob = b"".join(keys)
+    except TypeError:
+        blob = b""
+    if len(blob) == KEY_BYTES * len(keys) and all(len(k) == KEY_BYTES for k in keys):
+        return blob
     for i, k in enumerate(keys):
         if not isinstance(k, bytes | bytearray) or len(k) != KEY_BYTES:
             raise InvalidRequest(
                 f"key {i} is not a {KEY_BYTES}-byte block key (got {len(k)} bytes)")
-    return b"".join(keys)
+    return blob
 
 
 class BlockIndex:
@@ -313,7 +347,7 @@ class BlockIndex:
         blob = _check_keys(keys)
         t0 = time.perf_counter()
         if not keys:
-            return ChainMatch([], 0.0)
+            return ChainMatch(b"", 0.0)
         local_mask = TIER_BITS["G2"] | TIER_BITS["G3"] if local_only else ALL_TIERS_MASK
         shared_mask = TIER_BITS["G4"] if local_only else ALL_TIERS_MASK
         me = self.node_id if local_only else -1
@@ -323,8 +357,7 @@ class BlockIndex:
                 me, local_mask, shared_mask, *self._ttl_argv])
         except RedisError as exc:
             raise StoreUnavailable(f"index lookup failed: {exc}") from exc
-        entries = [IndexEntry(*e) for e in ENTRY.iter_unpack(raw)]
-        return ChainMatch(entries, time.perf_counter() - t0)
+        return ChainMatch(bytes(raw), time.perf_counter() - t0)
 
     async def entries(self, keys: Sequence[bytes]) -> list[IndexEntry | None]:
         _check_keys(keys)

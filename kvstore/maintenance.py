@@ -127,7 +127,7 @@ async def sweep(wh: Warehouse) -> SweepReport:
 
 
 async def _delete(wh: Warehouse, name: str, keys: list[bytes]) -> int:
-    claimed = wh.begin_sweeping(keys)
+    claimed = wh.writeback.begin_sweeping(keys)
     try:
         # Re-check after claiming: a put may have indexed the key since the scan.
         entries = await wh.index.entries(claimed)
@@ -137,4 +137,4 @@ async def _delete(wh: Warehouse, name: str, keys: list[bytes]) -> int:
         wh.metrics.swept.labels(name).inc(n)
         return n
     finally:
-        wh.end_sweeping(claimed)
+        wh.writeback.end_sweeping(claimed)

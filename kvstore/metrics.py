@@ -82,6 +82,9 @@ class StoreMetrics:
             "kvstore_lookup_tokens",
             "Tokens seen by lookups: prompt, matched (stored prefix), usable (after the hit rule)",
             ["kind"], registry=r)
+        self.whatif_dropped = Counter(
+            "kvstore_whatif_dropped_lookups",
+            "Lookups the what-if estimator skipped to stay within its CPU share", registry=r)
         self.errors = Counter("kvstore_rpc_errors", "RPCs that ended in an error",
                               ["method", "code"], registry=r)
 

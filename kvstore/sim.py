@@ -229,9 +229,9 @@ class SimWarehouse:
                 if not self._put(0, h, cls, now):
                     continue
                 stored += tier is None
-            self._cls[h] = cls
             if self._expiring:
                 self._refresh(h, cls, now + ttl)
+            self._cls[h] = cls
         for k, v in enumerate(tier_hits):
             self.tier_hits[k] += v
         hit_tokens = min(hit * bt, request.input_length)

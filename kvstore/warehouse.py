@@ -12,9 +12,8 @@ demoted into G3.
 Concurrency: tier I/O runs in worker threads (tiers lock themselves); the
 asyncio loop owns the index. ``_g2_lock`` makes "G2 put + index update" one
 step, so an eviction from another request cannot clear a bit before it is set.
-Keys being written asynchronously are ``_pending`` and the sweeper never
-deletes them; keys the sweeper is deleting are ``_sweeping`` and a writer
-waits for them, so neither can undo the other.
+The asynchronous writes and their handshake with the sweeper live in
+kvstore.writeback.
 """
 
 from __future__ import annotations
@@ -22,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
+import queue
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
 
 from kvserve.config import ConfigError, HitRule, TierConfig, TrafficClasses
 from kvstore import maintenance
@@ -51,11 +53,14 @@ from kvstore.types import (
     best_tier,
 )
 from kvstore.whatif import WhatIfEstimator
+from kvstore.writeback import WriteBack, WriteJob
 
 log = logging.getLogger(__name__)
 
 G4_DEFAULT_BYTES = 1 << 50
+WHATIF_SHARE = 0.1          # most of the time the what-if estimator may take
 _SERVE_LOCAL = TIER_BITS["G2"] | TIER_BITS["G3"]
+_BEST_TIER = [best_tier(m) for m in range(16)]     # tier mask -> fastest tier name
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +95,6 @@ class Fetched(NamedTuple):
     slot: ShmSlot | None = None
 
 
-@dataclass(slots=True)
-class _WriteJob:
-    key: bytes
-    payload: memoryview
-    meta: BlockMeta
-    tiers: tuple[str, ...]
-
-
 class Warehouse:
     def __init__(self, cfg: WarehouseConfig, *, metrics: StoreMetrics | None = None) -> None:
         self.cfg = cfg
@@ -111,11 +108,13 @@ class Warehouse:
         self.g2: HostTier | None = None
         self.accepting = True
         self.whatif: WhatIfEstimator | None = None   # live what-if (kvstore.whatif)
-        self._pending: dict[bytes, int] = {}
-        self._pending_bytes = 0
-        self._space = asyncio.Condition()
-        self._queue: asyncio.Queue[_WriteJob] = asyncio.Queue()
-        self._sweeping: dict[bytes, asyncio.Event] = {}
+        self.whatif_dropped = 0                      # lookups the estimator had to skip
+        self._whatif_q: queue.Queue[tuple[list[bytes], str, int, float] | None] = \
+            queue.Queue(maxsize=4)
+        self._whatif_lock = threading.Lock()
+        self._whatif_thread: threading.Thread | None = None
+        self.writeback = WriteBack(self.tiers, self.index, self.metrics,
+                                   max_pending_bytes=cfg.max_pending_bytes)
         self._g2_lock = asyncio.Lock()
         self._demoted: deque[tuple[BlockMeta, memoryview]] = deque()
         self._tasks: list[asyncio.Task[None]] = []
@@ -139,8 +138,7 @@ class Warehouse:
             report = await maintenance.reindex(self)
             log.info("index epoch missing: rebuilt from tiers: %s", report)
         self.metrics.watch_tiers(self.tier_snapshots)
-        self._tasks = [asyncio.create_task(self._writer(), name=f"kv-writer-{i}")
-                       for i in range(self.cfg.write_workers)]
+        self.writeback.start(self.cfg.write_workers)
         if self.cfg.sweep_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._sweeper(), name="kv-sweeper"))
         self._load_whatif()
@@ -155,46 +153,81 @@ class Warehouse:
             self.g2 = HostTier(f"mem://{self.node}", name="G2", capacity_bytes=t.g2_bytes,
                                policy=t.eviction_policy, on_evict=self._on_g2_evict, pin=pin)
             self.tiers["G2"] = self.g2
-            prefault = getattr(self.g2, "prefault", None)
-            if self.cfg.prefault_g2 and callable(prefault):
-                prefault()  # first-touch page faults cost more than the copies (memtune)
+            if self.cfg.prefault_g2 and not self.g2.prefault():
+                log.info("could not prefault G2; its first writes will be slower")
         if t.g3_path:
+            # Not serving (reindex beside a live store): leave young temp files alone.
             self.tiers["G3"] = open_tier(t.g3_path, name="G3", capacity_bytes=t.g3_bytes,
                                          policy=t.eviction_policy, lz4=t.lz4,
-                                         fsync=self.cfg.fsync)
+                                         fsync=self.cfg.fsync,
+                                         temp_grace_s=0.0 if with_g2 else 600.0)
         if t.g4_url:
             self.tiers["G4"] = open_tier(t.g4_url, name="G4", capacity_bytes=self.cfg.g4_bytes,
                                          policy=t.eviction_policy, lz4=t.lz4)
 
     def _load_whatif(self) -> None:
         self.whatif = WhatIfEstimator()
+        self._whatif_thread = threading.Thread(target=self._whatif_worker, name="kv-whatif",
+                                               daemon=True)
+        self._whatif_thread.start()
+
+    def _whatif_worker(self) -> None:
+        # The estimator costs ~15-25 us per block (a 2,048-block lookup: tens of ms),
+        # so it runs here, off the event loop, and sheds load when it falls behind.
+        while (item := self._whatif_q.get()) is not None:
+            keys, cls, prompt_tokens, now = item
+            bt = self.hit_rule.block_tokens
+            t0 = time.perf_counter()
+            try:
+                with self._whatif_lock:
+                    many = getattr(self.whatif, "record_many", None)
+                    if callable(many):
+                        many(keys, now, cls, bt)
+                    else:
+                        for k in keys:
+                            self.whatif.record(k, now, cls, bt)  # type: ignore[union-attr]
+                    tail = prompt_tokens - len(keys) * bt
+                    if tail > 0:
+                        self.whatif.record_uncacheable(cls, 1, tail)  # type: ignore[union-attr]
+            except Exception:  # an estimator bug must not kill the thread
+                log.exception("what-if estimator failed to record a lookup")
+            finally:
+                self._whatif_q.task_done()
+            # Duty cycle: the estimator shares the GIL with the event loop, so it
+            # may use at most WHATIF_SHARE of the time; lookups arriving meanwhile
+            # overflow the small queue and are skipped (counted in whatif_dropped).
+            busy = time.perf_counter() - t0
+            time.sleep(busy * (1.0 - WHATIF_SHARE) / WHATIF_SHARE)
+        self._whatif_q.task_done()
+
+    async def whatif_settled(self) -> None:
+        """Wait until every queued lookup has reached the estimator (tests, stats)."""
+        await asyncio.to_thread(self._whatif_q.join)
 
     def _feed_whatif(self, keys: Sequence[bytes], cls: str, prompt_tokens: int) -> None:
-        est = self.whatif
-        if est is None:
-            return
-        now, bt = time.time(), self.hit_rule.block_tokens
-        for k in keys:
-            est.record(k, now, cls, bt)
-        tail = prompt_tokens - len(keys) * bt
-        if tail > 0:
-            est.record_uncacheable(cls, 1, tail)
+        try:
+            self._whatif_q.put_nowait((list(keys), cls, prompt_tokens, time.time()))
+        except queue.Full:
+            self.whatif_dropped += 1
+            self.metrics.whatif_dropped.inc()
 
     async def flush(self) -> None:
         """Wait until every queued G3/G4 write has landed and been indexed."""
-        await self._queue.join()
+        await self.writeback.flush()
 
     async def close(self) -> None:
         self.accepting = False
-        if self._tasks:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.flush(), timeout=60.0)
+        await self.writeback.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        if self._whatif_thread is not None:
+            self._whatif_q.put(None)
+            await asyncio.to_thread(self._whatif_thread.join, 10.0)
+            self._whatif_thread = None
         for tier in self.tiers.values():
             tier.close()
         await self.index.close()
@@ -213,7 +246,7 @@ class Warehouse:
             raise InvalidRequest(str(exc)) from None
 
     def is_pending(self, key: bytes) -> bool:
-        return key in self._pending
+        return self.writeback.is_pending(key)
 
     def servable_mask(self, entry: IndexEntry | None) -> int:
         """Tier bits of ``entry`` that this node can serve."""
@@ -234,7 +267,10 @@ class Warehouse:
                 f"prompt_tokens {prompt_tokens} is fewer than the {len(keys)} keys x "
                 f"{bt} tokens they stand for (or zero): wrong block size or prompt length")
         match = await self.index.match_chain(keys, traffic_class=cls, touch=touch)
-        tiers = [best_tier(self.servable_mask(e)) for e in match.entries]
+        t = match.table
+        mine = t["node_id"] == self.index.node_id
+        masks = (t["tiers"] & TIER_BITS["G4"]) | np.where(mine, t["tiers"] & _SERVE_LOCAL, 0)
+        tiers = [_BEST_TIER[m] for m in masks.tolist()]
         usable = self.hit_rule.usable_tokens(match.matched * bt, prompt_tokens)
         m = self.metrics
         m.lookup_latency.observe(match.lookup_s)
@@ -242,9 +278,7 @@ class Warehouse:
         m.lookup_tokens.labels("matched").inc(match.matched * bt)
         m.lookup_tokens.labels("usable").inc(usable)
         if self.whatif is not None and touch:
-            # After this lookup has answered: the estimator costs ~us per block.
-            asyncio.get_running_loop().call_soon(self._feed_whatif, list(keys), cls,
-                                                 prompt_tokens)
+            self._feed_whatif(keys, cls, prompt_tokens)
         return LookupResult(match.matched, usable, tiers, match.lookup_s)
 
     # -- put ---------------------------------------------------------------------------------
@@ -271,7 +305,7 @@ class Warehouse:
         entries = await self.index.entries(keys)
         expires = time.time() + self.classes.ttl_s[cls]
         todo = [i for i, e in enumerate(entries)
-                if not self.servable_mask(e) and keys[i] not in self._pending]
+                if not self.servable_mask(e) and not self.is_pending(keys[i])]
         metas = [BlockMeta(keys[i], ctx.model_fingerprint, layout, token_counts[i], cls, expires,
                            checksums[i] if i < len(checksums) else b"", payloads[i].nbytes)
                  for i in todo]
@@ -281,7 +315,7 @@ class Warehouse:
         if lower:
             for m, i in zip(metas, todo, strict=True):
                 p = memoryview(payloads[i].tobytes()) if borrowed else payloads[i]
-                await self._enqueue(_WriteJob(m.key, p, m, lower))
+                await self.writeback.enqueue(WriteJob(m.key, p, m, lower))
         self._class_blocks[cls] += len(todo)
         self.metrics.bytes_in.labels("G2").inc(sum(m.size for m in metas))
         return PutResult(len(todo), len(keys) - len(todo), nbytes)
@@ -317,58 +351,10 @@ class Warehouse:
         g3 = self.tiers.get("G3")
         while self._demoted:
             meta, payload = self._demoted.popleft()
-            if g3 is None or meta.key in self._pending or g3.contains(meta.key):
+            if g3 is None or self.is_pending(meta.key) or g3.contains(meta.key):
                 continue
             self.metrics.demotions.inc()
-            await self._enqueue(_WriteJob(meta.key, payload, meta, ("G3",)))
-
-    # -- asynchronous durable writes ---------------------------------------------------------
-    async def _enqueue(self, job: _WriteJob) -> None:
-        n = job.payload.nbytes
-        async with self._space:
-            # An oversized job still goes through alone rather than waiting forever.
-            limit = self.cfg.max_pending_bytes
-            await self._space.wait_for(
-                lambda: self._pending_bytes == 0 or self._pending_bytes + n <= limit)
-            self._pending_bytes += n
-        self._pending[job.key] = self._pending.get(job.key, 0) + 1
-        self._queue.put_nowait(job)
-
-    async def _writer(self) -> None:
-        while True:
-            job = await self._queue.get()
-            try:
-                await self._write(job)
-            except Exception:  # one failed write must not stop the writer
-                log.exception("durable write of block %s failed", job.key.hex())
-            finally:
-                left = self._pending.get(job.key, 1) - 1
-                if left:
-                    self._pending[job.key] = left
-                else:
-                    self._pending.pop(job.key, None)
-                async with self._space:
-                    self._pending_bytes -= job.payload.nbytes
-                    self._space.notify_all()
-                self._queue.task_done()
-
-    async def _write(self, job: _WriteJob) -> None:
-        ev = self._sweeping.get(job.key)
-        if ev is not None:
-            await ev.wait()
-        for name in job.tiers:
-            tier = self.tiers.get(name)
-            if tier is None:
-                continue
-            out = await asyncio.to_thread(tier.put, job.key, job.payload, job.meta)
-            left = job.meta.expires_at - time.time()
-            if out.stored and left > 0:
-                await self.index.add([IndexRecord(job.key, job.meta.size, job.meta.traffic_class,
-                                                  ttl_s=math.ceil(left))], tier=name)
-                if not out.existed:
-                    self.metrics.bytes_in.labels(name).inc(job.meta.size)
-            if out.evicted:
-                await self.index.remove([m.key for m in out.evicted], tier=name)
+            await self.writeback.enqueue(WriteJob(meta.key, payload, meta, ("G3",)))
 
     # -- get ---------------------------------------------------------------------------------
     async def get(self, keys: Sequence[bytes], *, ctx: RequestCtx,
@@ -440,7 +426,7 @@ class Warehouse:
         if "G3" in self.tiers:
             for f in fetched:
                 if f.tier == "G4" and f.meta is not None and f.payload is not None:
-                    await self._enqueue(_WriteJob(f.key, f.payload, f.meta, ("G3",)))
+                    await self.writeback.enqueue(WriteJob(f.key, f.payload, f.meta, ("G3",)))
 
     # -- delete / stats / maintenance --------------------------------------------------------
     async def delete(self, keys: Sequence[bytes], *, ctx: RequestCtx) -> DeleteResult:
@@ -471,7 +457,8 @@ class Warehouse:
         whatif_json = ""
         if self.whatif is not None:
             try:
-                whatif_json = self.whatif.to_json()
+                with self._whatif_lock:
+                    whatif_json = self.whatif.to_json()
             except Exception:  # stats must answer even if the estimator fails
                 log.exception("what-if estimator failed")
         return StoreStats(self.node, self.tier_snapshots(), classes, whatif_json,
@@ -492,21 +479,6 @@ class Warehouse:
                     log.info("sweep: %s", report)
             except Exception:  # keep sweeping after a transient failure
                 log.exception("sweep failed")
-
-    # -- used by maintenance -----------------------------------------------------------------
-    def begin_sweeping(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Claim keys for deletion: returns those not being written. Runs on the
-        loop thread without awaiting, so the check and the claim are one step."""
-        claimed = [k for k in keys if k not in self._pending and k not in self._sweeping]
-        for k in claimed:
-            self._sweeping[k] = asyncio.Event()
-        return claimed
-
-    def end_sweeping(self, keys: Sequence[bytes]) -> None:
-        for k in keys:
-            ev = self._sweeping.pop(k, None)
-            if ev is not None:
-                ev.set()
 
 
 __all__ = ["Fetched", "Warehouse", "WarehouseConfig"]

@@ -34,7 +34,6 @@ mean over time windows (at most ``_WINDOWS`` of them, coarsened by doubling).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,8 +46,10 @@ from kvserve.traces import Trace
 from kvstore.whatif_bins import (
     RT_BINS,
     SD_BINS,
+    CountMin,
     FenwickTree,
     cdf2d,
+    hash_keys,
     interp2d,
     rt_bin,
     rt_position,
@@ -58,8 +59,6 @@ from kvstore.whatif_bins import (
 
 _HASH_SPACE = 1 << 32
 _WINDOWS = 64
-_CMS_WIDTH = 1 << 12
-_CMS_DEPTH = 4
 _FORMAT = 1
 
 
@@ -77,58 +76,104 @@ class WhatIfRow:
     bytes_mean: float
 
     def as_json(self) -> dict[str, Any]:
-        return {"class": self.cls, "ttl_s": self.ttl_s, "capacity_tokens": self.capacity_tokens,
+        # JSON has no infinity: an unlimited TTL or capacity is null.
+        return {"class": self.cls, "ttl_s": None if math.isinf(self.ttl_s) else self.ttl_s,
+                "capacity_tokens": (None if math.isinf(self.capacity_tokens)
+                                    else self.capacity_tokens),
                 "policy": self.policy, "hit_rate": self.hit_rate,
                 "token_hit_rate": self.token_hit_rate, "bytes_peak": self.bytes_peak,
                 "bytes_mean": self.bytes_mean}
 
 
-def _key_hash(key: bytes | int) -> int:
-    """A uniform 64-bit hash of a block key (store keys are BLAKE2b already)."""
-    if isinstance(key, bytes | bytearray | memoryview):
-        b = bytes(key)
-        x = int.from_bytes(b[:8], "little") if len(b) >= 16 else int.from_bytes(
-            hashlib.blake2b(b, digest_size=8).digest(), "little")
-    else:
-        x = int(key) & 0xFFFFFFFFFFFFFFFF
-    # splitmix64 finaliser: trace ids are small sequential ints.
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
 class _ClassHist:
-    """Per class: uses (exact), and sampled reuses by (reuse time, distance)."""
+    """Per class: uses (exact), and sampled reuses by (reuse time, distance).
+    Updates collect in a dict and reach the arrays in bulk: a numpy item
+    update costs about a microsecond, a dict update a tenth of that."""
 
-    __slots__ = ("block_hits", "blocks", "token_hits", "tokens")
+    __slots__ = ("_block", "_pending", "_token", "blocks", "tokens")
 
     def __init__(self) -> None:
         self.blocks = 0.0
         self.tokens = 0.0
-        self.block_hits = np.zeros((RT_BINS, SD_BINS))   # [reuse-time bin, distance bin]
-        self.token_hits = np.zeros((RT_BINS, SD_BINS))
+        self._block = np.zeros((RT_BINS, SD_BINS))   # [reuse-time bin, distance bin]
+        self._token = np.zeros((RT_BINS, SD_BINS))
+        self._pending: dict[tuple[int, int], list[float]] = {}
+
+    def add(self, r: int, d: int, w: float, tokens: int) -> None:
+        acc = self._pending.get((r, d))
+        if acc is None:
+            self._pending[(r, d)] = [w, w * tokens]
+        else:
+            acc[0] += w
+            acc[1] += w * tokens
+
+    def _flush(self) -> None:
+        for (r, d), (b, t) in self._pending.items():
+            self._block[r, d] += b
+            self._token[r, d] += t
+        self._pending.clear()
+
+    @property
+    def block_hits(self) -> np.ndarray:
+        self._flush()
+        return self._block
+
+    @property
+    def token_hits(self) -> np.ndarray:
+        self._flush()
+        return self._token
 
 
 class _Windows:
     """Residency spans (for bytes), by the window in which each span began."""
 
-    __slots__ = ("count", "gap_sum", "t0", "width")
+    __slots__ = ("_count", "_gap_sum", "_pending", "t0", "width")
 
     def __init__(self, t0: float, width: float) -> None:
         self.t0 = t0
         self.width = width
-        self.gap_sum = np.zeros((_WINDOWS, RT_BINS))   # token-seconds of closed spans
-        self.count = np.zeros((_WINDOWS, RT_BINS))     # tokens of closed spans
+        self._gap_sum = np.zeros((_WINDOWS, RT_BINS))   # token-seconds of closed spans
+        self._count = np.zeros((_WINDOWS, RT_BINS))     # tokens of closed spans
+        self._pending: dict[tuple[int, int], list[float]] = {}
+
+    def add(self, t: float, r: int, tokens: float, gap: float) -> None:
+        key = (self.index(t), r)
+        acc = self._pending.get(key)
+        if acc is None:
+            self._pending[key] = [tokens * gap, tokens]
+        else:
+            acc[0] += tokens * gap
+            acc[1] += tokens
+
+    def _flush(self) -> None:
+        for (i, r), (g, c) in self._pending.items():
+            self._gap_sum[i, r] += g
+            self._count[i, r] += c
+        self._pending.clear()
+
+    @property
+    def gap_sum(self) -> np.ndarray:
+        self._flush()
+        return self._gap_sum
+
+    @property
+    def count(self) -> np.ndarray:
+        self._flush()
+        return self._count
+
+    def load(self, count: np.ndarray, gap_sum: np.ndarray) -> None:
+        self._pending.clear()
+        self._count, self._gap_sum = count, gap_sum
 
     def index(self, t: float) -> int:
         i = int((t - self.t0) // self.width)
+        if i >= _WINDOWS:
+            self._flush()
         while i >= _WINDOWS:
             # Coarsen: pairs of windows merge, the width doubles.
-            self.gap_sum = np.concatenate([self.gap_sum[0::2] + self.gap_sum[1::2],
-                                           np.zeros((_WINDOWS // 2, RT_BINS))])
-            self.count = np.concatenate([self.count[0::2] + self.count[1::2],
-                                         np.zeros((_WINDOWS // 2, RT_BINS))])
+            g, c, half = self._gap_sum, self._count, np.zeros((_WINDOWS // 2, RT_BINS))
+            self._gap_sum = np.concatenate([g[0::2] + g[1::2], half])
+            self._count = np.concatenate([c[0::2] + c[1::2], half.copy()])
             self.width *= 2
             i = int((t - self.t0) // self.width)
         return max(i, 0)
@@ -159,7 +204,7 @@ class WhatIfEstimator:
         self._fen_sampled = FenwickTree(slots)     # tokens of sampled keys, by last-use slot
         self._fen_hot = FenwickTree(slots)         # tokens of exact (hot) keys
         self._slot = 0
-        self._cms = [[0] * _CMS_WIDTH for _ in range(_CMS_DEPTH)]   # count-min sketch of uses
+        self._cms = CountMin()                     # uses per key, to find hot keys
         self._hot = 0
         self._window_s = window_s
         self._win: _Windows | None = None
@@ -174,31 +219,51 @@ class WhatIfEstimator:
     # ------------------------------------------------------------ recording
     def record(self, block_key: bytes | int, now: float, cls: str, tokens: int) -> None:
         """One use of a stored block by a request of class ``cls``."""
+        self.record_many((block_key,), now, cls, tokens)
+
+    def record_many(self, keys: Sequence[bytes | int], now: float, cls: str,
+                    tokens: int) -> None:
+        """Uses of several blocks at once (a lookup's chain, in order): one
+        vectorised hash and sketch pass; only sampled or hot keys cost more."""
+        n = len(keys)
+        if n == 0:
+            return
         st = self.classes.get(cls)
         if st is None:
             st = self.classes[cls] = _ClassHist()
-        st.blocks += 1
-        st.tokens += tokens
-        self._records += 1
+        st.blocks += n
+        st.tokens += n * tokens
+        self._records += n
         if self.t_first is None:
             self.t_first = now
             self._win = _Windows(now, self._window_s)
         if now > self.t_last:
             self.t_last = now
+        hashes = hash_keys(keys)                              # [n] uint64
+        high = (hashes >> np.uint64(32)).tolist()
+        hot_at = max(self.hot_uses, self.hot_share * self._records)
+        hot = (self._cms.add(hashes) >= hot_at).tolist()
+        threshold, tracked = self.threshold, self._tracked
+        for i, key in enumerate(keys):
+            if high[i] < threshold or hot[i] or key in tracked:
+                self._use(key, now, st, tokens, high[i], hot[i])
+                threshold = self.threshold      # _use may shed half the sample
+
+    def _use(self, block_key: Any, now: float, st: _ClassHist, tokens: int, h32: int,
+             looks_hot: bool) -> None:
         entry = self._tracked.get(block_key)
+        can_promote = looks_hot and self._hot < self.max_hot
         if entry is None:
-            h = _key_hash(block_key)
-            hot = self._hot < self.max_hot and self._is_hot(h)
-            if (h >> 32) >= self.threshold and not hot:
+            if h32 >= self.threshold and not can_promote:
                 return
-            self._hot += hot
-            self._sampled += not hot
-            entry = self._tracked[block_key] = [now, -1, tokens, hot, h >> 32]
+            self._hot += can_promote
+            self._sampled += not can_promote
+            entry = self._tracked[block_key] = [now, -1, tokens, can_promote, h32]
             self._place(entry)
             self._shed()
             return
         last, slot, old_tokens, hot, _ = entry
-        if not hot and self._hot < self.max_hot and self._is_hot(_key_hash(block_key)):
+        if not hot and can_promote:
             self._fen_sampled.add(slot, -old_tokens)    # promote: exact from now on
             self._fen_hot.add(slot, old_tokens)
             hot = entry[3] = True
@@ -207,16 +272,13 @@ class WhatIfEstimator:
         gap = max(now - last, 0.0)
         w = 1.0 if hot else 1.0 / self.rate
         # Distinct tokens used since the last use, itself included.
-        dist = (self._fen_sampled.range_sum(slot + 1, self._slot) / self.rate
-                + self._fen_hot.range_sum(slot + 1, self._slot) + tokens)
-        r, d = rt_bin(gap), sd_bin(dist)
-        st.block_hits[r, d] += w
-        st.token_hits[r, d] += w * tokens
-        win = self._win
-        assert win is not None
-        wi = win.index(last)
-        win.gap_sum[wi, r] += w * old_tokens * gap
-        win.count[wi, r] += w * old_tokens
+        # (slots after the newest are empty, so a suffix sum is "since then")
+        dist = (self._fen_sampled.suffix(slot + 1) / self.rate
+                + self._fen_hot.suffix(slot + 1) + tokens)
+        r = rt_bin(gap)
+        st.add(r, sd_bin(dist), w, tokens)
+        assert self._win is not None
+        self._win.add(last, r, w * old_tokens, gap)
         (self._fen_hot if hot else self._fen_sampled).add(slot, -old_tokens)
         entry[0], entry[1], entry[2] = now, -1, tokens
         self._place(entry)
@@ -226,20 +288,6 @@ class WhatIfEstimator:
         acc = self.uncacheable.setdefault(cls, [0.0, 0.0])
         acc[0] += blocks
         acc[1] += tokens
-
-    def _is_hot(self, h: int) -> bool:
-        """A key with a large share of all uses (a shared system prompt)."""
-        return self._count_use(h) >= max(self.hot_uses, self.hot_share * self._records)
-
-    def _count_use(self, h: int) -> int:
-        cms, est = self._cms, -1
-        for row in range(_CMS_DEPTH):
-            col = (h >> (row * 12)) & (_CMS_WIDTH - 1)
-            v = cms[row][col] + 1
-            cms[row][col] = v
-            if est < 0 or v < est:
-                est = v
-        return est
 
     def _place(self, entry: list[Any]) -> None:
         if self._slot >= self._fen_sampled.size:
@@ -378,15 +426,15 @@ class WhatIfEstimator:
                 st = est.classes[c] = _ClassHist()
                 st.blocks, st.tokens = float(d["blocks"]), float(d["tokens"])
                 for i, j, b, t in d["cells"]:
-                    st.block_hits[i, j] = b
-                    st.token_hits[i, j] = t
+                    st.add(int(i), int(j), float(b), 0)
+                    st.token_hits[int(i), int(j)] = float(t)
             est.uncacheable = {c: [float(v[0]), float(v[1])]
                                for c, v in doc.get("uncacheable", {}).items()}
             if "windows" in doc:
                 w = doc["windows"]
                 est._win = _Windows(float(w["t0"]), float(w["width"]))
                 closed = _dense3(w["closed"], (_WINDOWS, RT_BINS, 2))
-                est._win.count, est._win.gap_sum = closed[..., 0], closed[..., 1]
+                est._win.load(closed[..., 0].copy(), closed[..., 1].copy())
                 est._frozen_open = _dense3(w["open"], (_WINDOWS, RT_BINS, 2))
         except (KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a what-if estimator state: {exc!r}") from None
@@ -418,8 +466,7 @@ def fit_trace(trace: Trace, *, estimator: WhatIfEstimator | None = None,
     for r in trace.requests:
         ids = r.hash_ids
         n = len(ids) if cache_partial else min(len(ids), r.input_length // bt)
-        for h in ids[:n]:
-            est.record(h, r.t, r.traffic_class, bt)
+        est.record_many(ids[:n], r.t, r.traffic_class, bt)
         rest = r.input_length - n * bt
         if len(ids) > n or rest > 0:
             est.record_uncacheable(r.traffic_class, len(ids) - n, max(rest, 0))

@@ -1,11 +1,15 @@
-"""Log-spaced bins, 2-D CDF interpolation and a Fenwick tree for the what-if
-estimator (``kvstore/whatif.py``)."""
+"""Bins, 2-D CDF interpolation, a Fenwick tree, key hashing and a count-min
+sketch for the what-if estimator (``kvstore/whatif.py``)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Sequence
 
 import numpy as np
+
+_M64 = 0xFFFFFFFFFFFFFFFF
 
 
 class Axis:
@@ -81,14 +85,16 @@ class FenwickTree:
     """Prefix sums over slots 0..size-1 in O(log n); slots are the order of
     last use, so the sum after a slot is what was used since."""
 
-    __slots__ = ("_t", "size")
+    __slots__ = ("_t", "size", "total")
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.total = 0.0
         self._t = [0.0] * (size + 1)
 
     def add(self, i: int, v: float) -> None:
         t, n = self._t, self.size
+        self.total += v
         i += 1
         while i <= n:
             t[i] += v
@@ -102,6 +108,50 @@ class FenwickTree:
             i -= i & -i
         return s
 
+    def suffix(self, i: int) -> float:
+        """Sum of slots [i, size): one walk, not two."""
+        return self.total - self.prefix(i) if self.total else 0.0
+
     def range_sum(self, lo: int, hi: int) -> float:
         """Sum of slots [lo, hi)."""
         return self.prefix(hi) - self.prefix(lo) if hi > lo else 0.0
+
+
+def hash_keys(keys: Sequence[bytes | int]) -> np.ndarray:
+    """A uniform 64-bit hash per block key ([n] uint64). Store keys are
+    BLAKE2b already (their first 8 bytes are taken); trace ids are small
+    sequential ints, so everything goes through the splitmix64 finaliser."""
+    first = keys[0]
+    if isinstance(first, bytes | bytearray | memoryview):
+        raw = b"".join(bytes(k[:8]) if len(k) >= 16 else
+                       hashlib.blake2b(bytes(k), digest_size=8).digest() for k in keys)
+        x = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+    else:
+        x = np.fromiter((int(k) & _M64 for k in keys), dtype=np.uint64, count=len(keys))
+    # Unsigned numpy arithmetic wraps modulo 2**64, as splitmix64 wants.
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class CountMin:
+    """Count-min sketch of key uses (4 rows of 4,096 counters): over-counts,
+    never under-counts, in fixed memory."""
+
+    __slots__ = ("_rows",)
+    DEPTH, WIDTH = 4, 1 << 12
+
+    def __init__(self) -> None:
+        self._rows = np.zeros((self.DEPTH, self.WIDTH), dtype=np.int64)
+
+    def add(self, hashes: np.ndarray) -> np.ndarray:
+        """Count one use per hash; returns each key's estimate afterwards ([n])."""
+        est = None
+        for r in range(self.DEPTH):
+            cols = ((hashes >> np.uint64(12 * r)) & np.uint64(self.WIDTH - 1)).astype(np.intp)
+            np.add.at(self._rows[r], cols, 1)
+            v = self._rows[r][cols]
+            est = v if est is None else np.minimum(est, v)
+        assert est is not None
+        return est

@@ -29,12 +29,19 @@ class EngineThread:
         # Written by one thread each (submit: the loop; done: the worker), so no lock.
         self._submitted = 0
         self._completed = 0
-        self.busy_s = 0.0            # time spent running jobs: the load figure's numerator
+        self.busy_s = 0.0            # time spent running jobs
+        self._mark = (time.monotonic(), 0.0)
 
     @property
     def pending(self) -> int:
         """Jobs submitted and not yet finished (the running one included)."""
         return self._submitted - self._completed
+
+    def utilization(self) -> float:
+        """Busy fraction since the previous call: the load an instance reports."""
+        now, busy = time.monotonic(), self.busy_s
+        (t0, b0), self._mark = self._mark, (now, busy)
+        return min(1.0, (busy - b0) / (now - t0)) if now > t0 else 0.0
 
     async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn`` on the engine thread. If the caller is cancelled the job

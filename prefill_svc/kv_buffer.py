@@ -109,7 +109,8 @@ class KVBuffer:
         self._ttl_s = ttl_s
         self._max_bytes = max_bytes
         self._chunk_bytes = chunk_bytes
-        self._shm_dir = Path(shm_dir) if shm_dir and Path(shm_dir).is_dir() else None
+        usable = bool(shm_dir) and os.path.isdir(shm_dir) and os.access(shm_dir, os.W_OK)
+        self._shm_dir = Path(shm_dir) if usable else None
         self._clock = clock
         self._entries: dict[str, BufferEntry] = {}
         self._gone: dict[str, tuple[float, str]] = {}   # request id -> (when, "expired"/"released")
@@ -174,8 +175,12 @@ class KVBuffer:
         if not entry.shm_name:
             name = f"kvserve-kv-{os.getpid()}-{next(_counter)}"
             path = self._shm_dir / name
-            with open(path, "wb") as f:
-                f.write(_raw(entry.kv).data)
+            try:
+                with open(path, "wb") as f:
+                    f.write(_raw(entry.kv).data)
+            except OSError:
+                path.unlink(missing_ok=True)     # never leave a torn file behind
+                raise
             entry.shm_name = name
         return KVPiece(0, entry.n_tokens, shm_name=entry.shm_name, size=entry.nbytes)
 

@@ -52,21 +52,6 @@ class Restore:
         return self.plan.decision
 
 
-def blocks_tensor(payloads: Sequence[memoryview | bytes], layout: object, *,
-                  pin: bool = False) -> torch.Tensor:
-    """Stack block payloads into one ``[n, *block_shape]`` tensor (one copy each)."""
-    shape = layout.block_shape  # type: ignore[attr-defined]
-    nbytes = layout.block_nbytes  # type: ignore[attr-defined]
-    out = torch.empty((len(payloads), *shape), dtype=layout.torch_dtype,  # type: ignore[attr-defined]
-                      pin_memory=pin)
-    raw = out.view(-1).view(torch.uint8).view(len(payloads), nbytes)
-    for i, p in enumerate(payloads):
-        if len(p) != nbytes:
-            raise ValueError(f"block payload {i} has {len(p)} bytes, layout needs {nbytes}")
-        raw[i].copy_(torch.frombuffer(p, dtype=torch.uint8))
-    return out
-
-
 class Restorer:
     def __init__(self, store: StoreLink, cost: CostModel, hit_rule: HitRule, layout: object,
                  *, pin: bool = False) -> None:
@@ -93,14 +78,17 @@ class Restorer:
         if plan.fetch_blocks == 0:
             return Restore(None, g1_blocks, stored, usable, plan, lookup_s, 0.0, 0)
         want = keys[g1_blocks:g1_blocks + plan.fetch_blocks]
+        layout = self._layout
+        # [n, layers, 2, kv_heads, B, head_dim]: the client writes each block into its row.
+        out = torch.empty((len(want), *layout.block_shape),  # type: ignore[attr-defined]
+                          dtype=layout.torch_dtype, pin_memory=self._pin)  # type: ignore[attr-defined]
         t1 = time.perf_counter()
-        got = await self._store.get(want, ctx=ctx)
+        got = await self._store.get(want, ctx=ctx, out=out)
         fetch_s = time.perf_counter() - t1
         if got is None:
             return Restore(None, g1_blocks, None, usable, plan, lookup_s, fetch_s, len(want))
         n = got.hit_prefix
-        payloads = [p for p in got.payloads[:n] if p is not None]
-        blocks = blocks_tensor(payloads, self._layout, pin=self._pin) if n else None
+        blocks = out[:n] if n else None
         fetched_tiers = plan.tier_blocks if n == len(want) else tier_counts(
             lookup.block_tiers[g1_blocks:g1_blocks + n])
         self._cost.observe_fetch(fetched_tiers, n * self._layout.block_nbytes, fetch_s)  # type: ignore[attr-defined]

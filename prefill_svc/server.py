@@ -80,14 +80,15 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s)
         self.cost = CostModel(cfg.cost, block_nbytes=engine.layout.block_nbytes,
                               block_tokens=self.block_tokens)
-        self.restorer = Restorer(self.store, self.cost, engine.hit_rule, engine.layout)
+        self.restorer = Restorer(self.store, self.cost, engine.hit_rule, engine.layout,
+                                 pin=engine.device.type == "cuda")
         self.writer = BlockWriter(self._put, retries=cfg.writer.retries,
                                   backoff_s=cfg.writer.backoff_s, max_queue=cfg.writer.max_queue)
         self.buffer = KVBuffer(ttl_s=cfg.buffer_ttl_s, max_bytes=cfg.buffer_max_bytes,
                                chunk_bytes=cfg.chunk_bytes, shm_dir=cfg.shm_dir)
         self.stats = PrefillStats()
         self._sweeper: asyncio.Task[None] | None = None
-        self._busy_mark = (time.monotonic(), 0.0)
+        self._write_tiers = ["warehouse"]          # the store's tiers, asked at start
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -95,6 +96,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if self.cfg.warmup_tokens:
             await self.thread.call(self._warmup, self.cfg.warmup_tokens)
         self.writer.start()
+        self._write_tiers = await self.store.tier_names() or ["warehouse"]
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="kv-sweeper")
 
     async def close(self) -> None:
@@ -127,11 +129,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.stats.prefill_tokens_per_s = self.cost.snapshot().prefill_tokens_per_s
 
     def load_report(self) -> LoadReport:
-        now, busy = time.monotonic(), self.thread.busy_s
-        t0, b0 = self._busy_mark
-        self._busy_mark = (now, busy)
-        load = min(1.0, (busy - b0) / (now - t0)) if now > t0 else 0.0
-        return LoadReport(load=load, queue=max(0, self.thread.pending - 1),
+        return LoadReport(load=self.thread.utilization(), queue=max(0, self.thread.pending - 1),
                           tokens_in_flight=self.stats.in_flight_tokens,
                           capacity=float(self.cfg.engine.num_blocks))
 
@@ -165,7 +163,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             g1 = (await self.thread.call(self.engine.g1_match, keys)
                   if self.cfg.local_prefix_cache else 0)
             restore = await self.restorer.restore(keys, prompt_tokens=L, g1_blocks=g1, ctx=ctx)
-            write_from = restore.stored_blocks or 0
+            # Blocks the warehouse lacks get written through (none without a warehouse).
+            writing = self.store.enabled and self.cfg.writer.enabled
+            write_from = (restore.stored_blocks or 0) if writing else len(keys)
             computed = await self.thread.call(self._compute, ctx.request_id, tokens, inp.sampling,
                                               keys, restore, write_from, time.perf_counter())
         finally:
@@ -173,12 +173,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         res = computed.result
         entry = self.buffer.put(ctx.request_id, computed.kv)
         written: list[str] = []
-        if computed.new_blocks is not None and self.store.enabled and self.cfg.writer.enabled:
-            n_full = L // self.block_tokens
-            if self.writer.submit(keys[write_from:n_full], computed.new_blocks,
-                                  layout=self.engine.layout.name,
-                                  token_count=self.block_tokens, ctx=ctx):
-                written.append("warehouse")
+        if computed.new_blocks is not None and self.writer.submit(
+                keys[write_from:], computed.new_blocks, layout=self.engine.layout.name,
+                token_count=self.block_tokens, ctx=ctx):
+            written = self._write_tiers
         self._count(restore, res)
         total_s = time.perf_counter() - t0
         return prefill_pb2.KVHandle(
@@ -233,11 +231,17 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KVChunk]:
         entry = self.buffer.get(request.request_id)
         if request.use_shm and self.buffer.shm_capable:
-            self.stats.pulls_total["shm"] = self.stats.pulls_total.get("shm", 0) + 1
-            p = self.buffer.shm_piece(entry)
-            yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,
-                                      shm_name=p.shm_name, shm_offset=p.shm_offset, size=p.size)
-            return
+            try:
+                p = self.buffer.shm_piece(entry)
+            except OSError as exc:               # /dev/shm full: stream instead
+                log.warning("shared-memory pull of %s failed (%s); streaming", entry.request_id,
+                            exc)
+            else:
+                self.stats.pulls_total["shm"] = self.stats.pulls_total.get("shm", 0) + 1
+                yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,
+                                          shm_name=p.shm_name, shm_offset=p.shm_offset,
+                                          size=p.size)
+                return
         self.stats.pulls_total["stream"] = self.stats.pulls_total.get("stream", 0) + 1
         for p in self.buffer.pieces(entry):
             yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,

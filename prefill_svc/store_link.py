@@ -85,12 +85,15 @@ class StoreLink:
         self._ok()
         return res
 
-    async def get(self, keys: Sequence[bytes], *, ctx: RequestCtx) -> GetResult | None:
+    async def get(self, keys: Sequence[bytes], *, ctx: RequestCtx,
+                  out: torch.Tensor | None = None) -> GetResult | None:
+        """Blocks in key order; with ``out`` ([n, *block_shape], host) the
+        payloads land in it directly (no second copy)."""
         if not self.enabled or not keys:
             return None
         self.stats.gets_total += 1
         try:
-            res = await self._c().get(list(keys), ctx=ctx)  # type: ignore[attr-defined]
+            res = await self._c().get(list(keys), ctx=ctx, out=out)  # type: ignore[attr-defined]
         except _STORE_DOWN as exc:
             await self._degraded("get", exc)
             return None
@@ -110,6 +113,16 @@ class StoreLink:
             raise
         self._ok()
         return res
+
+    async def tier_names(self) -> list[str]:
+        """The store's tiers ("G2", "G3", ...), or [] when it does not answer."""
+        if not self.enabled:
+            return []
+        try:
+            stats = await self._c().stats()  # type: ignore[attr-defined]
+        except _STORE_DOWN:
+            return []
+        return [t.tier for t in stats.tiers]
 
     async def close(self) -> None:
         if self._client is not None:

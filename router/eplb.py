@@ -30,7 +30,9 @@ total load stays near its share. The planner therefore
 
 When the replicated experts need more ranks than exist (tiny settings), it
 falls back to plain balanced packing: replicas largest first onto the
-least-loaded rank with a free slot that does not hold the expert yet.
+least-loaded rank with a free slot that does not hold the expert yet. That
+packing on the mean loads is also the ``method="greedy"`` baseline that
+``kvserve eplb`` reports side by side.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ import numpy as np
 
 from router.eplb_eval import ExpertLoadError, LayerPlacement, moe_layers
 
+METHODS = ("robust", "greedy")
+
 
 @dataclass(frozen=True, slots=True)
 class EplbConfig:
@@ -52,6 +56,7 @@ class EplbConfig:
     kappa: float = 1.0          # weight of the uncertainty in "robust load"
     rel_sigma: float = 0.25     # prior relative drift of an expert's share between workloads
     swap_rounds: int = 400      # local-search budget per layer
+    method: str = "robust"      # or "greedy": the plain baseline (mean loads, balanced packing)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -62,6 +67,8 @@ class EplbConfig:
             raise ValueError("kappa and rel_sigma must be >= 0")
         if self.swap_rounds < 0:
             raise ValueError(f"swap_rounds must be >= 0, got {self.swap_rounds}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
 
     def slots_per_rank(self, experts: int) -> int:
         slots = experts + self.redundant
@@ -238,6 +245,12 @@ def plan_layer(recordings: Sequence[np.ndarray], layer: int, cfg: EplbConfig) ->
     n_experts = recordings[0].shape[1]
     spr = cfg.slots_per_rank(n_experts)
     p, sd = predicted_shares(recordings, layer, cfg.rel_sigma)
+    if cfg.method == "greedy":
+        # The plain baseline: hottest experts replicated by mean load per
+        # replica, replicas packed largest first onto the least-loaded rank.
+        counts = replica_counts(p, cfg.redundant, max_count=cfg.ranks)
+        replicas = _balanced_packing(p, counts, cfg.ranks, spr)
+        return LayerPlacement(cfg.ranks, tuple(tuple(sorted(r)) for r in replicas))
     robust = p + cfg.kappa * sd
     counts = replica_counts(robust, cfg.redundant, max_count=cfg.ranks)
     if int(counts[counts > 1].sum()) <= cfg.ranks:
@@ -265,5 +278,5 @@ def plan(recordings: Sequence[np.ndarray], cfg: EplbConfig) -> ExpertPlan:
     return ExpertPlan(cfg.ranks, spr, shape[0], shape[1], placements)
 
 
-__all__ = ["EplbConfig", "ExpertPlan", "plan", "plan_layer", "predicted_shares",
+__all__ = ["METHODS", "EplbConfig", "ExpertPlan", "plan", "plan_layer", "predicted_shares",
            "replica_counts"]

@@ -175,13 +175,17 @@ class Front:
         t0 = time.perf_counter()
         events = self.core.generate(route)
         try:
-            first = await anext(events)
-        except StopAsyncIteration:
-            raise RouterError("the generation ended without any event") from None
-        self.metrics.ttft_seconds.observe(time.perf_counter() - t0)
-        if not stream:
-            return await self._whole(route, events, first, shapes)
-        return await self._stream(request, route, events, first, shapes)
+            try:
+                first = await anext(events)
+            except StopAsyncIteration:
+                raise RouterError("the generation ended without any event") from None
+            self.metrics.ttft_seconds.observe(time.perf_counter() - t0)
+            if not stream:
+                return await self._whole(route, events, first, shapes)
+            return await self._stream(request, route, events, first, shapes)
+        finally:
+            # Whatever happened (done, failed, client gone): end the decode stream.
+            await events.aclose()
 
     async def _whole(self, route: RouteRequest, events: AsyncGenerator[GenEvent, None],
                      first: GenEvent, shapes: Shapes) -> web.Response:
@@ -219,8 +223,8 @@ class Front:
             if shapes.include_usage:
                 await resp.write(sse(shapes.usage_chunk(usage)))
         except ConnectionError:
-            # The client went away: stop generating (closing the iterator in `finally`
-            # cancels the decode stream) and answer nobody.
+            # The client went away: stop generating (the caller closes the iterator,
+            # which cancels the decode stream) and answer nobody.
             log.info("client of %s disconnected mid-stream", route.request_id)
             return resp
         except Exception as exc:  # headers are sent: report in-stream
@@ -228,9 +232,8 @@ class Front:
             log.warning("request %s failed mid-stream: %s", route.request_id,
                         err.body["error"]["message"])
             self.metrics.stream_errors.inc()
-            await resp.write(sse(err.body))
-        finally:
-            await events.aclose()
+            with contextlib.suppress(ConnectionError):
+                await resp.write(sse(err.body))
         with contextlib.suppress(ConnectionError):
             await resp.write(SSE_DONE)
             await resp.write_eof()
@@ -266,7 +269,10 @@ _HTTP_EXC: dict[int, Callable[[web.Request], RouterError]] = {
 async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     front: Front = request.app[_APP_KEY]  # type: ignore[assignment]
     t0 = time.perf_counter()
-    front.metrics.begin_request()
+    # Probes and scrapes are not load: only API calls count as in flight.
+    api = request.path.startswith("/v1/")
+    if api:
+        front.metrics.begin_request()
     status = 500
     try:
         resp = await handler(request)
@@ -292,7 +298,8 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
                       err.body["error"]["message"], exc_info=not isinstance(exc, RouterError))
         return web.json_response(err.body, status=status)
     finally:
-        front.metrics.end_request()
+        if api:
+            front.metrics.end_request()
         endpoint = request.match_info.route.resource.canonical if (
             request.match_info.route.resource is not None) else "unmatched"
         front.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()

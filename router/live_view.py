@@ -21,19 +21,18 @@ rebuilds which location holds which prefix from the stream's history
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.config import ConfigError, HitRule
-from kvstore.events import EventReader, KVEvent
+from kvstore.events import KIND_DELETED, EventReader, KVEvent
 from kvstore.registry import InstanceInfo, InstanceRegistry
 from router.errors import NoInstanceError
 from router.metrics import RouterMetrics
 from router.placement import Decision, NoCandidateError, Placer, make_router_policy
-from router.view import CandidateSet, ClusterView, PrefixView, ViewError
+from router.view import TIERS, CandidateSet, ClusterView, PrefixView, ViewError
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +89,7 @@ class LiveView:
         self._listeners: list[OnChange] = []
         self._registry: InstanceRegistry | None = None
         self._events: EventReader | None = None
+        self._stopping = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -102,11 +102,16 @@ class LiveView:
                        loop.create_task(self._follow_events(), name="view-events")]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # Ask the loops to end rather than cancelling them: a cancel that lands in
+        # redis-py's blocking XREAD can leave the task stuck "cancelling" forever
+        # (seen with redis 8.1). Each loop checks the flag at least every poll or
+        # blocking read; cancel only what is still running after that.
+        self._stopping.set()
+        if self._tasks:
+            grace = max(self.cfg.poll_s, self.cfg.events_block_ms / 1000) + 2.0
+            _, pending = await asyncio.wait(self._tasks, timeout=grace)
+            for t in pending:
+                t.cancel()
         self._tasks = []
         if self._events is not None:
             await self._events.close()
@@ -145,8 +150,7 @@ class LiveView:
                 await listener(addresses)
 
     async def _poll_registry(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.poll_s)
+        while not await self._stop_within(self.cfg.poll_s):
             try:
                 await self.refresh()
             except asyncio.CancelledError:
@@ -182,7 +186,7 @@ class LiveView:
 
     async def _follow_events(self) -> None:
         assert self._events is not None
-        while True:
+        while not self._stopping.is_set():
             try:
                 for ev in await self._events.read(block_ms=self.cfg.events_block_ms):
                     self._apply(ev)
@@ -190,11 +194,26 @@ class LiveView:
                 raise
             except Exception as exc:
                 log.warning("KV event stream read failed: %s", exc)
-                await asyncio.sleep(self.cfg.poll_s)
+                await self._stop_within(self.cfg.poll_s)
+
+    async def _stop_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; True when the view is stopping."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
 
     def _apply(self, ev: KVEvent) -> None:
         try:
-            self.prefixes.apply(ev)
+            if ev.kind == KIND_DELETED and not ev.tier:
+                # The index dropped these entries outright (Delete RPC, TTL sweep):
+                # the blocks are gone from every tier and location.
+                for location in self.prefixes.locations:
+                    for tier in TIERS:
+                        self.prefixes.apply_event(KIND_DELETED, location, tier, ev.keys)
+            else:
+                self.prefixes.apply(ev)
         except ViewError as exc:
             log.warning("skipping KV event %s: %s", ev.id, exc)
             return
@@ -223,7 +242,11 @@ class LiveView:
 
     @staticmethod
     def _choice(cands: CandidateSet, d: Decision) -> Choice:
-        return Choice(cands.infos[d.index], d.score, d.reason, d.policy, d.detail)
+        detail = ""
+        if log.isEnabledFor(logging.DEBUG):   # every candidate's score, only when shown
+            scores = ", ".join(f"{k}={v:.1f}" for k, v in d.scores.items())
+            detail = f"{d.detail}; scores: {scores}"
+        return Choice(cands.infos[d.index], d.score, d.reason, d.policy, detail)
 
     def _none(self, role: str, exclude: set[str]) -> NoInstanceError:
         why = f" (abandoned after failures: {sorted(exclude)})" if exclude else ""

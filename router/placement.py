@@ -32,6 +32,7 @@ cluster is filled round-robin rather than piling onto the first instance.
 from __future__ import annotations
 
 import itertools
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ import numpy as np
 
 from kvserve.config import HitRule
 from router.view import N_TIERS, TIERS, CandidateSet, PrefixView
+
+log = logging.getLogger(__name__)
 
 
 class UnknownPolicyError(ValueError):
@@ -109,18 +112,21 @@ def restorable_tokens(hit_blocks: np.ndarray, block_tokens: int, prompt_tokens: 
                       hit_rule: HitRule | None = None) -> np.ndarray:
     """[C, 4] matched blocks -> [C, 4] usable tokens under the hit rule
     (DESIGN §3); the excess over the rule's cap is taken from the slowest tier."""
-    tokens = hit_blocks.astype(np.int64) * block_tokens
     rule = hit_rule or HitRule(block_tokens=block_tokens)
+    tokens = hit_blocks * block_tokens
+    # HitRule.usable_tokens = floor_to_block(min(matched, L - reserve)): with
+    # whole blocks matched, only the prompt-side cap can bite.
+    limit = prompt_tokens - rule.reserve
+    cap = max(0, limit - limit % rule.block_tokens)
     total = tokens.sum(axis=1)
-    # Vectorised HitRule.usable_tokens: floor_to_block(min(matched, L - reserve)).
-    limit = np.minimum(total, prompt_tokens - rule.reserve)
-    cap = np.where(limit > 0, limit - limit % rule.block_tokens, 0)
-    excess = total - cap
-    if excess.any():
-        for t in range(N_TIERS - 1, -1, -1):
-            take = np.minimum(excess, tokens[:, t])
-            tokens[:, t] -= take
-            excess -= take
+    if total.max(initial=0) <= cap:
+        return tokens
+    tokens = tokens.copy()
+    excess = np.maximum(total - cap, 0)
+    for t in range(N_TIERS - 1, -1, -1):
+        take = np.minimum(excess, tokens[:, t])
+        tokens[:, t] -= take
+        excess -= take
     return tokens
 
 
@@ -265,7 +271,7 @@ class Placer:
     def _cached_sources(self, cands: CandidateSet) -> np.ndarray:
         # Valid while the candidate set (the same object: ClusterView caches it
         # until the view changes) and the location list are unchanged.
-        n_loc = len(self.prefixes.locations)
+        n_loc = self.prefixes.location_count
         if cands is not self._sources_cands or n_loc != self._sources_locations:
             self._sources = self.prefixes.sources(cands)
             self._sources_cands, self._sources_locations = cands, n_loc
@@ -283,12 +289,18 @@ class Placer:
                       prompt_tokens: int) -> Decision:
         if len(cands) == 0:
             raise NoCandidateError("no live prefill instance to place the request on")
-        return self.policy.choose_prefill(cands, self.prefill_request(cands, keys, prompt_tokens))
+        d = self.policy.choose_prefill(cands, self.prefill_request(cands, keys, prompt_tokens))
+        if log.isEnabledFor(logging.DEBUG):       # formatting 64 scores is not free
+            log.debug("prefill %s scores=%s", d.detail, d.scores)
+        return d
 
     def place_decode(self, cands: CandidateSet, prompt_tokens: int) -> Decision:
         if len(cands) == 0:
             raise NoCandidateError("no live decode instance to place the request on")
-        return self.policy.choose_decode(cands, PlacementRequest(prompt_tokens))
+        d = self.policy.choose_decode(cands, PlacementRequest(prompt_tokens))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("decode %s scores=%s", d.detail, d.scores)
+        return d
 
 
 __all__ = [

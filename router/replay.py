@@ -78,13 +78,43 @@ def arrival_times(trace: Trace, load: float, mode: str = "auto") -> np.ndarray:
     t0 = float(t.min())
     if arrival_mode(trace, mode) == "scale":
         return t0 + (t - t0) / load
-    top = [r.session.split("/", 1)[0] for r in trace.requests]
+    top = _top_sessions(trace)
     start: dict[str, float] = {}
     for s, ti in zip(top, t.tolist(), strict=True):
         if ti < start.get(s, math.inf):
             start[s] = ti
     s0 = np.array([start[s] for s in top])
     return t0 + (s0 - t0) / load + (t - s0)
+
+
+def _top_sessions(trace: Trace) -> list[str]:
+    # Sub-agent requests ("trace_0001/agent-3") belong to their parent's session.
+    return [r.session.split("/", 1)[0] for r in trace.requests]
+
+
+def measure_window(trace: Trace, arrivals: np.ndarray, mode: str = "auto"
+                   ) -> tuple[float, float]:
+    """The interval over which utilisation is measured.
+
+    "scale": the middle 90% of arrivals. "sessions": the time during which at
+    least half the peak number of sessions are running (a session runs from
+    its first to its last request), i.e. the plateau between the ramp-up and
+    the drain of a finite set of sessions, whose long tails would otherwise
+    dilute the figure."""
+    if arrival_mode(trace, mode) == "scale":
+        lo, hi = np.quantile(arrivals, [0.05, 0.95])
+        return float(lo), float(hi)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for s, a in zip(_top_sessions(trace), arrivals.tolist(), strict=True):
+        first[s] = min(first.get(s, math.inf), a)
+        last[s] = max(last.get(s, -math.inf), a)
+    times = np.array(list(first.values()) + list(last.values()))
+    steps = np.array([1] * len(first) + [-1] * len(last))
+    order = np.lexsort((-steps, times))          # at a tie, starts before ends
+    active = np.cumsum(steps[order])
+    busy = np.flatnonzero(active >= max(1, active.max() / 2))
+    return float(times[order][busy[0]]), float(times[order][min(busy[-1] + 1, len(times) - 1)])
 
 
 def policy_kind(name: str) -> str:
@@ -105,7 +135,7 @@ class ReplayConfig:
     capacity_tokens: tuple[int | None, ...] = (3_000_000,)    # per instance, per tier
     ttl_s: float = math.inf
     eviction: str = "lru"
-    calibration_rounds: int = 3
+    calibration_rounds: int = 6
     arrival: str = "auto"                     # "scale", "sessions" or "auto" (see arrival_times)
     progress: bool = False
 
@@ -154,7 +184,7 @@ class ClusterResult:
     ttft_p99_s: float
     ttft_mean_s: float
     imbalance: float                 # max / mean instance busy time
-    utilization: float               # busy time / (instances x arrival span)
+    utilization: float               # busy share of the measure_window
     per_instance: tuple[InstanceResult, ...]
     ttft_s: np.ndarray = field(repr=False, compare=False)
 
@@ -164,6 +194,8 @@ class Calibration:
     load: float
     utilization: float               # round_robin's, at ``load``
     steps: tuple[tuple[float, float], ...]   # (load tried, utilisation measured)
+    reached: bool                    # False: the trace cannot load round_robin that much
+                                     #   (too few sessions); ``load`` is the best found
 
 
 @dataclass(slots=True)
@@ -203,6 +235,9 @@ def simulate(trace: Trace, policy: str, cfg: ReplayConfig, load: float,
     ttft = np.empty(len(reqs))
     arrivals = arrival_times(trace, load, cfg.arrival)
     order = np.argsort(arrivals, kind="stable")
+    w0, w1 = measure_window(trace, arrivals, cfg.arrival)
+    window = max(w1 - w0, 1e-9)
+    busy_in_window = np.zeros(n)
     hits = np.zeros((n, N_TIERS), dtype=np.int64)
     match_tiers = getattr(stores[0], "match_tiers", None) is not None
     for k in tqdm(order.tolist(), desc=f"replay {policy}", file=sys.stderr,
@@ -240,6 +275,7 @@ def simulate(trace: Trace, policy: str, cfg: ReplayConfig, load: float,
         service = fetch + cost.compute_s(r.input_length, cached)
         free_at[i] = start + service
         busy[i] += service
+        busy_in_window[i] += max(0.0, min(free_at[i], w1) - max(start, w0))
         ttft[k] = free_at[i] - now
         t = tallies[i]
         t.requests += 1
@@ -247,11 +283,10 @@ def simulate(trace: Trace, policy: str, cfg: ReplayConfig, load: float,
         t.hit_blocks += res.hit_blocks
         t.tokens += res.input_tokens
         t.hit_tokens += res.hit_tokens
-    span = max(float(arrivals.max() - arrivals.min()), 1e-9)
     per = tuple(InstanceResult(cands.ids[i], t.requests,
                                t.hit_blocks / t.blocks if t.blocks else 0.0,
                                t.hit_tokens / t.tokens if t.tokens else 0.0,
-                               float(busy[i]), float(busy[i] / span))
+                               float(busy[i]), float(busy_in_window[i] / window))
                 for i, t in enumerate(tallies))
     blocks = sum(t.blocks for t in tallies)
     tokens = sum(t.tokens for t in tallies)
@@ -263,7 +298,7 @@ def simulate(trace: Trace, policy: str, cfg: ReplayConfig, load: float,
         ttft_p50_s=float(p50), ttft_p90_s=float(p90), ttft_p99_s=float(p99),
         ttft_mean_s=float(ttft.mean()),
         imbalance=float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
-        utilization=float(busy.sum() / (n * span)), per_instance=per, ttft_s=ttft)
+        utilization=float(busy_in_window.sum() / (n * window)), per_instance=per, ttft_s=ttft)
 
 
 def calibrate_load(trace: Trace, cfg: ReplayConfig, cost: CostModel | None = None
@@ -272,18 +307,23 @@ def calibrate_load(trace: Trace, cfg: ReplayConfig, cost: CostModel | None = Non
     quiet = replace(cfg, progress=False)
     load = 1.0
     steps: list[tuple[float, float]] = []
-    util = 0.0
     for _ in range(cfg.calibration_rounds):
         util = simulate(trace, "round_robin", quiet, load, cost).utilization
         steps.append((load, util))
         if util <= 0:
             raise ValueError("the trace generates no prefill work to calibrate a load on")
-        if abs(util - cfg.target_busy) <= 0.01 * cfg.target_busy:
-            return Calibration(load, util, tuple(steps))
+        if abs(util - cfg.target_busy) <= 0.02 * cfg.target_busy:
+            return Calibration(load, util, tuple(steps), True)
+        if len(steps) > 1:
+            (l0, u0), (l1, u1) = steps[-2], steps[-1]
+            if l1 > 2 * l0 and u1 < 1.1 * u0:
+                # More load no longer adds work (every session already overlaps).
+                return Calibration(l1, u1, tuple(steps), False)
         load *= cfg.target_busy / util
     util = simulate(trace, "round_robin", quiet, load, cost).utilization
     steps.append((load, util))
-    return Calibration(load, util, tuple(steps))
+    return Calibration(load, util, tuple(steps),
+                       abs(util - cfg.target_busy) <= 0.05 * cfg.target_busy)
 
 
 def replay_cluster(trace: Trace, policies: Sequence[str], cfg: ReplayConfig,

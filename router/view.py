@@ -39,10 +39,11 @@ TIER_INDEX: dict[str, int] = {t: i for i, t in enumerate(TIERS)}
 N_TIERS = len(TIERS)
 GLOBAL = "*"                      # location of the shared object tier (G4)
 _NONE = N_TIERS                   # "no tier" in the best-tier lookup
-# Per-tier block counters packed in one uint64 (16 bits per tier): a block
-# whose fastest tier is t adds 1 << (16 * t) = (2 ** t) ** 16, computed from
-# its lowest set tier bit with four squarings, which is far cheaper than a
-# table lookup on a [blocks, candidates] array.
+# Per-tier block counters packed in one integer per candidate: a block whose
+# fastest tier is t adds (2 ** t) ** 8 = 1 << (8 * t) (uint32, 8 bits per tier,
+# prompts up to 255 blocks) or (2 ** t) ** 16 (uint64, 16 bits per tier),
+# computed from its lowest set tier bit by squaring, which is far cheaper than
+# a table lookup on a [blocks, candidates] array; one column sum then counts.
 _SHIFTS = np.array([0, 16, 32, 48], dtype=np.uint64)
 _FIELD = np.uint64(0xFFFF)
 _MAX_PACKED_BLOCKS = 0xFFFF
@@ -219,6 +220,10 @@ class PrefixView:
     def locations(self) -> list[str]:
         return self._loc_names[1:]
 
+    @property
+    def location_count(self) -> int:
+        return len(self._loc_names) - 1
+
     def column(self, location: str) -> int:
         """The column of ``location``, created on first use."""
         col = self._loc.get(location)
@@ -307,7 +312,7 @@ class PrefixView:
         """[n, X] tier masks -> [X, 4] leading-run blocks by fastest tier."""
         run = np.logical_and.accumulate(bits != 0, axis=0)          # [n, X]
         held = bits * run                                           # [n, X] masks in the run
-        low = held & (~held + np.uint8(1))                           # fastest tier bit, 2**t
+        low = held & (-held.view(np.int8)).view(np.uint8)            # fastest tier bit, 2**t
         n = bits.shape[0]
         if n <= _MAX_BYTE_BLOCKS:
             # 8-bit counters in a uint32: 2**t -> 2**(8 t) in three squarings.
@@ -357,19 +362,16 @@ class PrefixView:
         sub = self._gather(keys)                                  # [n, locations]
         if sub.shape[0] == 0:
             return np.zeros((len(cands), N_TIERS), dtype=np.int64)
-        # Only candidates with a source holding the first block can match at all;
-        # usually a few nodes' worth, so the work shrinks to them.
-        first = sub[0]
-        active = np.flatnonzero(first[cols[:, 0]] | first[cols[:, 1]] | first[cols[:, 2]])
-        out = np.zeros((len(cands), N_TIERS), dtype=np.int64)
-        if active.size == 0:
-            return out
-        c = cols if active.size == len(cands) else cols[active]
         # Three column takes and two ORs beat one reduce over a [n, C, 3] copy.
-        bits = sub[:, c[:, 0]] | sub[:, c[:, 1]] | sub[:, c[:, 2]]       # [n, active]
-        if active.size == len(cands):
+        bits = sub[:, cols[:, 0]] | sub[:, cols[:, 1]] | sub[:, cols[:, 2]]   # [n, C]
+        # Only candidates holding the first block can match at all; without a
+        # shared G4 prefix that is a few nodes' worth, so count just those.
+        active = bits[0] != 0
+        if active.all():
             return self._count(bits)
-        out[active] = self._count(bits)
+        out = np.zeros((len(cands), N_TIERS), dtype=np.int64)
+        if active.any():
+            out[active] = self._count(bits[:, active])
         return out
 
 

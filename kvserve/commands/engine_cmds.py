@@ -112,6 +112,7 @@ def _bench_configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--big-model", default="llama-8b-shape",
                    help="second model timed on CUDA (bf16); '' to skip")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
 
 
 def _bench_run(args: argparse.Namespace) -> int:
@@ -123,7 +124,8 @@ def _bench_run(args: argparse.Namespace) -> int:
                             prefill_chunk=args.prefill_chunk,
                             prefill_tokens=tuple(args.prefill_tokens or ()),
                             decode_batches=tuple(args.decode_batches or ()),
-                            decode_steps=args.decode_steps, big_model=args.big_model)
+                            decode_steps=args.decode_steps, big_model=args.big_model,
+                            threads=args.threads)
         result = run_engine_bench(opts)
     except _user_errors() as exc:
         raise UsageError(str(exc)) from exc

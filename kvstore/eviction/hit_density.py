@@ -11,9 +11,11 @@ quiet score low, however recent. The victim is the lowest-density block
 among each bucket's least recently used one; a new block whose density is
 below every resident's is not admitted at all (most blocks are never reused).
 
-The horizon is twice the running mean age of evicted blocks: the time a
-block can expect to stay. Keys evicted or refused are remembered (bounded
-ghost) so their use counts and reuse times keep being learned.
+The horizon is the bucket's own 90th percentile of reuse times: keeping a
+block that long catches most of its reuses, and a never-reused block is
+charged that long. Keys evicted or refused are remembered (bounded ghost)
+so their use counts and reuse times keep being learned whatever the policy
+evicts.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.eviction.base import EvictionPolicy, register_policy
+from kvstore.eviction.prefix_lru import RecencyStacks
 
 _MAX_USES = 4
 _BIN0_S = 0.5           # bin 0 is [0, 0.5 s); bin k covers [0.5*f^(k-1), 0.5*f^k)
@@ -45,22 +48,26 @@ class _Bucket:
     __slots__ = ("density", "lru", "reuses", "starts")
 
     def __init__(self) -> None:
-        self.lru: OrderedDict[Any, None] = OrderedDict()
+        self.lru = RecencyStacks()
         self.reuses = np.zeros(_BINS)      # reuse intervals seen, by bin
         self.starts = 0.0                  # idle periods begun
         self.density = np.zeros(_BINS)     # by starting age bin
 
-    def refresh(self, horizon_s: float) -> None:
+    def refresh(self, quantile: float) -> None:
         r = self.reuses
-        if self.starts <= 0:
+        total = float(r.sum())
+        if self.starts <= 0 or total <= 0:
             self.density[:] = 0.0
             return
+        # Horizon: the bucket's own reuse-time quantile. A block kept that long
+        # would have caught most of its reuses; the ones after do not pay rent.
+        horizon = _EDGES[1 + int(np.searchsorted(np.cumsum(r), quantile * total))]
         # Periods still idle at each bin's start; never-reused ones stay idle.
         alive = self.starts - np.concatenate([[0.0], np.cumsum(r)[:-1]])
         occupancy = np.maximum(alive - r / 2, 0.0) * _WIDTHS
         hits_c = np.concatenate([[0.0], np.cumsum(r)])
         occ_c = np.concatenate([[0.0], np.cumsum(occupancy)])
-        end = np.searchsorted(_EDGES, _EDGES[:-1] + horizon_s, side="right")
+        end = np.searchsorted(_EDGES, _EDGES[:-1] + horizon, side="right")
         end = np.clip(end, np.arange(_BINS) + 1, _BINS)
         occ = occ_c[end] - occ_c[:-1]
         self.density = np.where(occ > 0, (hits_c[end] - hits_c[:-1]) / np.maximum(occ, 1e-12),
@@ -70,16 +77,20 @@ class _Bucket:
 @register_policy("hit_density")
 class HitDensity(EvictionPolicy):
     def __init__(self, refresh_every: int = 2_000, half_life: int = 200_000,
-                 ghost_factor: float = 2.0) -> None:
+                 ghost_factor: float = 2.0, quantile: float = 0.9) -> None:
+        if not 0.0 < quantile <= 1.0:
+            raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+        self._quantile = quantile
         self._buckets: dict[tuple[str, int], _Bucket] = {}
         self._state: dict[Any, tuple[float, int, str]] = {}   # key -> (last use, uses, class)
         self._where: dict[Any, _Bucket] = {}                  # resident key -> its bucket
         self._ghost: OrderedDict[Any, None] = OrderedDict()
         self._ghost_factor = ghost_factor
         self._events = 0
+        self._next_refresh = 64
+        self._last_decay = 0
         self._refresh_every = refresh_every
         self._half_life = half_life
-        self._evict_age = math.inf           # EWMA of ages at eviction
         self._now = 0.0
 
     # ------------------------------------------------------------ learning
@@ -105,18 +116,20 @@ class HitDensity(EvictionPolicy):
         b = self._bucket(cls, uses)
         b.starts += 1.0
         self._events += 1
-        if self._events % self._refresh_every == 0:
+        if self._events >= self._next_refresh:
+            # Early on, refresh at doubling intervals so the policy learns fast.
+            self._next_refresh = self._events + min(self._events, self._refresh_every)
             self._refresh()
         return b
 
     def _refresh(self) -> None:
-        if self._events % self._half_life < self._refresh_every:
+        if self._events - self._last_decay >= self._half_life:
+            self._last_decay = self._events
             for b in self._buckets.values():
                 b.reuses *= 0.5
                 b.starts *= 0.5
-        horizon = 2.0 * self._evict_age if math.isfinite(self._evict_age) else _EDGES[-1]
         for b in self._buckets.values():
-            b.refresh(horizon)
+            b.refresh(self._quantile)
 
     def _score(self, key: Any, b: _Bucket) -> float:
         return float(b.density[_bin(self._now - self._state[key][0])])
@@ -130,25 +143,25 @@ class HitDensity(EvictionPolicy):
     def insert(self, key: Any, size: int, now: float, cls: str = "") -> None:
         if key not in self._state:          # inserted without admit (not via CapacityCache)
             self._use(key, now, cls)
-        _, uses, c = self._state[key]
+        t, uses, c = self._state[key]
         b = self._bucket(c, uses)
-        b.lru[key] = None
+        b.lru.push(key, t)
         self._where[key] = b
 
     def touch(self, key: Any, now: float) -> None:
         old = self._where.get(key)
         if old is None:
             return
-        del old.lru[key]
+        old.lru.discard(key)
         b = self._use(key, now, None)
-        b.lru[key] = None
+        b.lru.push(key, now)
         self._where[key] = b
 
     def remove(self, key: Any) -> None:
         b = self._where.pop(key, None)
         if b is None:
             return
-        del b.lru[key]
+        b.lru.discard(key)
         self._forget_later(key)
 
     def _forget_later(self, key: Any) -> None:
@@ -161,10 +174,11 @@ class HitDensity(EvictionPolicy):
     def _lowest(self) -> tuple[float, Any]:
         best: tuple[float, float, Any] | None = None
         for b in self._buckets.values():
-            if b.lru:
-                key = next(iter(b.lru))
+            head = b.lru.head()
+            if head is not None:
+                key, t = head
                 # Lowest density first; among equals, the longest idle.
-                cand = (self._score(key, b), self._state[key][0], key)
+                cand = (self._score(key, b), t, key)
                 if best is None or cand[:2] < best[:2]:
                     best = cand
         if best is None:
@@ -172,11 +186,7 @@ class HitDensity(EvictionPolicy):
         return best[0], best[2]
 
     def victim(self) -> Any:
-        _, key = self._lowest()
-        age = self._now - self._state[key][0]
-        self._evict_age = age if math.isinf(self._evict_age) else (
-            0.999 * self._evict_age + 0.001 * age)
-        return key
+        return self._lowest()[1]
 
     def bypass_when_full(self, key: Any) -> bool:
         if key in self._where or not self._where:

@@ -23,7 +23,7 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Self
 
@@ -36,6 +36,8 @@ BLOCK_SUFFIX = ".kvb"
 # Called with each evicted block's meta and payload (a private copy), after the
 # tier's lock is released, in the thread that caused the eviction (G2 -> G3 demotion).
 EvictCallback = Callable[[BlockMeta, memoryview], None]
+# One block handed to ``Tier.put_many``: (key, payload, meta), as ``put`` takes them.
+PutItem = tuple[bytes, bytes | bytearray | memoryview, BlockMeta]
 
 
 class TierError(ValueError):
@@ -126,6 +128,12 @@ class Tier(ABC):
     def put(self, key: bytes, payload: bytes | bytearray | memoryview,
             meta: BlockMeta) -> PutOutcome:
         """Store a block (checksum computed here; a supplied one must match)."""
+
+    def put_many(self, items: Sequence[PutItem]) -> list[PutOutcome]:
+        """Store several blocks: one outcome per item, in order, exactly as calling
+        ``put`` on each in turn would give. Tiers that can commit a batch more
+        cheaply than block by block (G3: one group of fsyncs) override this."""
+        return [self.put(key, payload, meta) for key, payload, meta in items]
 
     @abstractmethod
     def get(self, key: bytes) -> TierHit | None:

@@ -1,11 +1,21 @@
 """G3: a local directory of block files (``file:///dir`` or a plain path).
 
 A block lives at ``dir/ab/cd/<hex>.kvb`` (content-addressed: existence needs no
-index). Writes go to a hidden temp file in the same directory, are fsynced,
+index). Writes go to a hidden temp file in the same directory, are synced,
 then ``os.replace``d into place, and the directory is fsynced: a reader, a
 crash or a kill -9 sees the whole old state or the whole new file, never a
 torn one. Every read verifies the checksum; a corrupt or truncated file is
 deleted, counted and reported as a miss.
+
+``put_many`` group-commits a batch: every temp file is written and synced by
+a pool of writer threads (the device sees many writes at once and the
+journal folds concurrent syncs into few commits), then all are renamed under
+the lock, then each distinct directory is fsynced once. A final name appears
+only after its file's data is durable, and a block is reported stored only
+after its rename is. Temp files are synced with ``fdatasync``: it persists the
+data and the size/extent metadata needed to read it back; the name is made
+durable by the rename and the directory fsync, and the timestamps it skips
+are only an LRU hint.
 
 On open the byte accounting is rebuilt from the files (oldest mtime first, so
 LRU order survives restarts; a hit refreshes the mtime) and leftover temp
@@ -18,8 +28,12 @@ import contextlib
 import logging
 import os
 import secrets
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import unquote, urlparse
 
 from kvstore.blockfile import (
@@ -32,6 +46,7 @@ from kvstore.blockfile import (
 )
 from kvstore.tiers.base import (
     EvictCallback,
+    PutItem,
     PutOutcome,
     Tier,
     TierError,
@@ -44,6 +59,10 @@ from kvstore.tiers.base import (
 log = logging.getLogger(__name__)
 TMP_SUFFIX = ".tmp"
 _HEAD_READ = 4096   # one read gets the whole header of any normal block
+# Writer threads per tier: enough to keep a device queue busy (measured on ext4:
+# 16 parallel write+fdatasync streams commit a batch 2-3x faster than one).
+DEFAULT_WRITERS = 16
+_fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
 
 def _dir_from_url(url: str) -> Path:
@@ -61,6 +80,29 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, parts: list[memoryview]) -> None:
+    while parts:
+        n = os.writev(fd, parts)
+        while parts and n >= parts[0].nbytes:
+            n -= parts[0].nbytes
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
+
+
+class _Staged(NamedTuple):
+    """One block of a batch in its synced temp file, not yet visible.
+    ``tmp`` is None when the block is larger than the tier (nothing written)."""
+
+    index: int
+    key: bytes
+    traffic_class: str
+    nbytes: int
+    final: Path
+    tmp: Path | None
+    new_dirs: list[Path]
 
 
 def _read_file(path: Path) -> bytearray:
@@ -94,11 +136,24 @@ class DiskTier(Tier):
 
     def __init__(self, url: str, *, name: str, capacity_bytes: int, policy: str = "lru",
                  lz4: bool = False, on_evict: EvictCallback | None = None,
-                 fsync: bool = True) -> None:
+                 fsync: bool = True, writers: int = DEFAULT_WRITERS,
+                 temp_grace_s: float = 0.0) -> None:
         super().__init__(name=name, capacity_bytes=capacity_bytes, policy=policy, lz4=lz4,
                          on_evict=on_evict)
+        if not isinstance(writers, int) or writers < 1:
+            raise TierError(f"tier {name}: writers must be an int >= 1, got {writers!r}")
         self.root = _dir_from_url(url)
         self.fsync = fsync
+        self.writers = writers
+        # 0: this process owns the directory (a store at start), so every temp file
+        # is a leftover. Readers opening beside a live store pass e.g. 600.
+        self.temp_grace_s = temp_grace_s
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        # Leaf directories whose own entries are known durable. A batch writing into
+        # any other also fsyncs the two directories above it, so a block never sits
+        # in a directory that a crash could lose, whichever thread created it.
+        self._durable_dirs: set[Path] = set()
         self.root.mkdir(parents=True, exist_ok=True)
         self._rebuild()
 
@@ -114,9 +169,16 @@ class DiskTier(Tier):
             for level2 in os.scandir(level1.path):
                 if not level2.is_dir(follow_symlinks=False):
                     continue
+                self._durable_dirs.add(Path(level2.path))
                 for entry in os.scandir(level2.path):
                     if entry.name.endswith(TMP_SUFFIX):
-                        os.unlink(entry.path)  # an interrupted write: never visible
+                        # An interrupted write, never visible. Another process on the
+                        # same directory (a reindex beside a live store) may be writing
+                        # right now, so only temp files older than any write are removed.
+                        if self.temp_grace_s <= 0 or (
+                                time.time() - entry.stat(follow_symlinks=False).st_mtime
+                                > self.temp_grace_s):
+                            os.unlink(entry.path)
                         continue
                     key = key_from_filename(entry.name)
                     if key is None:
@@ -133,57 +195,170 @@ class DiskTier(Tier):
         self._cache.evictions = 0
 
     # -- write -----------------------------------------------------------------
-    def _write_temp(self, final: Path, header: bytes, body: memoryview) -> Path:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".{final.stem}.{secrets.token_hex(6)}{TMP_SUFFIX}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def put(self, key: bytes, payload: bytes | bytearray | memoryview,
+            meta: BlockMeta) -> PutOutcome:
+        return self.put_many([(key, payload, meta)])[0]
+
+    def put_many(self, items: Sequence[PutItem]) -> list[PutOutcome]:
+        """Group commit (see the module doc). Outcomes, recency and eviction order
+        are those of ``put`` called on each item in turn. A bad item or a failed
+        write removes the batch's temp files and raises before anything is renamed."""
+        batch = list(items)
+        for key, _, meta in batch:
+            self._check_put(key, meta)
+        outcomes: list[PutOutcome] = []
+        staged: dict[int, _Staged] = {}
+        doomed: dict[int, list[tuple[bytes, Path]]] = {}
+        dirs: dict[Path, None] = {}  # ordered set: each directory fsynced once
         try:
-            parts: list[memoryview] = [memoryview(header), body]
-            while parts:
-                n = os.writev(fd, parts)
-                while parts and n >= parts[0].nbytes:
-                    n -= parts[0].nbytes
-                    parts.pop(0)
-                if parts and n:
-                    parts[0] = parts[0][n:]
+            while len(outcomes) < len(batch):
+                # Usually one round; another only when a key present at the start (or
+                # repeated in the batch) was evicted by the batch before its turn.
+                start = len(outcomes)
+                todo = self._absent(batch, start, staged)
+                staged.update((s.index, s) for s in self._stage([(i, *batch[i]) for i in todo]))
+                with self._lock:
+                    for i in range(start, len(batch)):  # batch order, as a put() loop
+                        s = staged.pop(i, None)
+                        if s is not None:
+                            out, doomed[i] = self._commit(s, dirs)
+                        elif self._cache.hit(batch[i][0], self._now()):
+                            out = PutOutcome(True, existed=True)
+                        else:
+                            break
+                        outcomes.append(out)
+        finally:
+            # Also after an error in a later round: what was renamed is made durable
+            # and its victims are finished; temp files not yet renamed go.
+            for s in staged.values():
+                if s.tmp is not None:
+                    s.tmp.unlink(missing_ok=True)
+            if dirs and self.fsync:
+                self._fsync_dirs(list(dirs))
+            with self._lock:
+                self._durable_dirs.update(dirs)
+            for i, victims in doomed.items():
+                if victims:
+                    out = outcomes[i]
+                    outcomes[i] = PutOutcome(out.stored, self._finish_evictions(victims),
+                                             out.existed)
+        return outcomes
+
+    def _absent(self, batch: list[PutItem], start: int, staged: dict[int, _Staged]) -> list[int]:
+        """Indexes from ``start`` on whose key is neither stored, nor staged, nor an
+        earlier item of the batch: the blocks this round must write."""
+        seen = {batch[i][0] for i in staged}
+        todo: list[int] = []
+        with self._lock:
+            for i in range(start, len(batch)):
+                key = batch[i][0]
+                if key not in seen and key not in self._cache:
+                    todo.append(i)
+                seen.add(key)
+        return todo
+
+    def _commit(self, s: _Staged, dirs: dict[Path, None]
+                ) -> tuple[PutOutcome, list[tuple[bytes, Path]]]:
+        """Admit one staged block and rename it into place (caller holds the lock)."""
+        if s.tmp is None:
+            return PutOutcome(False), []
+        if self._cache.hit(s.key, self._now()):  # another thread stored it meanwhile
+            s.tmp.unlink(missing_ok=True)
+            return PutOutcome(True, existed=True), []
+        adm = self._cache.put(s.key, s.nbytes, self._now(), s.traffic_class)
+        # Move victims aside under the lock (a rename is fast), so a concurrent
+        # re-put of a victim key can never lose its new file to our unlink.
+        victims = [(v, self._set_aside(v)) for v in adm.evicted]
+        if not adm.stored:
+            s.tmp.unlink(missing_ok=True)
+            return PutOutcome(False), victims
+        try:
+            os.replace(s.tmp, s.final)
+        except OSError as exc:
+            log.warning("G3 %s: rename of block %s failed (%s)", self.name, s.key.hex(), exc)
+            self._cache.discard(s.key)
+            s.tmp.unlink(missing_ok=True)
+            return PutOutcome(False), victims
+        for d in (*s.new_dirs, s.final.parent):
+            dirs[d] = None
+        return PutOutcome(True), victims
+
+    def _stage(self, work: list[tuple[int, bytes, bytes | bytearray | memoryview, BlockMeta]]
+               ) -> list[_Staged]:
+        """Encode and write every block to a synced temp file, in parallel."""
+        if len(work) <= 1 or self.writers == 1:
+            results: list[_Staged | BaseException] = []
+            for w in work:
+                try:
+                    results.append(self._stage_one(*w))
+                except Exception as exc:  # re-raised below, after cleanup
+                    results.append(exc)
+                    break
+        else:
+            pool = self._writer_pool()
+            futures: list[Future[_Staged]] = [pool.submit(self._stage_one, *w) for w in work]
+            results = []
+            for f in futures:
+                exc = f.exception()
+                results.append(exc if exc is not None else f.result())
+        staged = [r for r in results if isinstance(r, _Staged)]
+        failed = [r for r in results if not isinstance(r, _Staged)]
+        if failed:
+            for s in staged:
+                if s.tmp is not None:
+                    s.tmp.unlink(missing_ok=True)
+            raise failed[0]
+        return staged
+
+    def _stage_one(self, index: int, key: bytes, payload: bytes | bytearray | memoryview,
+                   meta: BlockMeta) -> _Staged:
+        enc = encode_parts(payload, meta, self.lz4)
+        final = self.path(key)
+        if enc.nbytes > self.capacity_bytes:
+            return _Staged(index, key, meta.traffic_class, enc.nbytes, final, None, [])
+        leaf = final.parent
+        new_dirs: list[Path] = []
+        if leaf not in self._durable_dirs:
+            leaf.mkdir(parents=True, exist_ok=True)
+            new_dirs = [leaf.parent.parent, leaf.parent]
+        tmp = leaf / f".{final.stem}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # the directory was removed behind our back
+            leaf.mkdir(parents=True, exist_ok=True)
+            new_dirs = [leaf.parent.parent, leaf.parent]
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, [memoryview(enc.header), enc.body])
             if self.fsync:
-                os.fsync(fd)
+                _fdatasync(fd)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        return tmp
+        return _Staged(index, key, meta.traffic_class, enc.nbytes, final, tmp, new_dirs)
 
-    def put(self, key: bytes, payload: bytes | bytearray | memoryview,
-            meta: BlockMeta) -> PutOutcome:
-        self._check_put(key, meta)
-        with self._lock:
-            if key in self._cache:
-                self._cache.hit(key, self._now())
-                return PutOutcome(True, existed=True)
-        enc = encode_parts(payload, meta, self.lz4)
-        if enc.nbytes > self.capacity_bytes:
-            return PutOutcome(False)
-        final = self.path(key)
-        tmp = self._write_temp(final, enc.header, enc.body)  # slow part, outside the lock
-        doomed: list[tuple[bytes, Path]] = []
-        with self._lock:
-            if key in self._cache:  # another thread stored it meanwhile
-                tmp.unlink(missing_ok=True)
-                return PutOutcome(True, existed=True)
-            adm = self._cache.put(key, enc.nbytes, self._now(), meta.traffic_class)
-            # Move victims aside under the lock (a rename is fast), so a concurrent
-            # re-put of a victim key can never lose its new file to our unlink.
-            for victim in adm.evicted:
-                doomed.append((victim, self._set_aside(victim)))
-            if adm.stored:
-                os.replace(tmp, final)
-            else:
-                tmp.unlink(missing_ok=True)
-        if adm.stored and self.fsync:
-            _fsync_dir(final.parent)
-        return PutOutcome(adm.stored, self._finish_evictions(doomed))
+    def _fsync_dirs(self, dirs: list[Path]) -> None:
+        if len(dirs) == 1 or self.writers == 1:
+            for d in dirs:
+                _fsync_dir(d)
+        else:
+            # Concurrent directory fsyncs share journal commits; list() re-raises errors.
+            list(self._writer_pool().map(_fsync_dir, dirs))
+
+    def _writer_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.writers,
+                                                thread_name_prefix=f"g3-{self.name}")
+            return self._pool
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def _set_aside(self, key: bytes) -> Path:
         path = self.path(key)

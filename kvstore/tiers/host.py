@@ -93,6 +93,14 @@ class HostTier(Tier):
     def shm_name(self) -> str:
         return self._shm.name
 
+    def prefault(self) -> bool:
+        """Populate the whole arena's page tables now: first-touch page faults cost
+        about 10x the copies themselves (kvstore.memtune), so a store pays them at
+        start rather than on its first blocks. Returns False where unsupported."""
+        from kvstore.memtune import populate
+
+        return populate(self._shm)
+
     @property
     def early_reuses(self) -> int:
         """Times a slot was reused inside its grace period (space ran out)."""

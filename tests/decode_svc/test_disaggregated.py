@@ -79,3 +79,22 @@ def test_agent_conversation_hits_the_whole_previous_context(stack: Stack) -> Non
             assert h.cached_tokens == expect, f"turn {turn}"
         prev_kv = L + len(out.tokens) - 1
         context = context + out.tokens + prompt(50 + turn, 9)
+
+
+def test_stop_strings_and_eos_end_where_the_engine_does(stack: Stack) -> None:
+    from engine import SamplingParams
+
+    p = prompt(77, 30)
+    free = stack.ref.generate(p, SamplingParams(max_tokens=40, ignore_eos=True))
+    clean = [i for i in range(3, len(free.text) - 2)
+             if "\ufffd" not in free.text[i:i + 2] and free.text[i:i + 2].strip()]
+    stop = free.text[clean[0]:clean[0] + 2]
+    want = stack.ref.generate(p, SamplingParams(max_tokens=40, stop=(stop,), ignore_eos=True))
+    assert want.finish_reason == "stop" and len(want.tokens) < 40
+    _, out = generate(stack, p, max_tokens=40, stop=[stop], ignore_eos=True)
+    assert (out.tokens, out.text, out.finish_reason) == (want.tokens, want.text, "stop")
+    assert stop not in "".join(ev.text for ev in out.events)
+    # Per-token events with rising times.
+    assert [len(ev.token_ids) for ev in out.events] == [1] * len(want.tokens)
+    times = [ev.t_s for ev in out.events]
+    assert times == sorted(times) and times[0] > 0

@@ -31,19 +31,19 @@ def write_hf_dir(engine: Engine, out: Path, model_type: str = "llama") -> Path:
     tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": w.embed,
                                         "model.norm.weight": w.norm}
     if not cfg.tie_embeddings:
-        tensors["lm_head.weight"] = w.lm_head
+        tensors["lm_head.weight"] = w.lm_head_t.t()
     for i, ly in enumerate(w.layers):
         p = f"model.layers.{i}."
         assert isinstance(ly.ffn, DenseFFNWeights)
-        wq, wk, wv = ly.wqkv.split([q, kv, kv])
-        gate, up = ly.ffn.gate_up.chunk(2)
+        wq, wk, wv = ly.qkv_t.t().split([q, kv, kv])
+        gate, up = ly.ffn.gate_up_t.t().chunk(2)
         tensors.update({
             p + "input_layernorm.weight": ly.attn_norm,
             p + "post_attention_layernorm.weight": ly.ffn_norm,
             p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
-            p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": ly.wo,
+            p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": ly.o_t.t(),
             p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": ly.ffn.down,
+            p + "mlp.down_proj.weight": ly.ffn.down_t.t(),
         })
         if ly.bqkv is not None:
             bq, bk, bv = ly.bqkv.split([q, kv, kv])

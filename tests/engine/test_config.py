@@ -22,12 +22,12 @@ def test_named_configs() -> None:
     moe = ModelConfig.from_name("tiny-moe").moe
     assert moe is not None and (moe.n_experts, moe.top_k) == (8, 2)
     assert ModelConfig.from_name("tiny-dense").hit_rule(64).reserve == 1
-    with pytest.raises(ModelConfigError, match="known: .*tiny-dense"):
+    with pytest.raises(ModelConfigError, match=r"known: .*tiny-dense"):
         ModelConfig.from_name("tiny-nope")
 
 
 def test_llama_8b_shape_refuses_cpu_without_allocating() -> None:
-    with pytest.raises(DeviceError, match="GPU-only.*device='cuda'"):
+    with pytest.raises(DeviceError, match=r"GPU-only.*device='cuda'"):
         Engine(EngineConfig(model="llama-8b-shape", dtype="bfloat16"))
 
 

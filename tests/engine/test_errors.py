@@ -42,7 +42,7 @@ def test_prompt_longer_than_context(eng: Engine) -> None:
 def test_restored_blocks_of_the_wrong_shape(eng: Engine) -> None:
     with pytest.raises(EngineInputError, match=r"restored blocks are \(1, 4, 2, 2, 8, 16\)"):
         eng.prefill("a", [5] * 40, restored=torch.zeros(1, 4, 2, 2, 8, 16))
-    with pytest.raises(EngineInputError, match="expected .* torch.float32"):
+    with pytest.raises(EngineInputError, match=r"expected .* torch.float32"):
         eng.prefill("a", [5] * 40, restored=torch.zeros(1, 4, 2, 2, 16, 16, dtype=torch.float16))
     assert eng.free_blocks == eng.config.num_blocks
 
@@ -115,5 +115,5 @@ def test_corrupted_model_dir(tiny_dir: Path, tmp_path: Path, corrupt, message: s
 def test_not_a_directory(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="not a directory"):
         load_model_dir(tmp_path / "nothing.txt", torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="unknown model 'nope'.*tiny-dense"):
+    with pytest.raises(ValueError, match=r"unknown model 'nope'.*tiny-dense"):
         Engine(EngineConfig(model="nope"))

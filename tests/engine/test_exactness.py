@@ -7,6 +7,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,24 +30,32 @@ def chain(tokens: list[int], block: int, salt: bytes = b"t") -> list[bytes]:
     return keys
 
 
+@dataclass(frozen=True, slots=True)
+class BatchRun:
+    tokens: list[list[int]]          # 32 greedy tokens per prompt
+    kv: list[torch.Tensor]           # each sequence's KV at the end
+    reused: list[int]                # tokens restored per prompt
+    prompt_blocks: list[torch.Tensor]  # the prompt's full blocks right after prefill
+
+
 def generate_batch(eng: Engine, prompts: list[list[int]],
-                   restored: list[torch.Tensor] | None = None,
-                   ) -> tuple[list[list[int]], list[torch.Tensor], list[int]]:
+                   restored: list[torch.Tensor] | None = None) -> BatchRun:
     """Greedy 32 tokens for every prompt, decoded together (batching is shown
-    invariant below); returns tokens, each sequence's full KV, restored tokens."""
-    sids, reused = [], []
+    invariant below)."""
+    sids, reused, blocks = [], [], []
     for i, p in enumerate(prompts):
         res = eng.prefill(f"g{i}", p, sampling=GREEDY32,
                           restored=None if restored is None else restored[i])
         sids.append(f"g{i}")
         reused.append(res.restored_tokens)
+        blocks.append(eng.export_blocks(f"g{i}").clone())
     for _ in range(GREEDY32.max_tokens - 1):
         eng.decode_step(sids)
     tokens = [eng.seq_tokens(s)[len(p):] for s, p in zip(sids, prompts, strict=True)]
     kv = [eng.export_tokens(s, 0, len(eng.seq_tokens(s)) - 1) for s in sids]
     for s in sids:
         eng.free(s)
-    return tokens, kv, reused
+    return BatchRun(tokens, kv, reused, blocks)
 
 
 def stored_blocks(eng: Engine, prompt: list[int]) -> torch.Tensor:
@@ -62,18 +71,19 @@ def test_lossless_restore_20_prompts(model: str) -> None:
     cold_eng, fresh = make_engine(model), make_engine(model)   # fresh never saw the prompts
     B, rule = cold_eng.config.block_tokens, cold_eng.hit_rule
     prompts = random_prompts(20, 20, 150, 256, seed=7)
-    cold_tokens, cold_kv, _ = generate_batch(cold_eng, prompts)
-    stored = [stored_blocks(cold_eng, p) for p in prompts]
-    warm_tokens, warm_kv, reused = generate_batch(fresh, prompts, stored)
+    # The warehouse would hold every full block of the prompt; the engine
+    # applies the hit rule itself and takes only the usable ones.
+    cold = generate_batch(cold_eng, prompts)
+    stored = cold.prompt_blocks
+    warm = generate_batch(fresh, prompts, stored)
     for i, p in enumerate(prompts):
         L = len(p)
-        # The engine applies the hit rule itself and takes only usable blocks.
-        assert reused[i] == rule.usable_tokens(stored[i].shape[0] * B, L), (i, L)
+        assert warm.reused[i] == rule.usable_tokens(stored[i].shape[0] * B, L), (i, L)
         if stored[i].shape[0] * B >= L - rule.reserve:   # fully matched: replay is bounded
-            assert L - reused[i] <= rule.replay_keep_tokens + B - 1
-        assert warm_tokens[i] == cold_tokens[i], f"prompt {i} (L={L}) diverged after restore"
-        assert torch.equal(warm_kv[i], cold_kv[i]), f"prompt {i}: KV bits differ"
-    assert sum(r > 0 for r in reused) >= 15
+            assert L - warm.reused[i] <= rule.replay_keep_tokens + B - 1
+        assert warm.tokens[i] == cold.tokens[i], f"prompt {i} (L={L}) diverged after restore"
+        assert torch.equal(warm.kv[i], cold.kv[i]), f"prompt {i}: KV bits differ"
+    assert sum(r > 0 for r in warm.reused) >= 15
 
 
 def test_hybrid_hit_rule_bounds_replay() -> None:
@@ -93,11 +103,10 @@ def test_kv_comparison_detects_one_ulp() -> None:
     """The bitwise KV check has teeth: one ulp of noise in restored KV shows."""
     a, b = make_engine("tiny-dense"), make_engine("tiny-dense")
     prompts = random_prompts(3, 60, 120, 256, seed=3)
-    _, cold_kv, _ = generate_batch(a, prompts)
-    noisy = [torch.nextafter(x, torch.full_like(x, float("inf")))
-             for x in (stored_blocks(a, p) for p in prompts)]
-    _, warm_kv, _ = generate_batch(b, prompts, noisy)
-    for c, w in zip(cold_kv, warm_kv, strict=True):
+    cold = generate_batch(a, prompts)
+    noisy = [torch.nextafter(x, torch.full_like(x, float("inf"))) for x in cold.prompt_blocks]
+    warm = generate_batch(b, prompts, noisy)
+    for c, w in zip(cold.kv, warm.kv, strict=True):
         assert not torch.equal(c, w)
 
 
@@ -150,7 +159,7 @@ def test_free_keeps_canonical_generated_blocks() -> None:
     for _ in range(40):
         eng.decode_step(["s"])
     toks = eng.seq_tokens("s")
-    _, canon = eng.canonical_blocks("s")
+    eng.canonical_blocks("s")
     keys = chain(toks[:-1], B)
     eng.free("s", keep_keys=keys)
     assert eng.g1_match(keys) == len(keys)
@@ -236,3 +245,22 @@ def test_restore_in_another_process(tmp_path: Path) -> None:
     child = json.loads(proc.stdout.strip().splitlines()[-1])
     assert child["fingerprint"] == eng.fingerprint_hex
     assert child["tokens"] == cold
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_prefill_here_decode_there(temperature: float) -> None:
+    """A PD split (export_tokens -> adopt) generates exactly what one engine does."""
+    pre, dec = make_engine("tiny-hybrid"), make_engine("tiny-hybrid")
+    sp = SamplingParams(max_tokens=24, temperature=temperature, seed=5, ignore_eos=True)
+    for prompt in random_prompts(4, 20, 90, 256, seed=41):
+        alone = pre.generate(prompt, sp).tokens
+        first = pre.prefill("p", prompt, sampling=sp).first_token
+        kv = pre.export_tokens("p", 0, len(prompt))
+        pre.free("p")
+        dec.adopt("d", prompt, kv, first, sp)
+        while dec.finish_reason("d") is None:
+            dec.decode_step(["d"])
+        assert dec.seq_tokens("d")[len(prompt):] == alone
+        dec.free("d")
+    with pytest.raises(ValueError, match="adopted KV has shape"):
+        dec.adopt("d", [1, 2, 3], torch.zeros(4, 2, 2, 2, 16), 5)

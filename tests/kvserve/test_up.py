@@ -54,6 +54,17 @@ def test_up_chat_status_and_clean_stop(tmp_path: Path) -> None:
                          "--stats", env=env)
         assert again.returncode == 0 and again.stdout == chat.stdout      # greedy: same text
 
+        # Interactive: each turn resends the conversation; the second one hits the first.
+        question = "Tell me about the warehouse tiers: G2, G3 and G4, and when each one helps. " * 2
+        talk = subprocess.run([sys.executable, "-m", "kvserve.cli", "chat", "--max-tokens", "4",
+                               "--stats"], env=env, text=True, capture_output=True, timeout=120,
+                              input=f"{question}\nAnd G1?\n")
+        assert talk.returncode == 0, talk.stderr
+        turns = [line for line in talk.stderr.splitlines() if line.startswith("[prompt")]
+        assert len(turns) == 2, talk.stderr
+        cached = int(turns[1].split("cached ")[1].split(",")[0])
+        assert cached >= 128, turns
+
         status = _kvserve("status", "--json", env=env)
         assert status.returncode == 0, status.stderr
         snap = json.loads(status.stdout)

@@ -215,7 +215,7 @@ def test_restart_clears_stale_g2_bits(redis_url: str, tmp_path: Path) -> None:
         await wh.flush()
         # A crash: no close(), G2 gone with the process.
         wh.tiers["G2"].close()
-        for t in wh._tasks:
+        for t in wh.writeback._tasks:
             t.cancel()
         await wh.index.close()
         wh2 = await Warehouse(cfg).start()
@@ -270,7 +270,7 @@ def test_stats_count_hits_and_misses_per_class(redis_url: str) -> None:
         assert g2.blocks == 2 and g2.used_bytes >= 2048
         assert s.shm_capable and s.node == "n1" and time.time() - t0 < 5
         await wh.lookup(ks, prompt_tokens=14, ctx=CTX)          # feeds the what-if estimator
-        await asyncio.sleep(0)
+        await wh.whatif_settled()
         doc = json.loads((await wh.stats()).whatif_json)
         assert doc["classes"]["chat"]["blocks"] == 3
         assert doc["uncacheable"]["chat"] == [1.0, 2.0]         # the 2-token tail

@@ -64,7 +64,7 @@ class Proc:
             time.sleep(0.1)
         return self
 
-    def stop(self, timeout_s: float = 15.0) -> int:
+    def stop(self, timeout_s: float = 20.0) -> int:
         if self.popen is None or self.popen.poll() is not None:
             return self.popen.returncode if self.popen else 0
         self.popen.send_signal(signal.SIGTERM)
@@ -73,7 +73,8 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait()
-            raise
+            raise RuntimeError(f"{self.role} did not stop within {timeout_s}s of SIGTERM:\n"
+                               f"{self.log.read_text()[-3000:]}") from None
 
     def kill(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
@@ -117,7 +118,7 @@ def store(config: Path, redis_url: str, log_dir: Path, port: int = 0) -> Proc:
 def engine_service(role: str, config: Path, redis_url: str, log_dir: Path, *,
                    store_address: str = "", extra: tuple[str, ...] = ()) -> Proc:
     port, metrics = free_port(), free_port()
-    argv = _cli(role, "serve", "--config", str(config), "--host", "127.0.0.1",
+    argv = _cli("-v", role, "serve", "--config", str(config), "--host", "127.0.0.1",
                 "--port", str(port), "--redis-url", redis_url, "--store", store_address,
                 "--metrics-port", str(metrics), *extra)
     return Proc(role, argv, port, log_dir / f"{role}-{port}.log", metrics)

@@ -1,4 +1,4 @@
-"""The HTTP front and the gRPC Router service against a real ``kvserve up``
+"""The HTTP front and the gRPC Router service against a real
 stack (tiny-dense model, real Redis, kvstore, prefill, decode, router
 processes): validation never answers 500, streaming is well-formed SSE,
 cached_tokens grows on a repeat, API keys gate requests and pick the tenant."""
@@ -7,23 +7,25 @@ from __future__ import annotations
 
 import json
 import math
+import socket
+import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
+from kvstore.redis_server import EmbeddedRedis
 from proto import common_pb2, router_pb2, router_pb2_grpc
-from tests.prefill_svc.procs import write_config
+from tests.prefill_svc.procs import Proc, engine_service, start_all, store, write_config
 from tests.router.front_stack import (
     RouterProc,
-    UpStack,
     http,
     live_counts,
     metric_sum,
     router_proc,
-    up_stack,
     wait_until,
 )
 
@@ -31,29 +33,60 @@ MODEL = "tiny-dense"          # byte-level tokenizer, 1024-token context
 BLOCK = 16
 
 
+@dataclass(slots=True)
+class Stack:
+    router: RouterProc
+    config: Path
+    redis_url: str
+    decode: Proc
+
+    @property
+    def http(self) -> str:
+        return self.router.http
+
+    @property
+    def grpc(self) -> str:
+        return self.router.grpc
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Redis, kvstore, prefill, decode and router processes (what ``kvserve up``
+    starts; test_openai_client goes through the launcher itself). Killed at the
+    end: a graceful stop would only add seconds here."""
     d = tmp_path_factory.mktemp("front")
     config = write_config(d / "kvserve.toml", model=MODEL, block_tokens=BLOCK)
-    with up_stack(d / "run", model=MODEL, config=config) as s:
-        wait_until(lambda: live_counts(s.http) == {"prefill": 1, "decode": 1}, 30,
-                   "router sees prefill and decode")
-        yield s
+    with EmbeddedRedis() as redis:
+        st = store(config, redis.url, d)
+        engines = [engine_service(role, config, redis.url, d, store_address=st.address)
+                   for role in ("prefill", "decode")]
+        router = router_proc(config, redis.url, d)
+        procs = [st, *engines, router.proc]
+        try:
+            start_all(*procs)
+            wait_until(lambda: live_counts(router.http) == {"prefill": 1, "decode": 1}, 30,
+                       "router sees prefill and decode")
+            yield Stack(router, config, redis.url, engines[1])
+        finally:
+            for p in procs:
+                p.kill()
 
 
 @pytest.fixture(scope="module")
-def keyed_router(stack: UpStack, tmp_path_factory: pytest.TempPathFactory
+def keyed_router(stack: Stack, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[RouterProc]:
     """A second router on the same cluster, with API keys for two tenants."""
     d = tmp_path_factory.mktemp("keyed")
     keys = d / "keys.txt"
     keys.write_text("# key tenant\nsk-alice-0123456789 alice\nsk-bob-0123456789 bob\n")
-    r = router_proc(stack.run_dir / "kvserve.toml", stack.redis_url, d,
-                    extra=("--api-key-file", str(keys)))
+    r = router_proc(stack.config, stack.redis_url, d, extra=("--api-key-file", str(keys)))
     r.proc.start().wait_ready(60)
-    wait_until(lambda: live_counts(r.http) == {"prefill": 1, "decode": 1}, 30, "keyed router")
-    yield r
-    r.proc.stop()
+    try:
+        wait_until(lambda: live_counts(r.http) == {"prefill": 1, "decode": 1}, 30,
+                   "keyed router")
+        yield r
+    finally:
+        r.proc.kill()
 
 
 def _chat(content: str, **extra: object) -> dict:  # type: ignore[type-arg]
@@ -160,7 +193,7 @@ def _assert_openai_error(reply_body: bytes, param: str | None, code: str | None)
 
 @pytest.mark.parametrize(("path", "body", "status", "param", "code"),
                          [case[1:] for case in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_is_4xx_with_openai_error(stack: UpStack, path: str, body: bytes | dict,  # type: ignore[type-arg]
+def test_bad_input_is_4xx_with_openai_error(stack: Stack, path: str, body: bytes | dict,  # type: ignore[type-arg]
                                             status: int, param: str | None,
                                             code: str | None) -> None:
     r = http("POST", stack.http + path, body)
@@ -169,7 +202,7 @@ def test_bad_input_is_4xx_with_openai_error(stack: UpStack, path: str, body: byt
     _assert_openai_error(r.body, param, code)
 
 
-def test_nan_and_routing_errors_are_4xx(stack: UpStack) -> None:
+def test_nan_and_routing_errors_are_4xx(stack: Stack) -> None:
     # Python's json accepts NaN; the API must not.
     r = http("POST", stack.http + CHAT,
              b'{"model": "tiny-dense", "messages": [{"role": "user", "content": "a"}], '
@@ -192,7 +225,7 @@ def test_nan_and_routing_errors_are_4xx(stack: UpStack) -> None:
 # -- good input ---------------------------------------------------------------------------
 
 
-def test_unknown_fields_are_ignored_and_usage_is_complete(stack: UpStack) -> None:
+def test_unknown_fields_are_ignored_and_usage_is_complete(stack: Stack) -> None:
     body = _chat(_unique(), user="u1", logit_bias={}, metadata={"a": "b"}, frobnicate=[1, 2],
                  tools=[], parallel_tool_calls=False, presence_penalty=0, seed=3)
     r = http("POST", stack.http + CHAT, body, headers={"X-KV-Class": "agent"})
@@ -211,7 +244,7 @@ def test_unknown_fields_are_ignored_and_usage_is_complete(stack: UpStack) -> Non
     assert r.headers["X-KV-Decode-Instance"].startswith("decode-")
 
 
-def test_second_identical_request_reports_cached_tokens(stack: UpStack) -> None:
+def test_second_identical_request_reports_cached_tokens(stack: Stack) -> None:
     body = _chat(_unique(200))
     first = http("POST", stack.http + CHAT, body).json()
     second = http("POST", stack.http + CHAT, body).json()
@@ -224,7 +257,7 @@ def test_second_identical_request_reports_cached_tokens(stack: UpStack) -> None:
     assert second["choices"][0]["message"] == first["choices"][0]["message"]
 
 
-def test_streaming_chat_is_well_formed_and_matches_non_streaming(stack: UpStack) -> None:
+def test_streaming_chat_is_well_formed_and_matches_non_streaming(stack: Stack) -> None:
     body = _chat(_unique(), max_tokens=12)
     whole = http("POST", stack.http + CHAT, body).json()
     r = http("POST", stack.http + CHAT,
@@ -248,7 +281,7 @@ def test_streaming_chat_is_well_formed_and_matches_non_streaming(stack: UpStack)
     assert usage["usage"]["prompt_tokens_details"]["cached_tokens"] > 0   # same prompt again
 
 
-def test_streaming_completion_without_usage_and_token_prompt(stack: UpStack) -> None:
+def test_streaming_completion_without_usage_and_token_prompt(stack: Stack) -> None:
     tokens = [ord(c) for c in _unique(40)]
     r = http("POST", stack.http + COMPL, {"model": MODEL, "prompt": tokens, "max_tokens": 5,
                                           "temperature": 0, "ignore_eos": True,
@@ -265,7 +298,7 @@ def test_streaming_completion_without_usage_and_token_prompt(stack: UpStack) -> 
     assert whole["choices"][0]["text"] == "".join(c["choices"][0]["text"] for c in chunks)
 
 
-def test_models_health_metrics(stack: UpStack) -> None:
+def test_models_health_metrics(stack: Stack) -> None:
     models = http("GET", stack.http + "/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
     health = http("GET", stack.http + "/health")
@@ -276,6 +309,30 @@ def test_models_health_metrics(stack: UpStack) -> None:
     assert metric_sum(stack.http, "kvserve_router_hit_rule", field="block_tokens") == BLOCK
     assert metric_sum(stack.http, "kvserve_router_tokens_total", kind="cached") > 0
     assert metric_sum(stack.http, "kvserve_router_kv_events_total", kind="stored") > 0
+
+
+def test_client_disconnect_cancels_the_decode(stack: Stack) -> None:
+    """A client that hangs up mid-stream stops its generation on the decode instance."""
+    cancelled = stack.decode.metrics().get("kvserve_decode_batch_cancelled_total", 0.0)
+    body = json.dumps({"model": MODEL, "prompt": "go on", "max_tokens": 1000,
+                       "ignore_eos": True, "stream": True}).encode()
+    host, port = stack.http.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        buf = b""
+        while b"data: " not in buf:
+            chunk = s.recv(65536)
+            assert chunk, buf
+            buf += chunk
+    # 1,000 tokens take seconds here; the cancel must land well before they would end.
+    wait_until(lambda: stack.decode.metrics()["kvserve_decode_batch_cancelled_total"]
+               > cancelled, 5.0, "the decode to be cancelled")
+    assert stack.decode.metrics()["kvserve_decode_batch_active"] == 0
+    assert metric_sum(stack.http, "kvserve_router_in_flight") == 0
+    assert time.monotonic() - t0 < 5.0
 
 
 # -- API keys and tenants -------------------------------------------------------------------
@@ -305,7 +362,7 @@ def test_api_keys_gate_requests_and_pick_the_tenant(keyed_router: RouterProc) ->
 # -- gRPC Router service ---------------------------------------------------------------------
 
 
-def test_grpc_router_generate(stack: UpStack) -> None:
+def test_grpc_router_generate(stack: Stack) -> None:
     with grpc.insecure_channel(stack.grpc) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         req = router_pb2.GenerateRequest(
@@ -333,15 +390,16 @@ def test_grpc_router_generate(stack: UpStack) -> None:
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
 
 
-def test_router_serve_rejects_bad_configuration(tmp_path: Path) -> None:
-    import subprocess
-    import sys
+def test_router_serve_rejects_bad_configuration(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserve.cli import main
 
     keys = tmp_path / "keys.txt"
     keys.write_text("only-one-field\n")
-    for extra in (["--api-key-file", str(keys)], ["--policy", "fastest"]):
-        p = subprocess.run([sys.executable, "-m", "kvserve.cli", "router", "serve",
-                            "--redis-url", "redis://127.0.0.1:1/0", "--model", MODEL, *extra],
-                           capture_output=True, text=True, timeout=60)
-        assert p.returncode == 2, p.stderr
-        assert "kvserve: error:" in p.stderr and "Traceback" not in p.stderr
+    for extra, why in ((["--api-key-file", str(keys)], "want 'KEY TENANT'"),
+                       (["--api-key-file", str(tmp_path / "missing")], "cannot read"),
+                       (["--policy", "fastest"], "unknown router policy 'fastest'")):
+        code = main(["router", "serve", "--redis-url", "redis://127.0.0.1:1/0",
+                     "--model", MODEL, *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and "kvserve: error:" in err and why in err, err

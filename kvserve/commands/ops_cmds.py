@@ -1,0 +1,325 @@
+"""Operators' retention tools: ``kvserve ttl-sweep``, ``kvserve whatif --fit``
+and ``kvserve store whatif`` (docs/operators.md explains how to read them)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.cli import CommandRegistry, UsageError
+from kvserve.sweep import (
+    fmt_seconds,
+    fmt_tokens,
+    format_table,
+    parse_capacities,
+    parse_policies,
+    parse_ttls,
+    plot_sweep,
+    run_sweep,
+)
+from kvserve.traces import Trace, TraceFormatError, load_trace, merge_traces, rebin
+from kvstore.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN
+
+
+def _trace_args(p: argparse.ArgumentParser, flag: str = "--trace", grid: bool = True) -> None:
+    p.add_argument(flag, dest="traces", action="append", required=True, metavar="FILE",
+                   help="trace file (Mooncake/Bailian JSONL, Claude Code traces.tar.xz, a "
+                        "directory or one trace_NNNN.json); repeat to merge several into one "
+                        "timeline (coarsened to the largest block size)")
+    p.add_argument("--class-of", default=None, metavar="RULE",
+                   help="traffic class rules, e.g. 'conversation*=chat,*.tar.xz=agent', "
+                        "'type:coder=agent' or just 'chat' (default: agent for Claude Code "
+                        "sessions, chat otherwise)")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="multiply every trace time by X, so a short trace stands for a "
+                        "longer period (X=72: one hour plays as three days); default 1")
+    p.add_argument("--max-requests", type=int, default=None, metavar="N",
+                   help="keep each trace's earliest N requests")
+    p.add_argument("--max-sessions", type=int, default=None, metavar="N",
+                   help="agent archives: a seeded random subset of N sessions")
+    p.add_argument("--session-rate", type=float, default=None, metavar="PER_S",
+                   help="agent archives: Poisson session arrival rate (default: 16 "
+                        "sessions overlapping on average)")
+    p.add_argument("--seed", type=int, default=0, help="seed for session order and arrivals")
+    p.add_argument("--block-tokens", type=int, default=None, metavar="N",
+                   help="coarsen blocks to N tokens (a multiple of the trace's) for speed")
+    p.add_argument("--kv-bytes-per-token", type=int, default=LLAMA3_70B_KV_BYTES_PER_TOKEN,
+                   help="KV bytes per token for storage figures (default Llama-3-70B bf16, "
+                        "327,680)")
+    if grid:
+        p.add_argument("--ttl", required=True,
+                       help="TTL list, e.g. 60,5m,1h,3d,inf (inf = none)")
+    p.add_argument("--capacity", required=True,
+                   help="capacity list in tokens, e.g. 1e6,3M,50M,inf")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+
+
+def _load(args: argparse.Namespace, paths: Sequence[str] | None = None) -> Trace:
+    traces = []
+    try:
+        for i, path in enumerate(args.traces if paths is None else paths):
+            traces.append(load_trace(
+                path, max_requests=args.max_requests, seed=args.seed,
+                session_rate_per_s=args.session_rate, time_scale=args.time_scale,
+                max_sessions=args.max_sessions, class_of=args.class_of, namespace=i))
+        merged = merge_traces(traces)
+        return rebin(merged, args.block_tokens) if args.block_tokens else merged
+    except (TraceFormatError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _grid(args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    try:
+        return parse_ttls(args.ttl), parse_capacities(args.capacity)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _note(trace: Trace, args: argparse.Namespace) -> str:
+    n_blocks = sum(len(r.hash_ids) for r in trace.requests)
+    return (f"# {trace.name}: {len(trace.requests)} requests, {n_blocks} block uses of "
+            f"{trace.block_tokens} tokens, span {trace.span_s:.0f} s; time scale "
+            f"{args.time_scale:g} (TTLs are in scaled seconds); KV {args.kv_bytes_per_token} "
+            f"bytes/token\n# arrivals: {trace.arrival_note}")
+
+
+# ------------------------------------------------------------ ttl-sweep
+
+def _configure_sweep(p: argparse.ArgumentParser) -> None:
+    _trace_args(p)
+    p.add_argument("--policy", default="all",
+                   help="eviction policies, comma-separated (default all, Belady included)")
+    p.add_argument("--plot", metavar="PNG", help="write hit rate and storage vs TTL here")
+    p.add_argument("--all-classes", action="store_true",
+                   help="text table: show every class, not only 'all'")
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    ttls, caps = _grid(args)
+    try:
+        policies = parse_policies(args.policy)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    trace = _load(args)
+    note = _note(trace, args)
+    print(note, file=sys.stderr)
+    rows = run_sweep(trace, ttls=ttls, capacities=caps, policies=policies,
+                     kv_bytes_per_token=args.kv_bytes_per_token, time_scale=args.time_scale)
+    if args.plot:
+        plot_sweep(rows, args.plot, title=f"{trace.name}, time scale {args.time_scale:g}")
+        print(f"# plot: {args.plot}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([r.as_json() for r in rows], indent=1))
+    else:
+        print(note)
+        print(format_table(rows, classes=args.all_classes or _has_classes(rows)))
+    return 0
+
+
+def _has_classes(rows: Sequence[Any]) -> bool:
+    return len({r.cls for r in rows}) > 2
+
+
+# ------------------------------------------------------------ what-if
+
+def _configure_whatif(p: argparse.ArgumentParser) -> None:
+    _trace_args(p, "--fit")
+    p.add_argument("--max-tracked", type=int, default=65_536,
+                   help="sampled blocks the estimator tracks (bounded memory)")
+    p.add_argument("--check", action="store_true",
+                   help="also replay each TTL x capacity (LRU) and show the replayed rate")
+    p.add_argument("--split", choices=("none", "time", "session"), default="none",
+                   help="held-out check: fit on the first half (in time, or by session "
+                        "hash) and replay the other half for --check")
+    p.add_argument("--plot", metavar="PNG", help="write predicted hit rate and storage vs TTL")
+
+
+def _whatif(args: argparse.Namespace) -> int:
+    from kvstore.sim import replay_cache
+    from kvstore.whatif import WhatIfEstimator, fit_trace
+
+    ttls, caps = _grid(args)
+    trace = _load(args)
+    note = _note(trace, args)
+    print(note, file=sys.stderr)
+    fit_on, check_on = split_trace(trace, args.split)
+    if args.split != "none":
+        note += (f"\n# fitted on {len(fit_on.requests)} requests, replay column on the other "
+                 f"{len(check_on.requests)} ({args.split} split)")
+    est = fit_trace(fit_on, estimator=WhatIfEstimator(max_tracked=args.max_tracked))
+    rows = est.predict(ttls, caps, kv_bytes_per_token=args.kv_bytes_per_token)
+    docs = [r.as_json() for r in rows]
+    if args.check:
+        for doc, r in zip(docs, rows, strict=True):
+            if r.cls != "all":
+                continue
+            st = replay_cache(check_on, capacity_tokens=None if math.isinf(r.capacity_tokens)
+                              else r.capacity_tokens, ttl_s=r.ttl_s,
+                              kv_bytes_per_token=args.kv_bytes_per_token)
+            doc["replay_hit_rate"] = st.hit_rate
+            doc["replay_token_hit_rate"] = st.token_hit_rate
+    if args.plot:
+        plot_sweep(rows, args.plot, title=f"what-if fitted on {trace.name}")
+    _print_whatif(docs, args.json, note + f"\n# estimator sampling rate {est.rate:.4g}")
+    return 0
+
+
+def split_trace(trace: Trace, how: str) -> tuple[Trace, Trace]:
+    """Two halves of a trace: by time (first half of the requests, then the
+    rest) or by session (a stable hash of the session name); "none" = itself twice."""
+    if how == "none":
+        return trace, trace
+    if how == "time":
+        mid = len(trace.requests) // 2
+        halves = (trace.requests[:mid], trace.requests[mid:])
+    else:
+        first = [zlib.crc32(r.session.split("/")[0].encode()) % 2 == 0 for r in trace.requests]
+        halves = (tuple(r for r, f in zip(trace.requests, first, strict=True) if f),
+                  tuple(r for r, f in zip(trace.requests, first, strict=True) if not f))
+    if not halves[0] or not halves[1]:
+        raise UsageError(f"--split {how}: one half of {trace.name} is empty")
+    return (dataclasses.replace(trace, requests=halves[0]),
+            dataclasses.replace(trace, requests=halves[1]))
+
+
+def _print_whatif(docs: list[dict[str, Any]], as_json: bool, note: str) -> None:
+    if as_json:
+        print(json.dumps(docs, indent=1))
+        return
+    print(note)
+    head = (f"{'capacity':>10} {'ttl':>8} {'class':<7} {'hit':>6} {'tok_hit':>7} "
+            f"{'GB_peak':>9} {'GB_mean':>9} {'replay':>7}")
+    print(head)
+    print("-" * len(head))
+    for d in docs:
+        cap = math.inf if d["capacity_tokens"] is None else d["capacity_tokens"]
+        ttl = math.inf if d["ttl_s"] is None else d["ttl_s"]
+        rep = f"{d['replay_hit_rate']:7.3f}" if "replay_hit_rate" in d else ""
+        print(f"{fmt_tokens(cap):>10} {fmt_seconds(ttl):>8} {d['class']:<7} "
+              f"{d['hit_rate']:6.3f} {d['token_hit_rate']:7.3f} {d['bytes_peak'] / 1e9:9.1f} "
+              f"{d['bytes_mean'] / 1e9:9.1f} {rep}")
+
+
+def _configure_store_whatif(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", required=True, metavar="HOST:PORT",
+                   help="the kvstore's gRPC address")
+    p.add_argument("--ttl", required=True, help="TTL list, e.g. 60,5m,1h,3d,inf")
+    p.add_argument("--capacity", required=True, help="capacity list in tokens, e.g. 1e6,3M,inf")
+    p.add_argument("--kv-bytes-per-token", type=int, default=LLAMA3_70B_KV_BYTES_PER_TOKEN,
+                   help="KV bytes per token for storage figures")
+    p.add_argument("--timeout", type=float, default=10.0, help="gRPC deadline, seconds")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+
+
+def _store_whatif(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvstore.whatif import WhatIfEstimator
+    from proto import kvstore_pb2, kvstore_pb2_grpc
+
+    ttls, caps = _grid(args)
+    try:
+        with grpc.insecure_channel(args.address) as channel:
+            reply = kvstore_pb2_grpc.KVStoreStub(channel).Stats(
+                kvstore_pb2.StatsRequest(), timeout=args.timeout)
+    except grpc.RpcError as exc:
+        raise UsageError(f"store at {args.address}: {exc.code().name}: {exc.details()}") from exc
+    if not reply.whatif_json:
+        raise UsageError(f"store at {args.address} ({reply.node}) keeps no what-if estimator")
+    try:
+        est = WhatIfEstimator.from_json(reply.whatif_json)
+    except ValueError as exc:
+        raise UsageError(f"store at {args.address}: {exc}") from exc
+    rows = est.predict(ttls, caps, kv_bytes_per_token=args.kv_bytes_per_token)
+    span = (est.t_last - est.t_first) if est.t_first is not None else 0.0
+    _print_whatif([r.as_json() for r in rows], args.json,
+                  f"# store {reply.node} at {args.address}: {span:.0f} s of traffic, "
+                  f"sampling rate {est.rate:.4g}")
+    return 0
+
+
+# ------------------------------------------------------------ bench policies
+
+def _configure_bench(p: argparse.ArgumentParser) -> None:
+    _trace_args(p, grid=False)
+    p.add_argument("--ttl", default="inf", help="one TTL for every replay (default inf)")
+    p.add_argument("--policy", default="all", help="policies to compare (Belady is always run)")
+
+
+def _bench_policies(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvstore.sim import Future, replay_cache
+
+    try:
+        caps = parse_capacities(args.capacity)
+        (ttl,) = parse_ttls(args.ttl)
+        policies = [p for p in parse_policies(args.policy) if p != "belady"]
+    except ValueError as exc:
+        raise UsageError(f"{exc} (bench policies takes one --ttl)") from exc
+    rows: list[dict[str, Any]] = []
+    for path in args.traces:
+        trace = _load(args, [path])
+        print(_note(trace, args), file=sys.stderr)
+        future = Future.of(trace)
+        for cap in tqdm(caps, desc=trace.name, unit="capacity"):
+            c = None if math.isinf(cap) else cap
+            best = replay_cache(trace, policy="belady", capacity_tokens=c, ttl_s=ttl,
+                                kv_bytes_per_token=args.kv_bytes_per_token, future=future)
+            for policy in ["belady", *policies]:
+                st = best if policy == "belady" else replay_cache(
+                    trace, policy=policy, capacity_tokens=c, ttl_s=ttl,
+                    kv_bytes_per_token=args.kv_bytes_per_token)
+                rows.append({"trace": trace.name, "capacity_tokens": c, "ttl_s":
+                             None if math.isinf(ttl) else ttl, "policy": policy,
+                             "hit_rate": st.hit_rate, "token_hit_rate": st.token_hit_rate,
+                             "ratio_to_belady": st.hit_rate / best.hit_rate
+                             if best.hit_rate else 1.0, "evictions": st.evictions})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(_policy_table(rows, policies))
+    return 0
+
+
+def _policy_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
+    """One line per trace x capacity: Belady's hit rate, each policy's hit rate
+    and ratio to it, and whether the goal holds (LRU < 0.9 -> best >= 0.95)."""
+    cells = {(r["trace"], r["capacity_tokens"], r["policy"]): r for r in rows}
+    head = f"{'trace':<26} {'capacity':>9} {'belady':>7} " + " ".join(
+        f"{p:>17}" for p in policies) + "  goal"
+    out = [head, "-" * len(head)]
+    for trace, cap in dict.fromkeys((r["trace"], r["capacity_tokens"]) for r in rows):
+        bel = cells[(trace, cap, "belady")]["hit_rate"]
+        ratios = {p: cells[(trace, cap, p)]["ratio_to_belady"] for p in policies}
+        parts = [f"{cells[(trace, cap, p)]['hit_rate']:.3f} ({ratios[p]:.2f})" for p in policies]
+        lru = ratios.get("lru")
+        best = max(ratios.values()) if ratios else 0.0
+        goal = "n/a (lru>=0.9)" if lru is None or lru >= 0.9 else (
+            "met" if best >= 0.95 else "missed")
+        out.append(f"{trace[:26]:<26} {fmt_tokens(math.inf if cap is None else cap):>9} "
+                   f"{bel:7.3f} " + " ".join(f"{x:>17}" for x in parts) + f"  {goal}")
+    return "\n".join(out)
+
+
+def register(reg: CommandRegistry) -> None:
+    reg.group("bench", help="benchmarks (tables; --json for machines)")
+    reg.add("bench policies", help="eviction policies against Belady's optimum on trace "
+                                   "replays (hit rate and ratio per capacity)",
+            configure=_configure_bench, run=_bench_policies)
+    reg.add("ttl-sweep", help="replay traces through simulated stores: hit rate and storage "
+                              "per TTL x capacity x eviction policy",
+            configure=_configure_sweep, run=_sweep)
+    reg.add("whatif", help="fit the live what-if estimator to a trace and print its "
+                           "predictions for other TTLs and capacities",
+            configure=_configure_whatif, run=_whatif)
+    reg.group("store", help="the KV-cache warehouse")
+    reg.add("store whatif", help="predict a running store's hit rate at other TTLs and "
+                                 "capacities from its live what-if estimator",
+            configure=_configure_store_whatif, run=_store_whatif)
