@@ -10,12 +10,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import kvserve.commands
+
+# Before torch loads libgomp: spinning OpenMP workers make a 2-core machine
+# running several engine processes 10-400x slower (engine/__init__.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 Configure = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int | None]

@@ -185,6 +185,8 @@ class RouterCore:
                 pchoice = self.view.choose_prefill(keys, n_tokens,
                                                    exclude=tries.excluded["prefill"])
             except NoInstanceError:
+                if tries.last is None:
+                    raise
                 break
             self._count(pchoice, "prefill")
             handle = await self._prefill(pchoice, preq, tries)
@@ -194,13 +196,13 @@ class RouterCore:
                 dchoice = self.view.choose_decode(n_tokens, exclude=tries.excluded["decode"])
             except NoInstanceError:
                 await self.upstreams.release(handle)
+                if tries.last is None:
+                    raise
                 break
             self._count(dchoice, "decode")
             started = await self._decode(pchoice, dchoice, handle, sampling, tries)
             if started is not None:
                 return started
-        if tries.last is None:
-            raise NoInstanceError(f"no live prefill/decode instance for {self.meta.served_name}")
         raise self._exhausted(tries)
 
     def _exhausted(self, tries: _Attempts) -> RouterError:
@@ -241,6 +243,9 @@ class RouterCore:
                                 f"{call.first_timeout_s:.0f}s", retryable=True,
                                 instance=inst.instance_id, http_status=504,
                                 grpc_code=grpc.StatusCode.DEADLINE_EXCEEDED)
+        except BaseException:
+            call.cancel()             # cancelled meanwhile: do not leave decode running
+            raise
         call.cancel()
         # The handle's KV may be unusable now; the next attempt prefills again
         # (cheaply: its blocks were written through to the warehouse).
