@@ -193,6 +193,8 @@ class EngineConfig:
     decode_bucket: int = 8          # decode rows per forward; fixed so batching is invariant
     seed: int = 0                   # random-weight configs only
     prefill_chunk: int = 0          # 0 = block_tokens (the only exact choice, see docs/engine.md)
+    max_position: int = 0           # 0 = the model's context; else override it (benchmarks)
+    threads: int = 0                # > 0: torch.set_num_threads (process-wide) at start
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -205,6 +207,8 @@ class EngineConfig:
             raise ModelConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.decode_bucket < 1:
             raise ModelConfigError(f"decode_bucket must be >= 1, got {self.decode_bucket}")
+        if self.max_position < 0 or self.threads < 0:
+            raise ModelConfigError("max_position and threads must be >= 0")
         if self.prefill_chunk < 0 or self.prefill_chunk % self.block_tokens:
             raise ModelConfigError(
                 f"prefill_chunk ({self.prefill_chunk}) must be 0 or a multiple of "

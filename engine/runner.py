@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 
@@ -40,13 +41,17 @@ def _device(name: str) -> torch.device:
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.config = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         self.device = _device(cfg.device)
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
         src = load_source(cfg.model, self.device, self.dtype, cfg.seed)
-        self.model_config = src.config
-        self.tokenizer = src.tokenizer
-        self.model = Transformer(src.config, src.weights, self.device, self.dtype)
         mc = src.config
+        if cfg.max_position:
+            mc = replace(mc, max_position=cfg.max_position)
+        self.model_config = mc
+        self.tokenizer = src.tokenizer
+        self.model = Transformer(mc, src.weights, self.device, self.dtype)
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, cfg.block_tokens, mc.head_dim,
                                cfg.dtype)
         self.storage = KVStorage(self.layout, cfg.num_blocks, self.device)
@@ -290,7 +295,7 @@ class Engine:
             self.free(sid)
 
     # -------------------------------------------------------- blocks in/out
-    @torch.inference_mode()
+    @torch.no_grad()  # exported tensors are ordinary (inference tensors refuse in-place use)
     def export_blocks(self, seq_id: str, start_block: int = 0, n_blocks: int | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
         """Full blocks of the sequence as [n, layers, 2, kv_heads, B, head_dim]."""
@@ -302,7 +307,7 @@ class Engine:
                                    f"sequence {seq_id!r} has {full} full blocks")
         return self.storage.export(s.table[start_block: start_block + n], out)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def export_tokens(self, seq_id: str, start: int, end: int) -> torch.Tensor:
         """KV of tokens [start, end) as [layers, 2, kv_heads, end - start, head_dim]."""
         s = self._seq(seq_id)
@@ -333,7 +338,7 @@ class Engine:
             self._mirror(table, len(toks), self._capacity(len(toks))),
             canonical_full=len(toks) // B)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def canonical_blocks(self, seq_id: str) -> tuple[int, torch.Tensor]:
         """(first block index, blocks) for every full block after the prompt's
         last chunk boundary, recomputed through the prefill path: exactly the

@@ -95,8 +95,3 @@ def prefill_input(req: prefill_pb2.PrefillRequest, model: ModelIdentity, tokeniz
     sampling = sampling_from_proto(req.sampling, require_max_tokens=req.HasField("sampling"))
     return PrefillInput(ctx, tokens, sampling)
 
-
-def ctx_to_proto(ctx: RequestCtx) -> common_pb2.RequestContext:
-    return common_pb2.RequestContext(request_id=ctx.request_id, tenant=ctx.tenant,
-                                     traffic_class=ctx.traffic_class,
-                                     model_fingerprint=ctx.model_fingerprint)

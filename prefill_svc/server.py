@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import torch
 
+from kvstore.client import ctx_to_proto
 from kvstore.keys import chain_keys
 from kvstore.registry import LoadReport
 from kvstore.types import PutResult
@@ -33,7 +34,7 @@ from prefill_svc.engine_thread import EngineThread
 from prefill_svc.errors import grpc_stream, grpc_unary, status_for
 from prefill_svc.kv_buffer import KVBuffer
 from prefill_svc.metrics import Source
-from prefill_svc.request import ModelIdentity, ctx_to_proto, prefill_input
+from prefill_svc.request import ModelIdentity, prefill_input
 from prefill_svc.restore import Restore, Restorer
 from prefill_svc.store_link import StoreLink
 from prefill_svc.writer import BlockWriter, WriteJob
