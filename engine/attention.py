@@ -58,7 +58,7 @@ def _key_plan(seg: Segment, window: int, group: int) -> _KeyPlan:
     return _KeyPlan(lo, mask)
 
 
-class PagedAttention:
+class BatchAttention:
     """The ``attend`` callback of one forward call (engine.model.AttendFn)."""
 
     def __init__(self, storage: KVStorage, segments: list[Segment], windows: tuple[int, ...],

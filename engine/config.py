@@ -171,6 +171,12 @@ _NAMED: dict[str, ModelConfig] = {
     "tiny-moe": replace(
         _TINY, name="tiny-moe", tie_embeddings=False,
         moe=MoEConfig(n_experts=8, top_k=2, n_shared=1, expert_intermediate=64)),
+    # SmolLM2-135M's exact shape with random weights: GPU benchmarks on a machine that
+    # cannot fetch the real weights measure the same arithmetic.
+    "smollm2-shape": ModelConfig(
+        name="smollm2-shape", vocab_size=49_152, hidden_size=576, intermediate_size=1_536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100_000.0,
+        max_position=8_192, tie_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
     "llama-8b-shape": ModelConfig(
         name="llama-8b-shape", vocab_size=128_256, hidden_size=4096, intermediate_size=14_336,
         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,
@@ -192,7 +198,7 @@ class EngineConfig:
     num_blocks: int = 2048
     decode_bucket: int = 8          # decode rows per forward; fixed so batching is invariant
     seed: int = 0                   # random-weight configs only
-    prefill_chunk: int = 0          # 0 = block_tokens (the only exact choice, see docs/engine.md)
+    prefill_chunk: int = 0          # 0 = block_tokens; a multiple of it (docs/engine.md)
     max_position: int = 0           # 0 = the model's context; else override it (benchmarks)
     threads: int = 0                # > 0: torch.set_num_threads (process-wide) at start
 

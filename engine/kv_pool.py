@@ -2,8 +2,8 @@
 G1 local prefix cache.
 
 Storage is ONE tensor ``[layers, 2, kv_heads, num_blocks, block_tokens, head_dim]``:
-- attention gathers a sequence's blocks of one layer with one ``index_select``
-  and gets ``[2, kv_heads, n * block_tokens, head_dim]`` without another copy;
+- a sequence's KV for all layers comes out with one ``index_select`` as
+  ``[layers, 2, kv_heads, n * block_tokens, head_dim]`` (to fill its mirror);
 - export is one gather of a permuted view into the documented block tensor
   ``[n_blocks, layers, 2, kv_heads, block_tokens, head_dim]`` and import one
   ``index_copy_`` scatter: never a per-block copy loop (84x slower on a GPU).
@@ -78,11 +78,6 @@ class KVStorage:
         # k, v: [M, H, D] rows for token slots (block * B + offset): [M]
         self._slots[layer, 0].index_copy_(1, slots, k.transpose(0, 1))
         self._slots[layer, 1].index_copy_(1, slots, v.transpose(0, 1))
-
-    def gather(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
-        # -> [2, H, n * B, D]: K and V of these blocks, in table order
-        kv = self.data[layer].index_select(2, block_ids)                # [2, H, n, B, D]
-        return kv.view(2, kv.shape[1], -1, kv.shape[-1])
 
     def gather_all(self, block_ids: torch.Tensor) -> torch.Tensor:
         # -> [L, 2, H, n * B, D]: every layer's KV of these blocks, in table order

@@ -2,9 +2,9 @@
 block export/import, canonical blocks. See INTERFACES §0-1 and docs/engine.md.
 
 Exactness by construction:
-- prefill runs in chunks of ``block_tokens`` aligned to absolute positions, so
-  a cold run and a run restored at a block boundary execute the same ops on the
-  same inputs for every later token;
+- prefill runs in chunks (``prefill_chunk``, default ``block_tokens``) aligned
+  to absolute positions and reuse is cut to a chunk boundary, so a cold run and
+  a restored run execute the same ops on the same inputs for every later token;
 - decode always runs ``decode_bucket`` rows per forward (padding the rest) and
   attends per sequence, so co-tenants never change a sequence's bits.
 """
@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.attention import PagedAttention, Segment
+from engine.attention import BatchAttention, Segment
 from engine.config import KV_LAYOUT_VERSION, EngineConfig
 from engine.errors import DeviceError, EngineInputError
 from engine.kv_pool import BlockPool, KVLayout, KVStorage
@@ -59,7 +59,9 @@ class Engine:
         self.hit_rule = mc.hit_rule(cfg.block_tokens)
         h = hashlib.blake2b(digest_size=16)
         h.update(src.weights_id)
-        h.update(f"|{cfg.dtype}|kv{KV_LAYOUT_VERSION}|B{cfg.block_tokens}".encode())
+        # The chunk decides a canonical block's bits, so it is part of the identity.
+        h.update(f"|{cfg.dtype}|kv{KV_LAYOUT_VERSION}|B{cfg.block_tokens}"
+                 f"|C{cfg.chunk_tokens}".encode())
         self.fingerprint: bytes = h.digest()
         self._seqs: dict[str, Sequence] = {}
         self._windows = mc.layer_windows
@@ -83,6 +85,12 @@ class Engine:
     def seq_tokens(self, seq_id: str) -> list[int]:
         """Prompt plus every sampled token (the last one has no KV yet)."""
         return list(self._seq(seq_id).tokens)
+
+    def canonical_full(self, seq_id: str) -> int:
+        """Leading blocks of the sequence whose KV is canonical (safe to store):
+        the prompt's blocks before its last chunk boundary. Later full blocks
+        come canonical from ``canonical_blocks``."""
+        return self._seq(seq_id).canonical_full
 
     def g1_match(self, block_keys: Seq[bytes]) -> int:
         return len(self.blocks.match(block_keys))
@@ -127,7 +135,11 @@ class Engine:
                 n_rest = 0                   # a gap before the restored blocks: recompute
         cap = self.hit_rule.usable_tokens((len(g1) + n_rest) * B, n)
         if max_restore_tokens is not None:
-            cap = min(cap, max(0, max_restore_tokens) // B * B)
+            cap = min(cap, max(0, max_restore_tokens))
+        # Reuse ends on a chunk boundary: the chunks after it are then exactly
+        # the cold run's (a boundary inside a chunk would change its row count).
+        C = self.config.chunk_tokens
+        cap = cap // C * C
         use_g1 = min(len(g1), cap // B)
         use_rest = min(n_rest, cap // B - use_g1)
         reuse = use_g1 + use_rest
@@ -143,7 +155,8 @@ class Engine:
             assert restored is not None
             self.storage.import_(table[use_g1:reuse], restored[:use_rest])
         seq = Sequence(seq_id, toks, n, 0, blocks, table, sampling,
-                       self._mirror(table, reuse * B, self._capacity(n)), canonical_full=n // B)
+                       self._mirror(table, reuse * B, self._capacity(n)),
+                       canonical_full=n // C * C // B)
         self._seqs[seq_id] = seq
         try:
             hidden = self._run_chunks(seq, reuse * B, n, all_logits=False)
@@ -153,7 +166,7 @@ class Engine:
             raise
         seq.kv_len = n
         seq.tokens.append(first)
-        for i in range(use_g1, len(keys)):
+        for i in range(use_g1, min(len(keys), seq.canonical_full)):
             self.blocks.cache(blocks[i], keys[i])
         return PrefillResult(first, use_rest * B, use_g1 * B, n - reuse * B,
                              time.perf_counter() - t0)
@@ -188,7 +201,7 @@ class Engine:
             e = min(end, (s // chunk + 1) * chunk)
             toks = torch.tensor(seq.tokens[s:e], dtype=torch.int64, device=self.device)
             pos = torch.arange(s, e, device=self.device)
-            attn = PagedAttention(self.storage, [Segment(0, e - s, s, table, mirror)],
+            attn = BatchAttention(self.storage, [Segment(0, e - s, s, table, mirror)],
                                   self._windows, self.model_config.num_heads, e - s)
             hidden = self.model.forward(toks, pos, attn, e - s, self._counts)
             if all_logits:
@@ -232,7 +245,7 @@ class Engine:
             toks = torch.tensor([s.pending for s in group] + [0] * pad, device=self.device)
             pos = torch.tensor([s.kv_len for s in group] + [0] * pad, device=self.device)
             segs = [Segment(j, 1, s.kv_len, s.table, s.mirror) for j, s in enumerate(group)]
-            attn = PagedAttention(self.storage, segs, self._windows,
+            attn = BatchAttention(self.storage, segs, self._windows,
                                   self.model_config.num_heads, bucket)
             hidden = self.model.forward(toks, pos, attn, len(group), self._counts)
             logits = self.model.logits(hidden)                    # [bucket, V]
@@ -336,16 +349,19 @@ class Engine:
         self._seqs[seq_id] = Sequence(
             seq_id, [*toks, first_token], len(toks), len(toks), blocks, table, sampling,
             self._mirror(table, len(toks), self._capacity(len(toks))),
-            canonical_full=len(toks) // B)
+            canonical_full=len(toks) // self.config.chunk_tokens * self.config.chunk_tokens // B)
 
     @torch.no_grad()
     def canonical_blocks(self, seq_id: str) -> tuple[int, torch.Tensor]:
-        """(first block index, blocks) for every full block after the prompt's
-        last chunk boundary, recomputed through the prefill path: exactly the
-        KV a cold chunked prefill of these tokens gives."""
+        """(first block index, blocks) for the full blocks after the prompt's
+        last chunk boundary, up to the sequence's last chunk boundary (with the
+        default chunk == block: every full block), recomputed through the
+        prefill path: exactly the KV a cold chunked prefill of these tokens gives."""
         s = self._seq(seq_id)
-        B = self.config.block_tokens
-        first, last = s.canonical_full, s.kv_len // B
+        B, C = self.config.block_tokens, self.config.chunk_tokens
+        # Only whole chunks are canonical: a partial chunk's row count depends
+        # on where the sequence happens to end.
+        first, last = s.canonical_full, s.kv_len // C * C // B
         self.blocks.release(s.shadow)
         s.shadow = []
         if last <= first:

@@ -104,7 +104,8 @@ def _bench_configure(p: argparse.ArgumentParser) -> None:
     _engine_args(p)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--prefill-chunk", type=int, default=0,
-                   help="prefill chunk (a multiple of block tokens; only == block is exact)")
+                   help="prefill chunk, a multiple of --block-tokens (default: the block on "
+                        "CPU, 2048 on CUDA); restores snap to chunk boundaries")
     p.add_argument("--prefill-tokens", type=int, nargs="*", default=None,
                    help="prompt lengths to time (default: 256 and 1493 on CPU; 4k/16k on CUDA)")
     p.add_argument("--decode-batches", type=int, nargs="*", default=None,
@@ -113,6 +114,8 @@ def _bench_configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--big-model", default="llama-8b-shape",
                    help="second model timed on CUDA (bf16); '' to skip")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    p.add_argument("--decode-bucket", type=int, default=0,
+                   help="decode rows per forward (default 8 on CPU, the biggest batch on CUDA)")
 
 
 def _bench_run(args: argparse.Namespace) -> int:
@@ -125,7 +128,7 @@ def _bench_run(args: argparse.Namespace) -> int:
                             prefill_tokens=tuple(args.prefill_tokens or ()),
                             decode_batches=tuple(args.decode_batches or ()),
                             decode_steps=args.decode_steps, big_model=args.big_model,
-                            threads=args.threads)
+                            threads=args.threads, decode_bucket=args.decode_bucket)
         result = run_engine_bench(opts)
     except _user_errors() as exc:
         raise UsageError(str(exc)) from exc

@@ -82,6 +82,7 @@ def test_random_weights_follow_the_seed() -> None:
     # Block size and dtype are part of the fingerprint.
     assert make_engine("tiny-moe", block_tokens=32).fingerprint != a.fingerprint
     assert make_engine("tiny-moe", dtype="bfloat16").fingerprint != a.fingerprint
+    assert make_engine("tiny-moe", prefill_chunk=32).fingerprint != a.fingerprint
 
 
 def test_sampling_stops_and_text() -> None:

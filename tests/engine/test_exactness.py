@@ -86,6 +86,32 @@ def test_lossless_restore_20_prompts(model: str) -> None:
     assert sum(r > 0 for r in warm.reused) >= 15
 
 
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-hybrid"])
+def test_bigger_prefill_chunks_stay_exact(model: str) -> None:
+    """Chunks of 3 blocks: reuse snaps down to a chunk boundary, so a restored
+    run still repeats the cold run's chunks exactly."""
+    cold_eng, fresh = (make_engine(model, prefill_chunk=48) for _ in range(2))
+    rule = cold_eng.hit_rule
+    prompts = random_prompts(20, 20, 150, 256, seed=17)
+    cold = generate_batch(cold_eng, prompts)
+    warm = generate_batch(fresh, prompts, cold.prompt_blocks)
+    for i, p in enumerate(prompts):
+        usable = rule.usable_tokens(cold.prompt_blocks[i].shape[0] * 16, len(p))
+        assert warm.reused[i] == usable // 48 * 48
+        assert warm.tokens[i] == cold.tokens[i] and torch.equal(warm.kv[i], cold.kv[i])
+    # Only blocks before the prompt's last chunk boundary are canonical.
+    cold_eng.prefill("s", prompts[0] + [7] * 40, sampling=GREEDY32)
+    L = len(prompts[0]) + 40
+    assert cold_eng.canonical_full("s") == L // 48 * 3
+    for _ in range(31):
+        cold_eng.decode_step(["s"])
+    first, canon = cold_eng.canonical_blocks("s")
+    toks = cold_eng.seq_tokens("s")[:-1]
+    cold_eng.prefill("c", toks)
+    assert first == L // 48 * 3 and first + canon.shape[0] == len(toks) // 48 * 3
+    assert torch.equal(canon, cold_eng.export_blocks("c", first, canon.shape[0]))
+
+
 def test_hybrid_hit_rule_bounds_replay() -> None:
     eng = make_engine("tiny-hybrid")
     rule = eng.hit_rule

@@ -88,9 +88,9 @@ def test_import_scatters_blocks_and_tokens_round_trip() -> None:
     assert torch.equal(st.export_tokens(slots), toks * 2)
 
 
-def test_gather_returns_tokens_in_table_order() -> None:
+def test_gather_all_returns_tokens_in_table_order() -> None:
     st = _storage()
-    kv = st.gather(1, torch.tensor([3, 0]))               # [2, H, 2*B, D]
-    assert kv.shape == (2, 2, 8, 8)
-    assert torch.equal(kv[:, :, :4], st.data[1, :, :, 3])
-    assert torch.equal(kv[:, :, 4:], st.data[1, :, :, 0])
+    kv = st.gather_all(torch.tensor([3, 0]))              # [L, 2, H, 2*B, D]
+    assert kv.shape == (3, 2, 2, 8, 8)
+    assert torch.equal(kv[:, :, :, :4], st.data[:, :, :, 3])
+    assert torch.equal(kv[:, :, :, 4:], st.data[:, :, :, 0])

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU benchmarks of docs/BENCHMARKS.md, in one run on the lent H200:
+#   bash scripts/gpu_bench.sh [engine|pd|limits|all]
+# Wheels the image lacks travel in .whl/ (see docs/BENCHMARKS.md); results go to $OUT.
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 KVSERVE_CACHE=/tmp/kvcache
+python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "native hashing not built: fallback"
+what=${1:-all}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, grpc, google.protobuf as p; print("torch", torch.__version__, "grpc", grpc.__version__, "protobuf", p.__version__)'
+if [ "$what" = limits ] || [ "$what" = all ]; then
+  timeout 240 python3 scripts/gpu_limits.py > "$OUT/gpu_limits.json" 2> "$OUT/gpu_limits.err"; tail -n 30 "$OUT/gpu_limits.json"
+fi
+if [ "$what" = engine ] || [ "$what" = all ]; then
+  timeout 400 python3 -m kvserve.cli bench engine --device cuda --model smollm2-shape --json \
+    > "$OUT/bench_engine_cuda.json" 2> "$OUT/bench_engine_cuda.err"; echo "engine rc=$?"
+  cat "$OUT/bench_engine_cuda.json"; tail -n 5 "$OUT/bench_engine_cuda.err"
+fi
+if [ "$what" = pd ] || [ "$what" = all ]; then
+  timeout 500 python3 -m kvserve.cli bench pd --model llama-8b-shape --device cuda --json \
+    --png "$OUT/bench-pd-h200.png" > "$OUT/bench_pd_cuda.json" 2> "$OUT/bench_pd_cuda.err"; echo "pd rc=$?"
+  cat "$OUT/bench_pd_cuda.json"; tail -n 5 "$OUT/bench_pd_cuda.err"
+fi
