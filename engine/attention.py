@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.kv_pool import KVStorage
 
@@ -93,6 +94,16 @@ class BatchAttention:
             kv = kv[:, :, plan.lo:end].unsqueeze(1)                    # [2, 1, Hkv, keys, D]
             # GQA without repeating K/V: the g query heads of a KV head become
             # g*m query rows of that head.
+            if q.is_cuda and plan.mask is not None and self.windows[layer] == 0:
+                # GPU prefill chunk: a lower-right causal bias instead of a dense mask
+                # lets SDPA run its flash kernel (a 2k-row chunk over 32k keys would
+                # otherwise take the masked path); heads stay in the same order.
+                qh = q[r0:r0 + m].transpose(0, 1).unsqueeze(0)            # [1, H, m, D]
+                o = F.scaled_dot_product_attention(
+                    qh, kv[0], kv[1], attn_mask=causal_lower_right(m, end - plan.lo),
+                    enable_gqa=True)                                     # [1, H, m, D]
+                out[r0:r0 + m] = o[0].transpose(0, 1).reshape(m, -1)
+                continue
             qs = q[r0:r0 + m].reshape(m, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * m, d)
             o = F.scaled_dot_product_attention(qs, kv[0], kv[1], attn_mask=plan.mask)
             out[r0:r0 + m] = o.view(hkv, g, m, d).permute(2, 0, 1, 3).reshape(m, -1)

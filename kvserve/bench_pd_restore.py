@@ -352,5 +352,5 @@ def _disk_choice(eng: Any, g3: Any, toks: list[int], blocks: torch.Tensor, ttft_
     for k in keys:
         g3.delete(k)
     return DiskResult(len(toks), len(keys),
-                      len(probe) * eng.layout.block_nbytes / probe_s / 1e9, plan.fetch_s,
+                      len(probe) * eng.layout.block_nbytes / probe_s / 1e9, plan.fetch_all_s,
                       plan.recompute_s, plan.decision, fetch_s, ttft_cold)

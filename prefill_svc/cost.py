@@ -39,6 +39,7 @@ class FetchPlan:
     fetch_s: float                  # predicted time to fetch them
     recompute_s: float              # predicted time to recompute all candidates instead
     kind: str                       # "none" | "fetch" | "partial" | "recompute"
+    fetch_all_s: float = 0.0        # predicted time to fetch every candidate (the alternative)
 
     @property
     def candidates(self) -> int:
@@ -104,7 +105,7 @@ class CostModel:
         else:
             kind = "fetch" if k == n else "partial"
         plan = FetchPlan(start_block, end_block, k, tier_counts(candidates[:k]), fetch_s[k],
-                         self.recompute_time(n), kind)
+                         self.recompute_time(n), kind, fetch_s[n])
         if n:
             log.info("fetch rule (%s): %s | candidates %d blocks %s, fetch %.4fs vs recompute "
                      "%.4fs (prefill %.0f tok/s, bw %s)", self._cfg.fetch_policy, plan.decision,
