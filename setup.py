@@ -18,13 +18,13 @@ class OptionalBuildExt(build_ext):
     def run(self) -> None:
         try:
             super().run()
-        except Exception as exc:  # noqa: BLE001 - any compiler failure
+        except Exception as exc:  # any compiler failure
             print(f"kvserve: native extension not built ({exc}); using the Python fallback")
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"kvserve: {ext.name} not built ({exc}); using the Python fallback")
 
 

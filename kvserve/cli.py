@@ -69,8 +69,8 @@ class CommandRegistry:
 
     def build_parser(self) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(
-            prog="kvserve", description="Disaggregated LLM serving with a tiered KV-cache warehouse."
-        )
+            prog="kvserve",
+            description="Disaggregated LLM serving with a tiered KV-cache warehouse.")
         parser.add_argument("-v", "--verbose", action="count", default=0,
                             help="more logging (-v info, -vv debug)")
         self._attach(parser, self._root, "command")

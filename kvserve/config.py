@@ -86,7 +86,8 @@ class TrafficClasses:
                 raise ConfigError(f"classes.ttl_s.{name} must be a positive integer of seconds")
         if self.default not in self.ttl_s:
             raise ConfigError(
-                f"classes.default {self.default!r} is not a class; choose one of {sorted(self.ttl_s)}")
+                f"classes.default {self.default!r} is not a class; "
+                f"choose one of {sorted(self.ttl_s)}")
 
     def resolve(self, name: str) -> str:
         """The class a request belongs to: its own if known, else an error."""
@@ -125,7 +126,8 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigError(
+                f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +191,8 @@ class KVServeConfig:
     def from_dict(cls, data: dict[str, Any]) -> KVServeConfig:
         unknown = set(data) - set(_SECTIONS)
         if unknown:
-            raise ConfigError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(_SECTIONS)}")
+            raise ConfigError(
+                f"unknown config section(s) {sorted(unknown)}; known: {sorted(_SECTIONS)}")
         built: dict[str, Any] = {}
         for name, section_cls in _SECTIONS.items():
             raw = data.get(name, {})
@@ -198,7 +201,8 @@ class KVServeConfig:
             allowed = {f.name for f in fields(section_cls)}
             extra = set(raw) - allowed
             if extra:
-                raise ConfigError(f"[{name}] has unknown key(s) {sorted(extra)}; known: {sorted(allowed)}")
+                raise ConfigError(
+                    f"[{name}] has unknown key(s) {sorted(extra)}; known: {sorted(allowed)}")
             try:
                 built[name] = section_cls(**raw)
             except TypeError as exc:

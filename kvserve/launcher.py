@@ -80,7 +80,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model for prefill and decode (default smollm2)")
     p.add_argument("--host", default=None, help="bind address of every service")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    p.add_argument("--g3-path", default=None, help="local disk tier directory")
+    p.add_argument("--g3-path", default=None,
+                   help="local disk tier directory (default: $KVSERVE_CACHE/g3, so warm KV "
+                   "survives a restart); 'none' for no disk tier")
     p.add_argument("--free-ports", action="store_true",
                    help="pick free ports instead of the configured ones")
     p.add_argument("--run-dir", default=None, help="logs and the effective config (default: a "
@@ -143,8 +145,13 @@ def _remove_state() -> None:
 def _effective(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
     if args.model:
         cfg = replace(cfg, model=replace(cfg.model, name=args.model))
-    if args.g3_path:
-        cfg = replace(cfg, tiers=replace(cfg.tiers, g3_path=args.g3_path))
+    g3 = args.g3_path
+    if g3 is None and not cfg.tiers.g3_path:
+        # A local stack keeps its blocks on disk by default: users expect warm KV
+        # (and what they paid to compute) to outlive a Ctrl-C.
+        g3 = str(Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "g3")
+    if g3 is not None:
+        cfg = replace(cfg, tiers=replace(cfg.tiers, g3_path="" if g3 == "none" else g3))
     ports = cfg.ports
     if args.host:
         ports = replace(ports, host=args.host)

@@ -18,8 +18,9 @@ from kvserve.traces import (
     merge_traces,
     rebin,
 )
+from tests.shared_data import shared_dir
 
-SHARED = Path("/work/shared/traces")
+SHARED = shared_dir() / "traces"
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:

@@ -11,8 +11,9 @@ import pytest
 
 from kvserve.cli import main
 from kvserve.sweep import parse_capacities, parse_ttls
+from tests.shared_data import shared_dir
 
-CONV = "/work/shared/traces/mooncake-fast25/conversation_trace.jsonl"
+CONV = str(shared_dir() / "traces/mooncake-fast25/conversation_trace.jsonl")
 ROW_KEYS = {"class", "ttl_s", "capacity_tokens", "policy", "hit_rate", "token_hit_rate",
             "bytes_peak", "bytes_mean"}
 needs_conv = pytest.mark.skipif(not Path(CONV).exists(), reason="Mooncake trace not present")

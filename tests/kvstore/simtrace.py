@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvserve.traces import Trace, TraceRequest
+from tests.shared_data import shared_dir
 
-MOONCAKE_CONV = "/work/shared/traces/mooncake-fast25/conversation_trace.jsonl"
+MOONCAKE_CONV = str(shared_dir() / "traces/mooncake-fast25/conversation_trace.jsonl")
 
 
 def make_trace(reqs: Sequence[tuple[float, Sequence[int]]], *, block_tokens: int = 4,

@@ -17,10 +17,11 @@ def test_regenerated_stubs_match_checked_in(tmp_path: Path) -> None:
     generate(tmp_path)
     generated = sorted((tmp_path / "proto").glob("*_pb2*"))
     assert generated, "protoc generated nothing"
+    fix = "run python -m proto.build"
     for new in generated:
         old = ROOT / "proto" / new.name
-        assert old.exists(), f"{new.name} is generated but not checked in: run python -m proto.build"
-        assert filecmp.cmp(new, old, shallow=False), f"{new.name} is stale: run python -m proto.build"
+        assert old.exists(), f"{new.name} is generated but not checked in: {fix}"
+        assert filecmp.cmp(new, old, shallow=False), f"{new.name} is stale: {fix}"
     checked_in = {p.name for p in (ROOT / "proto").glob("*_pb2*")}
     assert checked_in == {p.name for p in generated}, "stubs without a .proto source"
 

@@ -19,8 +19,9 @@ from router.eplb_eval import (
     score_plan,
     static_rank_loads,
 )
+from tests.shared_data import shared_dir
 
-DATA = Path("/work/shared/expert_loads/deepseek_v3")
+DATA = shared_dir() / "expert_loads/deepseek_v3"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="shared expert-load recordings absent")
 
 

@@ -21,8 +21,9 @@ from router.replay import (
     simulate,
 )
 from router.replay_cost import DESIGN_POINTS, CostModel, CostModelError
+from tests.shared_data import shared_dir
 
-TRACES = Path("/work/shared/traces")
+TRACES = shared_dir() / "traces"
 MOONCAKE = TRACES / "mooncake-fast25" / "conversation_trace.jsonl"
 AGENTS = TRACES / "weka-claude-code" / "traces.tar.xz"
 needs_traces = pytest.mark.skipif(not MOONCAKE.is_file() or not AGENTS.is_file(),
