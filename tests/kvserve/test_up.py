@@ -25,7 +25,8 @@ def test_up_chat_status_and_clean_stop(tmp_path: Path) -> None:
     env = {**os.environ, "KVSERVE_STATE": str(tmp_path / "up.json")}
     env.pop("REDIS_URL", None)
     up = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "up", "--model", "tiny-dense",
-                           "--free-ports", "--grace", "5"], env=env, text=True,
+                           "--free-ports", "--grace", "5", "--g3-path", str(tmp_path / "g3")],
+                          env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         lines = []

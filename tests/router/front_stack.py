@@ -80,7 +80,7 @@ def up_stack(run_dir: Path, *, model: str, config: Path | None = None,
     env = {**os.environ, "KVSERVE_STATE": str(state_file)}
     env.pop("REDIS_URL", None)
     argv = [sys.executable, "-m", "kvserve.cli", "up", "--model", model, "--free-ports",
-            "--run-dir", str(run_dir), "--grace", "3"]
+            "--run-dir", str(run_dir), "--grace", "3", "--g3-path", str(run_dir / "g3")]
     if config is not None:
         argv += ["--config", str(config)]
     out = open(run_dir / "up.out", "wb")  # noqa: SIM115 - closed below
