@@ -21,6 +21,7 @@ from tqdm import tqdm
 from kvserve.traces import Trace
 from kvstore.eviction import policy_names
 from kvstore.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN, Future, replay_cache
+from kvstore.whatif import WhatIfRow
 
 _UNITS_S = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86_400, "w": 604_800}
 _UNITS_TOK = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -74,31 +75,18 @@ def parse_policies(text: str | None) -> list[str]:
     return names
 
 
-def _json_num(x: float) -> float | None:
-    return None if math.isinf(x) else x
-
-
 @dataclass(frozen=True, slots=True)
-class SweepRow:
-    cls: str
-    ttl_s: float
-    capacity_tokens: float
-    policy: str
-    hit_rate: float
-    token_hit_rate: float
-    bytes_peak: float
-    bytes_mean: float
-    evictions: int
-    expirations: int
-    time_scale: float
+class SweepRow(WhatIfRow):
+    """A replayed row: the what-if row's keys (so predictions and replays compare
+    key for key) plus what only a replay knows."""
+
+    evictions: int = 0
+    expirations: int = 0
+    time_scale: float = 1.0
 
     def as_json(self) -> dict[str, Any]:
-        return {"class": self.cls, "ttl_s": _json_num(self.ttl_s),
-                "capacity_tokens": _json_num(self.capacity_tokens), "policy": self.policy,
-                "hit_rate": self.hit_rate, "token_hit_rate": self.token_hit_rate,
-                "bytes_peak": self.bytes_peak, "bytes_mean": self.bytes_mean,
-                "evictions": self.evictions, "expirations": self.expirations,
-                "time_scale": self.time_scale}
+        return {**WhatIfRow.as_json(self), "evictions": self.evictions,
+                "expirations": self.expirations, "time_scale": self.time_scale}
 
 
 def run_sweep(trace: Trace, *, ttls: Sequence[float], capacities: Sequence[float],
