@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -257,3 +258,40 @@ def test_lookup_latency_for_2048_blocks(redis_url: str) -> None:
         return sorted(times)
     times = run(body())
     assert times[len(times) // 2] < 0.05
+
+
+def test_lookup_checks_wide_node_ids_stale_stamps_and_late_gaps(redis_url: str) -> None:
+    """The script tests entry bytes directly: node ids above 255 must compare
+    both bytes, a stale stamp must be rewritten (node and size kept), and a gap
+    past the first MGET batch must end the match there."""
+    async def body() -> None:
+        r = redis.Redis.from_url(redis_url)
+        r.hset("kvserve:ids", "node:#next", 600)           # a: id 600 = 0x258
+        a = await _index(redis_url, node="a")
+        r.hset("kvserve:ids", "node:#next", 600 + 256)     # b: same low byte as a
+        b = await _index(redis_url, node="b")
+        assert (a.node_id, b.node_id) == (600, 856)
+        ks = keys(100)
+        await a.add([IndexRecord(k, 7, "agent") for k in ks[:40]], tier="G3")
+        await b.add([IndexRecord(k, 7, "agent") for k in ks[40:60]], tier="G3")
+        await a.add([IndexRecord(k, 7, "agent") for k in ks[61:]], tier="G3")
+        assert (await a.match_chain(ks)).matched == 40      # b's disk is not a's
+        assert (await b.match_chain(ks[40:])).matched == 20  # ... and ks[60] is a gap
+        # Age one entry's stamp past the amortization window: the hit rewrites it.
+        old = (await a.entries(ks[5:6]))[0]
+        assert old is not None
+        stale = struct.pack("<BBHII", old.tiers, old.class_id, old.node_id, old.size,
+                            old.stamp - 86_400)
+        r.set(index_key(ks[5]), stale, ex=1000)
+        m = await a.match_chain(ks[:40], traffic_class="agent")
+        fresh = m.entries[5]
+        assert (fresh.node_id, fresh.size, fresh.tiers) == (600, 7, old.tiers)
+        assert fresh.stamp >= old.stamp and r.ttl(index_key(ks[5])) > 1000
+        assert (await a.entries(ks[5:6]))[0] == fresh
+        # A malformed value ends the match like a missing one.
+        r.set(index_key(ks[30]), b"junk")
+        assert (await a.match_chain(ks)).matched == 30
+        r.close()
+        await a.close()
+        await b.close()
+    run(body())
