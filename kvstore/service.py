@@ -41,13 +41,14 @@ from kvstore.segments import SegmentCache, copy_is_trusted
 from kvstore.tiers import ShmSlot, TierError
 from kvstore.types import BlockLayout, RequestCtx
 from kvstore.warehouse import Warehouse
-from kvstore.wire import PutPart, decode_put_chunk, encode_get_chunk, get_chunk_prefix
+from kvstore.wire import PutPart, decode_put_chunk, encode_get_chunks, get_chunk_prefix
 from proto import common_pb2, kvstore_pb2
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvserve.v1.KVStore"
 KEY_BYTES = 16
+SHM_GET_BATCH = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,38 +346,49 @@ class KVStoreService:
                     self.limits.max_message_bytes - 4096)
         chunk = max(chunk, 4096)
         batch = max(1, self.limits.get_chunk_bytes * 8 // chunk)
+        if req.use_shm:  # G2 hits pin nothing (descriptors only): fewer, larger batches
+            batch = max(batch, SHM_GET_BATCH)
         # Batches bound the memory a big Get pins at once; one thread hop per batch.
         # G2 hits are always located, not copied: a socket client gets the bytes
         # copied once, from the arena straight into the outgoing message.
+        # Descriptor-only chunks (misses, shared-memory slots) of consecutive blocks
+        # travel together in one message (GetChunk.more), flushed before any data.
+        small: list[kvstore_pb2.GetChunk] = []
         for start in range(0, len(keys), batch):
             fetched = await self.wh.get(keys[start:start + batch], ctx=ctx, locate=True)
             for f in fetched:
                 if f.meta is None:
-                    yield encode_get_chunk(kvstore_pb2.GetChunk(
+                    small.append(kvstore_pb2.GetChunk(
                         header=kvstore_pb2.BlockHeader(key=f.key), missing=True))
                     continue
                 hdr = kvstore_pb2.BlockHeader(key=f.key, size=f.meta.size,
                                               token_count=f.meta.token_count,
                                               checksum=f.meta.checksum)
                 if f.slot is not None and req.use_shm:
-                    yield encode_get_chunk(kvstore_pb2.GetChunk(
+                    small.append(kvstore_pb2.GetChunk(
                         header=hdr, shm_name=f.slot.shm_name, shm_offset=f.slot.offset,
                         shm_valid_until=f.slot.valid_until,
                         shm_reuse_gen=max(f.slot.reuse_gen, 0)))
                     continue
+                if small:
+                    yield encode_get_chunks(small)
+                    small = []
                 pieces = self._from_slot(hdr, f.slot, chunk) if f.slot is not None else None
                 if pieces is None and f.slot is not None:  # reused under us: read it again
                     again = await self.wh.get([f.key], ctx=ctx, locate=False)
                     f = again[0]
                     if f.payload is None:
-                        yield encode_get_chunk(kvstore_pb2.GetChunk(
-                            header=kvstore_pb2.BlockHeader(key=f.key), missing=True))
+                        yield encode_get_chunks([kvstore_pb2.GetChunk(
+                            header=kvstore_pb2.BlockHeader(key=f.key), missing=True)])
                         continue
                 if pieces is None:
                     assert f.payload is not None
                     pieces = _pieces(hdr, f.payload, chunk)
                 for piece in pieces:
                     yield piece
+            if small:  # the batch's descriptors before its next thread hop
+                yield encode_get_chunks(small)
+                small = []
 
     def _from_slot(self, hdr: kvstore_pb2.BlockHeader, slot: ShmSlot,
                    chunk: int) -> list[bytes] | None:

@@ -134,6 +134,11 @@ class GetPart:
     missing: bool = False
     shm_valid_until: float = 0.0
     shm_reuse_gen: int = 0
+    more: tuple[GetPart, ...] = ()   # descriptor-only chunks of the next blocks, in order
+
+    def parts(self) -> tuple[GetPart, ...]:
+        """This chunk, then the ones it carries in ``more``."""
+        return (self, *self.more)
 
 
 def get_chunk_prefix(header: kvstore_pb2.BlockHeader | None, data_size: int) -> bytes:
@@ -150,8 +155,18 @@ def encode_get_chunk(msg: kvstore_pb2.GetChunk) -> bytes:
     return msg.SerializeToString()
 
 
-def decode_get_chunk(raw: bytes) -> GetPart:
+def encode_get_chunks(msgs: list[kvstore_pb2.GetChunk]) -> bytes:
+    """Descriptor-only chunks of consecutive blocks as ONE message: the first,
+    carrying the rest in ``more``."""
+    first = kvstore_pb2.GetChunk()
+    first.CopyFrom(msgs[0])
+    first.more.extend(msgs[1:])
+    return first.SerializeToString()
+
+
+def decode_get_chunk(raw: bytes | memoryview, *, nested: bool = False) -> GetPart:
     kw: dict[str, object] = {}
+    more: list[GetPart] = []
     data = memoryview(b"")
     header = None
     for number, wtype, value in _fields(raw):
@@ -169,4 +184,11 @@ def decode_get_chunk(raw: bytes) -> GetPart:
             kw["shm_valid_until"] = _DOUBLE.unpack(value)[0]
         elif number == 7 and wtype == _VARINT:
             kw["shm_reuse_gen"] = value
-    return GetPart(header, data, **kw)  # type: ignore[arg-type]
+        elif number == 8 and isinstance(value, memoryview):
+            if nested:
+                raise WireError("GetChunk.more: a carried chunk carries no more chunks")
+            sub = decode_get_chunk(value, nested=True)
+            if sub.header is None or sub.data.nbytes:
+                raise WireError("GetChunk.more: carried chunks are headers without data")
+            more.append(sub)
+    return GetPart(header, data, more=tuple(more), **kw)  # type: ignore[arg-type]

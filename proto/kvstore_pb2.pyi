@@ -98,7 +98,7 @@ class GetRequest(_message.Message):
     def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., use_shm: _Optional[bool] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class GetChunk(_message.Message):
-    __slots__ = ("header", "data", "shm_name", "shm_offset", "missing", "shm_valid_until", "shm_reuse_gen")
+    __slots__ = ("header", "data", "shm_name", "shm_offset", "missing", "shm_valid_until", "shm_reuse_gen", "more")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class GetChunk(_message.Message):
     MISSING_FIELD_NUMBER: _ClassVar[int]
     SHM_VALID_UNTIL_FIELD_NUMBER: _ClassVar[int]
     SHM_REUSE_GEN_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     header: BlockHeader
     data: bytes
     shm_name: str
@@ -113,7 +114,8 @@ class GetChunk(_message.Message):
     missing: bool
     shm_valid_until: float
     shm_reuse_gen: int
-    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., missing: _Optional[bool] = ..., shm_valid_until: _Optional[float] = ..., shm_reuse_gen: _Optional[int] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[GetChunk]
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., missing: _Optional[bool] = ..., shm_valid_until: _Optional[float] = ..., shm_reuse_gen: _Optional[int] = ..., more: _Optional[_Iterable[_Union[GetChunk, _Mapping]]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("ctx", "keys")

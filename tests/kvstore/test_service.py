@@ -89,6 +89,58 @@ def test_round_trip_through_the_service(redis_url: str, tmp_path: Path, use_shm:
     run(body)
 
 
+@pytest.mark.parametrize("why", ["reused", "grace_over"])
+def test_shm_get_never_serves_a_rewritten_slot(redis_url: str, tmp_path: Path, why: str) -> None:
+    """A slot rewritten after the store located it (the reuse generation moved,
+    or the grace window is over) is verified, and a bad copy is fetched again:
+    the caller gets the stored bytes, never the scribble."""
+    from kvstore.tiers.shm import GEN
+
+    async def body() -> None:
+        async with serving(wh_config(redis_url, tmp_path, g2_bytes=64 * 1024)) as s, \
+                KVStoreClient(s.address, use_shm=True) as c:
+            ks = keys(8)
+            arr = np.random.default_rng(1).random((8, 2, 2, 2, 4, 8), dtype=np.float32)
+            await c.put(ks, arr, layout=LAYOUT, token_count=4, ctx=CTX)
+            await s.wh.flush()                              # G3 holds a good copy
+            g2 = s.wh.tiers["G2"]
+            slot = g2.locate(ks[3])
+            assert slot is not None
+            buf = g2._shm.buf
+            buf[slot.offset:slot.offset + 64] = b"\xee" * 64   # a writer reused the slot
+            if why == "reused":
+                GEN.pack_into(buf, 0, g2._generation + 1)   # ...announced by the generation
+            else:
+                g2._arena.grace_s = 0.0                     # ...after the grace window
+            out = np.zeros_like(arr)
+            got = await c.get(ks, ctx=CTX, out=out)
+            assert got.hit_prefix == 8 and got.tiers == ["shm"] * 8
+            assert np.array_equal(out, arr)
+    run(body)
+
+
+def test_get_chunk_carries_descriptors_and_rejects_nesting() -> None:
+    from kvstore.wire import WireError, decode_get_chunk, encode_get_chunks
+
+    hdr = [kvstore_pb2.BlockHeader(key=k, size=64) for k in keys(3)]
+    raw = encode_get_chunks([
+        kvstore_pb2.GetChunk(header=hdr[0], shm_name="seg", shm_offset=64, shm_reuse_gen=2),
+        kvstore_pb2.GetChunk(header=hdr[1], missing=True),
+        kvstore_pb2.GetChunk(header=hdr[2], shm_name="seg", shm_offset=128)])
+    parts = decode_get_chunk(raw).parts()
+    assert [p.header.key for p in parts] == keys(3)          # type: ignore[union-attr]
+    assert [(p.shm_offset, p.missing) for p in parts] == [(64, False), (0, True), (128, False)]
+    assert kvstore_pb2.GetChunk.FromString(raw).more[0].missing  # plain protobuf agrees
+    nested = kvstore_pb2.GetChunk(header=hdr[0], more=[kvstore_pb2.GetChunk(
+        header=hdr[1], more=[kvstore_pb2.GetChunk(header=hdr[2])])])
+    with pytest.raises(WireError, match="carries no more"):
+        decode_get_chunk(nested.SerializeToString())
+    with_data = kvstore_pb2.GetChunk(header=hdr[0], more=[kvstore_pb2.GetChunk(
+        header=hdr[1], data=b"x")])
+    with pytest.raises(WireError, match="without data"):
+        decode_get_chunk(with_data.SerializeToString())
+
+
 def test_health_and_reflection(redis_url: str) -> None:
     async def body() -> None:
         async with serving(wh_config(redis_url)) as s:
