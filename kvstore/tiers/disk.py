@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import unquote, urlparse
 
+import numpy as np
+
 from kvstore.blockfile import (
     BlockCorruptError,
     BlockMeta,
@@ -105,20 +107,23 @@ class _Staged(NamedTuple):
     new_dirs: list[Path]
 
 
-def _read_file(path: Path) -> bytearray:
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        data = bytearray(size)
-        view = memoryview(data)
+def _read_file(path: Path) -> memoryview:
+    """The whole file in a fresh, uninitialised buffer. ``bytearray(n)`` would
+    zero-fill first, a full extra pass over the bytes (measured ~9% of a 2 MiB
+    block read on cpu-2c); the read overwrites every byte that is returned."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        view = memoryview(np.empty(size, dtype=np.uint8))
         got = 0
         while got < size:
-            n = f.readinto(view[got:])
+            n = os.readv(fd, [view[got:]])
             if not n:
                 break
             got += n
-    if got != size:
-        del data[got:]
-    return data
+    finally:
+        os.close(fd)
+    return view[:got]
 
 
 def _read_header(path: Path) -> BlockMeta:

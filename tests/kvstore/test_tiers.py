@@ -325,6 +325,19 @@ def _flip(path: Path, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def test_g3_hit_is_a_private_copy_not_a_view_of_the_file(tmp_path: Path) -> None:
+    # Reads go into uninitialised buffers (no zero-fill): the payload must still be
+    # exactly the stored bytes, and a later change to the file must not reach it.
+    with open_tier(str(tmp_path), name="g3", capacity_bytes=CAP) as tier:
+        key, payload, meta = make(seed=72)
+        tier.put(key, payload, meta)
+        hits = [tier.get(key) for _ in range(3)]
+        assert all(h is not None and bytes(h.payload) == payload for h in hits)
+        _flip(tier.path(key), tier.path(key).stat().st_size - 1)
+        assert hits[0] is not None and bytes(hits[0].payload) == payload
+        assert tier.get(key) is None and tier.stats().checksum_failures == 1
+
+
 @pytest.mark.parametrize("damage", ["payload", "header", "truncate", "empty", "wrong-key"])
 def test_g3_damaged_file_is_detected_counted_deleted(tmp_path: Path, damage: str) -> None:
     with open_tier(str(tmp_path), name="g3", capacity_bytes=CAP) as tier:
