@@ -1,0 +1,1 @@
+"""Integrations of kvserve with other engines (vLLM). Never imported by the core packages."""
