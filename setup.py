@@ -28,13 +28,25 @@ class OptionalBuildExt(build_ext):
             print(f"kvserve: {ext.name} not built ({exc}); using the Python fallback")
 
 
+NATIVE = HERE / "native"
+
+
+def _ext(name: str, sources: list[str], headers: list[str], args: list[str]) -> Extension:
+    return Extension(f"native.{name}", sources=[f"native/{s}" for s in sources],
+                     depends=[f"native/{h}" for h in headers],
+                     extra_compile_args=["-O3", "-std=c11", *args])
+
+
+# One entry per extension, each naming its own sources (a glob would fold new
+# files into the wrong module).
 ext_modules = [
-    Extension(
-        "native._blockhash",
-        sources=[str(p.relative_to(HERE)) for p in sorted((HERE / "native").glob("*.c"))],
-        depends=[str(p.relative_to(HERE)) for p in sorted((HERE / "native").glob("*.h"))],
-        extra_compile_args=["-O3", "-std=c11"],
-    )
-] if list((HERE / "native").glob("*.c")) else []
+    _ext("_blockhash", ["blake2b_lanes.c", "blockhash.c"], ["blake2b.h"], []),
+    # Batch-invariant CPU kernels (engine/bik.py): per-row results independent of
+    # how many rows share a call; -ffp-contract=off keeps the compiler from fusing
+    # or reordering anything the kernels did not write as an explicit FMA.
+    _ext("_bik", ["bik.c"], [], ["-ffp-contract=off", "-fno-fast-math", "-pthread"]),
+    # Trace replay core (kvstore/sim_native.py): bit-identical to kvstore.sim's Python loop.
+    _ext("_replaycore", ["replaycore.c"], [], []),
+] if (NATIVE / "blockhash.c").exists() else []
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": OptionalBuildExt})

@@ -20,6 +20,7 @@ class DecodeConfig:
     use_shm: bool = True                # same-host pulls through /dev/shm
     shm_dir: str = "/dev/shm"
     canonical_write: bool = True        # write prompt+output blocks after each request
+    canonical_wait_s: float = 10.0      # hold the final event until they are stored (0: don't)
     ep_ranks: int = 4                   # MoE: expert-parallel ranks the imbalance is measured on
     expert_plan: str = ""               # MoE: "" contiguous | "auto" (EPLB from own counts) | JSON
     ep_redundant: int = 0               # MoE "auto": redundant expert slots for the planner
@@ -36,6 +37,8 @@ class DecodeConfig:
             raise ConfigError("ep_ranks, expert_window_steps, expert_replan_steps must be >= 1")
         if self.ep_redundant < 0:
             raise ConfigError("ep_redundant must be >= 0")
+        if self.canonical_wait_s < 0:
+            raise ConfigError("canonical_wait_s must be >= 0")
         if self.warmup_tokens < 0:
             raise ConfigError("warmup_tokens must be >= 0")
 

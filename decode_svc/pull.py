@@ -24,6 +24,7 @@ from prefill_svc.config import Endpoint
 from prefill_svc.hosting import channel_options
 from prefill_svc.kv_buffer import KVAssembler, KVPiece, KVShape
 from proto import prefill_pb2, prefill_pb2_grpc
+from security.config import SecurityConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,9 @@ def _host_of(address: str) -> str:
 
 class KVPuller:
     def __init__(self, endpoint: Endpoint, *, timeout_s: float, use_shm: bool,
-                 shm_dir: str) -> None:
+                 shm_dir: str, security: SecurityConfig | None = None) -> None:
         self._endpoint = endpoint
+        self._security = security or endpoint.security_for("decode")
         self._timeout_s = timeout_s
         self._use_shm = use_shm
         self._shm_dir = shm_dir
@@ -65,7 +67,8 @@ class KVPuller:
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._stubs:
-            ch = grpc.aio.insecure_channel(address, options=channel_options(self._endpoint))
+            ch = self._security.aio_channel(address, "prefill",
+                                            options=channel_options(self._endpoint))
             self._stubs[address] = (ch, prefill_pb2_grpc.PrefillStub(ch))
         return self._stubs[address][1]
 

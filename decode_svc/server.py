@@ -4,10 +4,12 @@ Decode: check the handle (model, layout, expiry, sampling), get the prompt's
 KV — pulled from the prefill instance's host buffer, or, when that instance
 cannot serve it, rebuilt from the warehouse (restore the stored blocks,
 recompute the tail) — join the continuous batch and stream one event per
-token. After a sequence ends, the canonical blocks of prompt + output
-(``Engine.canonical_blocks``, recomputed through the prefill path) go to the
-warehouse off the critical path, so the next agent turn hits the whole
-previous context. Errors become status codes only in prefill_svc.errors.
+token. When a sequence ends, the canonical blocks of prompt + output
+(``Engine.canonical_blocks``, recomputed through the prefill path) are put
+into the warehouse *before* the final event goes out (up to
+``canonical_wait_s``): an agent that sends its next turn the moment the answer
+ends then hits the whole previous context (docs/services.md, "After the
+answer"). Errors become status codes only in prefill_svc.errors.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -55,7 +58,9 @@ class DecodeStats:
     pull_bytes_total: int = 0
     pull_seconds_total: float = 0.0
     rebuilt_tokens_total: int = 0        # recomputed during rebuilds from the warehouse
-    canonical_blocks_total: int = 0      # queued for the warehouse after requests
+    canonical_blocks_total: int = 0      # put into the warehouse after requests
+    canonical_seconds_total: float = 0.0  # compute + put, added to the end of answers
+    canonical_late_total: int = 0        # final events sent before their blocks were stored
     expert_imbalance: float = 1.0
 
 
@@ -86,9 +91,12 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.experts = _expert_load(cfg, mc)
         self.batcher = Batcher(engine, self.thread, max_seqs=cfg.max_seqs,
                                after_step=self._after_step if self.experts else None)
+        security = cfg.endpoint.security_for("decode")
+        self.secret = security.require_secret()  # keys tenant salts (kvstore.keys)
         self.puller = KVPuller(cfg.endpoint, timeout_s=cfg.pull_timeout_s,
-                               use_shm=cfg.use_shm, shm_dir=cfg.shm_dir)
-        self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s)
+                               use_shm=cfg.use_shm, shm_dir=cfg.shm_dir, security=security)
+        self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s,
+                               security=security)
         self.cost = CostModel(cfg.cost, block_nbytes=engine.layout.block_nbytes,
                               block_tokens=self.block_tokens)
         self.restorer = Restorer(self.store, self.cost, engine.hit_rule, engine.layout,
@@ -159,7 +167,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         chk = self._check(handle, request)
         make_live = await self._obtain_kv(handle, chk)
         seq_id = f"{chk.ctx.request_id}#{next(self._ids)}"
-        on_finish = self._canonical_writer(chk.ctx) if self.cfg.canonical_write else None
+        written: asyncio.Event | None = None
+        on_finish = None
+        if self.cfg.canonical_write:
+            written = asyncio.Event()
+            on_finish = self._canonical_writer(chk.ctx, written)
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
                 stop=chk.sampling.stop, on_finish=on_finish, t0=t0):
@@ -170,6 +182,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             if self.experts is not None:
                 out.expert_imbalance = self.experts.current
             if ev.finished:
+                if written is not None:
+                    await self._await_canonical(written, chk.ctx)
                 out.usage.CopyFrom(decode_pb2.Usage(prompt_tokens=len(chk.tokens),
                                                     completion_tokens=ev.completion_tokens,
                                                     cached_tokens=handle.cached_tokens))
@@ -186,6 +200,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             raise PreconditionFailed(f"handle KV layout {handle.layout!r} differs from this "
                                      f"instance's {self.model.layout!r}")
         now = time.time()
+        if not (math.isfinite(handle.expires_at) and handle.expires_at >= 0):
+            raise InvalidRequest(f"handle.expires_at must be a finite time >= 0 (0 = never), "
+                                 f"got {handle.expires_at}")
         if handle.expires_at and handle.expires_at <= now:
             when = datetime.fromtimestamp(handle.expires_at, UTC).isoformat(timespec="seconds")
             raise PreconditionFailed(f"KV handle of request {handle.ctx.request_id!r} expired at "
@@ -231,7 +248,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         """Restore the stored blocks from the warehouse and recompute the tail."""
         self._source("warehouse")
         keys = chain_keys(chk.tokens, block_tokens=self.block_tokens, tenant=chk.ctx.tenant,
-                          fingerprint=self.engine.fingerprint)
+                          fingerprint=self.engine.fingerprint, secret=self.secret)
         restore = await self.restorer.restore(keys, prompt_tokens=len(chk.tokens), g1_blocks=0,
                                               ctx=chk.ctx)
 
@@ -250,19 +267,41 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
     # -- after a sequence --------------------------------------------------------
 
-    def _canonical_writer(self, ctx: RequestCtx) -> Callable[[Finished], Any]:
+    def _canonical_writer(self, ctx: RequestCtx,
+                          written: asyncio.Event) -> Callable[[Finished], Any]:
+        """The finish hook: compute the canonical blocks, put them (acknowledged
+        by the store, so they are in the index), then set ``written``, which the
+        final event waits for."""
         async def write(done: Finished) -> None:
-            first, blocks, tokens = await self.thread.call(self._canonical, done.seq_id)
-            if blocks.shape[0] == 0 or not self.store.enabled:
-                return
-            keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
-                              fingerprint=self.engine.fingerprint)
-            n = int(blocks.shape[0])
-            self.stats.canonical_blocks_total += n
-            self.writer.submit(keys[first:first + n], blocks, layout=self.engine.layout.name,
-                               token_count=self.block_tokens, ctx=ctx)
+            t0 = time.monotonic()
+            try:
+                first, blocks, tokens = await self.thread.call(self._canonical, done.seq_id)
+                if blocks.shape[0] == 0 or not self.store.enabled:
+                    return
+                keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
+                                  fingerprint=self.engine.fingerprint, secret=self.secret)
+                n = int(blocks.shape[0])
+                self.stats.canonical_blocks_total += n
+                await self.writer.write_now(keys[first:first + n], blocks,
+                                            layout=self.engine.layout.name,
+                                            token_count=self.block_tokens, ctx=ctx)
+            finally:
+                self.stats.canonical_seconds_total += time.monotonic() - t0
+                written.set()
 
         return write
+
+    async def _await_canonical(self, written: asyncio.Event, ctx: RequestCtx) -> None:
+        """Hold the final event until the canonical blocks are stored: the
+        next turn, sent the moment this one ends, must find them in the index."""
+        if not self.cfg.canonical_wait_s:
+            return
+        try:
+            await asyncio.wait_for(written.wait(), self.cfg.canonical_wait_s)
+        except TimeoutError:
+            self.stats.canonical_late_total += 1
+            log.warning("canonical blocks of %s not stored within %.1fs; answering anyway",
+                        ctx.request_id, self.cfg.canonical_wait_s)
 
     def _canonical(self, seq_id: str) -> tuple[int, torch.Tensor, list[int]]:
         """Engine thread: the canonical blocks of prompt + output, then free."""

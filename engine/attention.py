@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from engine import bik
 from engine.kv_pool import KVStorage
 
 
@@ -63,8 +64,9 @@ class BatchAttention:
     """The ``attend`` callback of one forward call (engine.model.AttendFn)."""
 
     def __init__(self, storage: KVStorage, segments: list[Segment], windows: tuple[int, ...],
-                 num_heads: int, rows: int) -> None:
+                 num_heads: int, rows: int, invariant: bool = False) -> None:
         layout = storage.layout
+        self.invariant = invariant
         self.storage, self.segments, self.windows = storage, segments, windows
         self.kv_heads, self.head_dim = layout.kv_heads, layout.head_dim
         self.group = num_heads // layout.kv_heads
@@ -76,14 +78,16 @@ class BatchAttention:
             slots.append(seg.table[pos // B] * B + pos % B)
         self.slots = torch.cat(slots)                  # [n_real]
         self.n_real = int(self.slots.numel())
-        self.plans = {w: [_key_plan(s, w, self.group) for s in segments]
-                      for w in sorted(set(windows))}
+        self.plans = {} if invariant else {w: [_key_plan(s, w, self.group) for s in segments]
+                                           for w in sorted(set(windows))}
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
         # q: [M, H, D]; k, v: [M, Hkv, D] -> [M, H * D]
         n = self.n_real
         self.storage.write(layer, self.slots, k[:n], v[:n])
+        if self.invariant:
+            return self._invariant(layer, q, k, v)
         hkv, g, d = self.kv_heads, self.group, self.head_dim
         out = q.new_zeros(self.rows, hkv * g * d)
         for seg, plan in zip(self.segments, self.plans[self.windows[layer]], strict=True):
@@ -107,4 +111,20 @@ class BatchAttention:
             qs = q[r0:r0 + m].reshape(m, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * m, d)
             o = F.scaled_dot_product_attention(qs, kv[0], kv[1], attn_mask=plan.mask)
             out[r0:r0 + m] = o.view(hkv, g, m, d).permute(2, 0, 1, 3).reshape(m, -1)
+        return out
+
+    def _invariant(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+        """One batch-invariant kernel call for every segment (engine/bik.py)."""
+        segs = []
+        for seg in self.segments:
+            m, r0, end = seg.rows, seg.row0, seg.q_start + seg.rows
+            kv = seg.mirror[layer]                                     # [2, Hkv, cap, D]
+            kv[0, :, seg.q_start:end] = k[r0:r0 + m].transpose(0, 1)
+            kv[1, :, seg.q_start:end] = v[r0:r0 + m].transpose(0, 1)
+            segs.append(bik.AttnSegment(r0, m, seg.q_start, kv))
+        width = self.kv_heads * self.group * self.head_dim
+        out = (q.new_empty(self.rows, width) if self.n_real == self.rows
+               else q.new_zeros(self.rows, width))
+        bik.attend(q, segs, self.kv_heads, self.windows[layer], out)
         return out

@@ -14,6 +14,7 @@ from engine.errors import ModelConfigError
 from kvserve.config import HitRule
 
 ATTENTION_KINDS = ("full", "sliding")
+KERNEL_NAMES = ("auto", "torch", "bik")      # engine/kernels.py
 DTYPES = ("float32", "bfloat16", "float16")
 # Bumped whenever the block tensor layout or the prefill chunking changes: it is
 # part of the fingerprint, so KV from an older layout can never be served.
@@ -201,6 +202,9 @@ class EngineConfig:
     prefill_chunk: int = 0          # 0 = block_tokens; a multiple of it (docs/engine.md)
     max_position: int = 0           # 0 = the model's context; else override it (benchmarks)
     threads: int = 0                # > 0: torch.set_num_threads (process-wide) at start
+    kernels: str = "auto"           # engine/kernels.py: auto | torch | bik (batch-invariant)
+    paged_decode: bool = True       # CUDA: one Triton paged-attention kernel per decode step
+    cuda_graphs: bool = True        # CUDA: replay each decode bucket from a captured graph
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -213,6 +217,8 @@ class EngineConfig:
             raise ModelConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.decode_bucket < 1:
             raise ModelConfigError(f"decode_bucket must be >= 1, got {self.decode_bucket}")
+        if self.kernels not in KERNEL_NAMES:
+            raise ModelConfigError(f"kernels must be one of {KERNEL_NAMES}, got {self.kernels!r}")
         if self.max_position < 0 or self.threads < 0:
             raise ModelConfigError("max_position and threads must be >= 0")
         if self.prefill_chunk < 0 or self.prefill_chunk % self.block_tokens:

@@ -27,3 +27,8 @@ class PoolExhaustedError(EngineError, RuntimeError):
 
 class DeviceError(EngineError, RuntimeError):
     """The requested device cannot run this configuration (e.g. a GPU-only shape on CPU)."""
+
+
+class PrefillStopped(EngineError):
+    """A prefill was stopped between chunks because its caller went away; the
+    sequence is freed and nothing of it stays live."""

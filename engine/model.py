@@ -3,7 +3,8 @@ q/k/v biases and MoE FFN. Attention itself is a callback supplied by the runner,
 which owns the paged KV pool; this module never sees blocks.
 
 Every op here works row by row (a row = one token), so a token's result
-depends only on its own row and on how many rows the call has (INTERFACES §0).
+depends only on its own row and on how many rows the call has; with the
+batch-invariant kernels (engine/kernels.py) not even on that.
 """
 
 from __future__ import annotations
@@ -14,17 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.kernels import Kernels, TorchKernels
 from engine.weights import DenseFFNWeights, LayerWeights, ModelWeights, MoEWeights
 
 # attend(layer, q [M, H, D], k [M, Hkv, D], v [M, Hkv, D]) -> [M, H * D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [M, hidden]; the statistic is taken in fp32 whatever the model dtype.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class RotaryTable:
@@ -47,43 +42,41 @@ class RotaryTable:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # x: [M, in] @ w_t: [in, out] -> [M, out]
-    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+_TORCH = TorchKernels()
 
 
-def dense_ffn(h: torch.Tensor, w: DenseFFNWeights) -> torch.Tensor:
+def dense_ffn(h: torch.Tensor, w: DenseFFNWeights, k: Kernels = _TORCH) -> torch.Tensor:
     # h: [M, hidden] -> [M, hidden]
-    gate, up = linear(h, w.gate_up_t).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, w.down_t)
+    return k.linear(k.silu_mul(k.linear(h, w.gate_up_t)), w.down_t)
 
 
 def moe_ffn(h: torch.Tensor, w: MoEWeights, top_k: int, n_real: int,
-            counts: torch.Tensor | None) -> torch.Tensor:
+            counts: torch.Tensor | None, k: Kernels = _TORCH) -> torch.Tensor:
     """Shared experts + softmax-gated top-k routed experts.
 
     Each used expert runs on ALL M rows (rows not routed to it get weight 0):
     gathering only its rows would make the GEMM's row count depend on the
     other tokens in the batch and so change the bits of this token's result.
     """
-    probs = linear(h, w.router_t).float().softmax(dim=-1)    # [M, E]
+    probs = k.linear(h, w.router_t).float().softmax(dim=-1)  # [M, E]
     top_w, top_i = probs.topk(top_k, dim=-1)                 # [M, k]
     top_w = (top_w / top_w.sum(-1, keepdim=True)).to(h.dtype)
     real = top_i[:n_real].reshape(-1)
     hist = torch.bincount(real, minlength=len(w.experts))
     if counts is not None:
         counts += hist.to(counts.device)
-    out = dense_ffn(h, w.shared) if w.shared is not None else torch.zeros_like(h)
+    out = dense_ffn(h, w.shared, k) if w.shared is not None else torch.zeros_like(h)
     for e in hist.nonzero().flatten().tolist():
         weight = (top_w * (top_i == e)).sum(-1, keepdim=True)   # [M, 1], 0 where not routed
-        out = out + weight * dense_ffn(h, w.experts[e])
+        out = out + weight * dense_ffn(h, w.experts[e], k)
     return out
 
 
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kernels: Kernels | None = None) -> None:
         self.cfg, self.w = cfg, weights
+        self.k: Kernels = kernels or _TORCH
         self.device, self.dtype = device, dtype
         self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.max_position, device, dtype)
         self._q_heads = cfg.num_heads
@@ -103,20 +96,22 @@ class Transformer:
 
     def _layer(self, i: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
                attend: AttendFn, n_real: int, expert_counts: torch.Tensor | None) -> torch.Tensor:
-        cfg = self.cfg
-        h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
-        qkv = linear(h, layer.qkv_t, layer.bqkv).view(x.shape[0], -1, cfg.head_dim)
+        cfg, k = self.cfg, self.k
+        h = k.rms_norm(x, layer.attn_norm, cfg.rms_eps)
+        qkv = k.linear(h, layer.qkv_t, layer.bqkv).view(x.shape[0], -1, cfg.head_dim)
         qk = self.rope.apply(qkv[:, : self._qk_heads], positions)   # [M, H + Hkv, D]
-        q, k = qk[:, : self._q_heads], qk[:, self._q_heads:]
+        q, kk = qk[:, : self._q_heads], qk[:, self._q_heads:]
         v = qkv[:, self._qk_heads:]                                  # [M, Hkv, D]
-        x = x + linear(attend(i, q, k, v), layer.o_t)
-        h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
+        x = x + k.linear(attend(i, q, kk, v), layer.o_t)
+        h = k.rms_norm(x, layer.ffn_norm, cfg.rms_eps)
         if isinstance(layer.ffn, DenseFFNWeights):
-            return x + dense_ffn(h, layer.ffn)
+            return x + dense_ffn(h, layer.ffn, k)
         counts = expert_counts[i] if expert_counts is not None else None
         assert cfg.moe is not None
-        return x + moe_ffn(h, layer.ffn, cfg.moe.top_k, n_real, counts)
+        return x + moe_ffn(h, layer.ffn, cfg.moe.top_k, n_real, counts, k)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, V] in fp32
-        return linear(rms_norm(hidden, self.w.norm, self.cfg.rms_eps), self.w.lm_head_t).float()
+        k = self.k
+        return k.linear(k.rms_norm(hidden, self.w.norm, self.cfg.rms_eps),
+                        self.w.lm_head_t).float()

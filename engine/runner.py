@@ -1,31 +1,43 @@
 """The Engine: prefill (with G1 hits and restored blocks), batched decode,
-block export/import, canonical blocks. See INTERFACES §0-1 and docs/engine.md.
+block export/import, canonical blocks. See docs/engine.md.
 
-Exactness by construction:
-- prefill runs in chunks (``prefill_chunk``, default ``block_tokens``) aligned
-  to absolute positions and reuse is cut to a chunk boundary, so a cold run and
-  a restored run execute the same ops on the same inputs for every later token;
-- decode always runs ``decode_bucket`` rows per forward (padding the rest) and
-  attends per sequence, so co-tenants never change a sequence's bits.
+Exactness by construction, in one of two ways (engine/kernels.py):
+- batch-invariant kernels (``bik``, the CPU fp32 default): a row's bits depend
+  on that row alone, so reuse starts at any block boundary, decode runs exactly
+  its sequences' rows, and decode KV is canonical as computed (no recompute);
+- otherwise (``torch``): prefill runs in chunks (``prefill_chunk``) aligned to
+  absolute positions and reuse is cut to a chunk boundary, so a cold run and a
+  restored run execute the same ops on the same inputs for every later token;
+  decode always runs ``decode_bucket`` rows per forward (padding the rest), and
+  blocks written by decode are recomputed through the prefill path before they
+  are stored (``canonical_blocks``).
+In both, attention is per sequence, so co-tenants never change a sequence's bits.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import BatchAttention, Segment
 from engine.config import KV_LAYOUT_VERSION, EngineConfig
-from engine.errors import DeviceError, EngineInputError
+from engine.constrained import Constraint, GrammarCompiler, GrammarSpec
+from engine.errors import DeviceError, EngineInputError, PrefillStopped
+from engine.kernels import BIKernels, select_kernels
 from engine.kv_pool import BlockPool, KVLayout, KVStorage
 from engine.model import Transformer
-from engine.sampling import SamplingParams, sample_row, sample_rows
+from engine.sampling import RowSampler, SamplingParams, sample_rows
 from engine.sequence import GenerationResult, PrefillResult, Sequence
 from engine.source import load_source
+
+if TYPE_CHECKING:
+    from engine.paged_decode import DecodeRunner
 
 GREEDY = SamplingParams()
 
@@ -56,7 +68,12 @@ class Engine:
             mc = replace(mc, max_position=cfg.max_position)
         self.model_config = mc
         self.tokenizer = src.tokenizer
-        self.model = Transformer(mc, src.weights, self.device, self.dtype)
+        self.kernels = select_kernels(cfg.kernels, self.device, self.dtype, cfg.threads)
+        if isinstance(self.kernels, BIKernels):
+            self.kernels.prepare(src.weights.tensors())
+        # True: a row's result is independent of the rows sharing its call.
+        self.invariant: bool = self.kernels.invariant
+        self.model = Transformer(mc, src.weights, self.device, self.dtype, self.kernels)
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, cfg.block_tokens, mc.head_dim,
                                cfg.dtype)
         self.storage = KVStorage(self.layout, cfg.num_blocks, self.device)
@@ -64,15 +81,18 @@ class Engine:
         self.hit_rule = mc.hit_rule(cfg.block_tokens)
         h = hashlib.blake2b(digest_size=16)
         h.update(src.weights_id)
-        # The chunk decides a canonical block's bits, so it is part of the identity.
-        h.update(f"|{cfg.dtype}|kv{KV_LAYOUT_VERSION}|B{cfg.block_tokens}"
-                 f"|C{cfg.chunk_tokens}".encode())
+        # Without invariant kernels the chunk decides a canonical block's bits, so it
+        # is part of the identity; with them the kernel family is (and chunking is not).
+        bits = f"K{self.kernels.name}" if self.invariant else f"C{cfg.chunk_tokens}"
+        h.update(f"|{cfg.dtype}|kv{KV_LAYOUT_VERSION}|B{cfg.block_tokens}|{bits}".encode())
         self.fingerprint: bytes = h.digest()
         self._seqs: dict[str, Sequence] = {}
         self._windows = mc.layer_windows
         self._counts = (torch.zeros(mc.num_layers, mc.moe.n_experts, dtype=torch.int64,
                                     device=self.device) if mc.moe else None)
         self._gen_ids = 0
+        self._grammars: GrammarCompiler | None = None   # built on the first grammar
+        self._paged = self._paged_runner(cfg)
 
     # ------------------------------------------------------------------ info
     @property
@@ -115,13 +135,15 @@ class Engine:
                 block_keys: Seq[bytes] | None = None,
                 restored: torch.Tensor | None = None,
                 max_restore_tokens: int | None = None,
-                restored_start_block: int | None = None) -> PrefillResult:
+                restored_start_block: int | None = None,
+                stop: Callable[[], bool] | None = None) -> PrefillResult:
         """Make ``seq_id`` live with the prompt's KV and sample its first token.
 
         KV is reused from the local prefix cache (leading ``block_keys`` found in
         G1) and then from ``restored`` (blocks right after the G1 hit, or from
         ``restored_start_block`` when given), within the hit rule; the rest is
-        computed.
+        computed. ``stop`` is polled before each chunk; when it returns True the
+        prefill ends with ``PrefillStopped`` (the caller is gone: no more compute).
         """
         t0 = time.perf_counter()
         if seq_id in self._seqs:
@@ -143,7 +165,8 @@ class Engine:
             cap = min(cap, max(0, max_restore_tokens))
         # Reuse ends on a chunk boundary: the chunks after it are then exactly
         # the cold run's (a boundary inside a chunk would change its row count).
-        C = self.config.chunk_tokens
+        # Invariant kernels need no such cut: any block boundary gives the same bits.
+        C = self._canon_unit
         cap = cap // C * C
         use_g1 = min(len(g1), cap // B)
         use_rest = min(n_rest, cap // B - use_g1)
@@ -164,8 +187,9 @@ class Engine:
                        canonical_full=n // C * C // B)
         self._seqs[seq_id] = seq
         try:
-            hidden = self._run_chunks(seq, reuse * B, n, all_logits=False)
-            first = sample_row(self.model.logits(hidden[-1:])[0], sampling, 0)
+            seq.sampler = self._sampler(sampling)
+            hidden = self._run_chunks(seq, reuse * B, n, all_logits=False, stop=stop)
+            first = seq.sampler.sample(self.model.logits(hidden[-1:])[0])
         except BaseException:
             self.free(seq_id)
             raise
@@ -193,7 +217,8 @@ class Engine:
 
     def _run_chunks(self, seq: Sequence, start: int, end: int, *, all_logits: bool,
                     table: torch.Tensor | None = None,
-                    mirror: torch.Tensor | None = None) -> torch.Tensor:
+                    mirror: torch.Tensor | None = None,
+                    stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Compute tokens [start, end) of ``seq`` in chunks aligned to absolute
         positions; returns the last chunk's hidden states (or all logits)."""
         chunk = self.config.chunk_tokens
@@ -203,11 +228,14 @@ class Engine:
         hidden = torch.empty(0)
         s = start
         while s < end:
+            if stop is not None and stop():
+                raise PrefillStopped(f"prefill of {seq.seq_id!r} stopped at token {s} of {end}")
             e = min(end, (s // chunk + 1) * chunk)
             toks = torch.tensor(seq.tokens[s:e], dtype=torch.int64, device=self.device)
             pos = torch.arange(s, e, device=self.device)
             attn = BatchAttention(self.storage, [Segment(0, e - s, s, table, mirror)],
-                                  self._windows, self.model_config.num_heads, e - s)
+                                  self._windows, self.model_config.num_heads, e - s,
+                                  self.invariant)
             hidden = self.model.forward(toks, pos, attn, e - s, self._counts)
             if all_logits:
                 outs.append(self.model.logits(hidden))
@@ -242,8 +270,12 @@ class Engine:
                 raise EngineInputError(f"sequence {s.seq_id!r} reached the context limit "
                                        f"of {limit} tokens")
         self._grow(seqs)
+        if self._paged is not None:
+            return self._decode_paged(seqs)
         out: dict[str, int] = {}
-        bucket = self.config.decode_bucket
+        # Invariant kernels: one forward of exactly the live rows. Otherwise a fixed
+        # bucket of rows (padding included) keeps every sequence's bits unchanged.
+        bucket = len(seqs) if self.invariant else self.config.decode_bucket
         for i in range(0, len(seqs), bucket):
             group = seqs[i: i + bucket]
             pad = bucket - len(group)
@@ -251,16 +283,38 @@ class Engine:
             pos = torch.tensor([s.kv_len for s in group] + [0] * pad, device=self.device)
             segs = [Segment(j, 1, s.kv_len, s.table, s.mirror) for j, s in enumerate(group)]
             attn = BatchAttention(self.storage, segs, self._windows,
-                                  self.model_config.num_heads, bucket)
+                                  self.model_config.num_heads, bucket, self.invariant)
             hidden = self.model.forward(toks, pos, attn, len(group), self._counts)
             logits = self.model.logits(hidden)                    # [bucket, V]
-            nxt = sample_rows(logits, [s.sampling for s in group],
-                              [len(s.tokens) - s.prompt_len for s in group])
+            nxt = sample_rows(logits, [self._row(s) for s in group])
             for s, t in zip(group, nxt, strict=True):
                 s.kv_len += 1
                 s.tokens.append(t)
                 out[s.seq_id] = t
         return out
+
+    def _decode_paged(self, seqs: list[Sequence]) -> dict[str, int]:
+        """CUDA: one paged-attention kernel per layer for the whole step, replayed
+        from a CUDA graph of the bucket (engine/paged_decode.py)."""
+        assert self._paged is not None
+        out: dict[str, int] = {}
+        cap = self._paged.bucket(len(seqs))
+        for i in range(0, len(seqs), cap):
+            group = seqs[i: i + cap]
+            logits = self._paged.step([s.pending for s in group], [s.kv_len for s in group],
+                                      [s.blocks for s in group])
+            nxt = sample_rows(logits, [self._row(s) for s in group])
+            for s, t in zip(group, nxt, strict=True):
+                s.kv_len += 1
+                s.tokens.append(t)
+                out[s.seq_id] = t
+        return out
+
+    def _paged_forward(self, toks: torch.Tensor, pos: torch.Tensor,
+                       attn: object) -> torch.Tensor:
+        n = int(toks.shape[0])
+        hidden = self.model.forward(toks, pos, attn, n, self._counts)  # type: ignore[arg-type]
+        return self.model.logits(hidden)
 
     def _grow(self, seqs: list[Sequence]) -> None:
         """Give every sequence a slot for its pending token (all or nothing)."""
@@ -270,6 +324,8 @@ class Engine:
         for s, b in zip(need, new, strict=True):
             s.blocks.append(b)
             s.table = torch.tensor(s.blocks, dtype=torch.int64, device=self.device)
+        if self._paged is not None:
+            return                  # paged decode reads the pool; no mirror to grow
         for s in seqs:
             if s.mirror.shape[3] <= s.kv_len:
                 grown = self._mirror(s.table, 0, self._capacity(s.kv_len * 3 // 2 + 1))
@@ -347,6 +403,10 @@ class Engine:
         if tuple(kv.shape) != want or kv.dtype != self.dtype:
             raise EngineInputError(f"adopted KV has shape {tuple(kv.shape)} {kv.dtype}; "
                                    f"expected {want} {self.dtype}")
+        # The first token was sampled by prefill under the same parameters: replay it
+        # into this sequence's sampling state (grammar, penalty counts).
+        sampler = self._sampler(sampling)
+        sampler.accept(first_token)
         B = self.config.block_tokens
         blocks = self.blocks.allocate(-(-len(toks) // B))
         table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
@@ -354,7 +414,8 @@ class Engine:
         self._seqs[seq_id] = Sequence(
             seq_id, [*toks, first_token], len(toks), len(toks), blocks, table, sampling,
             self._mirror(table, len(toks), self._capacity(len(toks))),
-            canonical_full=len(toks) // self.config.chunk_tokens * self.config.chunk_tokens // B)
+            canonical_full=len(toks) // self._canon_unit * self._canon_unit // B,
+            sampler=sampler)
 
     @torch.no_grad()
     def canonical_blocks(self, seq_id: str) -> tuple[int, torch.Tensor]:
@@ -363,7 +424,7 @@ class Engine:
         default chunk == block: every full block), recomputed through the
         prefill path: exactly the KV a cold chunked prefill of these tokens gives."""
         s = self._seq(seq_id)
-        B, C = self.config.block_tokens, self.config.chunk_tokens
+        B, C = self.config.block_tokens, self._canon_unit
         # Only whole chunks are canonical: a partial chunk's row count depends
         # on where the sequence happens to end.
         first, last = s.canonical_full, s.kv_len // C * C // B
@@ -371,6 +432,10 @@ class Engine:
         s.shadow = []
         if last <= first:
             return first, torch.empty(0, *self.layout.block_shape, dtype=self.dtype)
+        if self.invariant:
+            # Decode wrote these blocks with the same per-row arithmetic as a cold
+            # prefill: they are canonical as they are.
+            return first, self.storage.export(s.table[first:last])
         s.shadow = self.blocks.allocate(last - first)
         table = torch.tensor(s.blocks[:first] + s.shadow, dtype=torch.int64,
                              device=self.device)
@@ -384,8 +449,9 @@ class Engine:
         s = self._seqs.pop(seq_id, None)
         if s is None:
             raise EngineInputError(f"no live sequence {seq_id!r}")
+        canon = s.kv_len // self.config.block_tokens if self.invariant else s.canonical_full
         for i, key in enumerate(keep_keys or ()):
-            if i < s.canonical_full:
+            if i < canon:
                 self.blocks.cache(s.blocks[i], key)
             elif i - s.canonical_full < len(s.shadow):
                 self.blocks.cache(s.shadow[i - s.canonical_full], key)
@@ -395,6 +461,39 @@ class Engine:
         self.blocks.release(s.shadow)
 
     # --------------------------------------------------------------- helpers
+    def _paged_runner(self, cfg: EngineConfig) -> DecodeRunner | None:
+        """CUDA with Triton: batched paged decode (graphs for dense models)."""
+        if self.device.type != "cuda" or not cfg.paged_decode:
+            return None
+        try:
+            from engine.paged_decode import DecodeRunner
+        except ImportError:                 # no Triton: the per-sequence SDPA path
+            return None
+        mc = self.model_config
+        scratch = self.blocks.allocate(1)[0]  # padding rows write here, never live KV
+        return DecodeRunner(self.storage, self._windows, mc.num_heads,
+                            -(-mc.max_position // cfg.block_tokens), scratch,
+                            self._paged_forward, cfg.cuda_graphs and mc.moe is None)
+
+    @property
+    def _canon_unit(self) -> int:
+        """Tokens per canonical unit: a block with invariant kernels, else a chunk."""
+        return self.config.block_tokens if self.invariant else self.config.chunk_tokens
+
+    def _sampler(self, sampling: SamplingParams) -> RowSampler:
+        return RowSampler.create(sampling, self.model_config.vocab_size, self._constraint)
+
+    def _constraint(self, spec: GrammarSpec) -> Constraint:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler.for_tokenizer(self.tokenizer,
+                                                           self.model_config.vocab_size)
+        return self._grammars.constraint(spec)
+
+    @staticmethod
+    def _row(s: Sequence) -> RowSampler:
+        assert s.sampler is not None, "a live sequence always has its sampler"
+        return s.sampler
+
     def _seq(self, seq_id: str) -> Sequence:
         try:
             return self._seqs[seq_id]

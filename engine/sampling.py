@@ -1,18 +1,29 @@
-"""Sampling: greedy, temperature, top-p, per-sequence seed.
+"""Sampling: greedy, temperature, top-p, per-sequence seed, penalties, logit bias,
+and grammar constraints.
 
 The i-th token of a sequence is drawn with its own ``torch.Generator`` seeded
 from (seed, i), and rows are sampled one at a time, so a sequence draws the
 same tokens whether it runs alone or batched, cold or restored, or with its
 prefill and decode on different machines.
+
+Logit processing (logit bias, presence/frequency penalties over the tokens the
+sequence generated, the grammar mask) is per row, after the forward pass, and
+reads only the row's own state (``RowSampler``): batch invariance holds for
+constrained and penalised sequences too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.constrained import Constraint, GrammarSpec
 from engine.errors import EngineInputError
+
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +34,10 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0   # subtracted once from every token generated so far
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -38,10 +53,28 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         if any(not s for s in self.stop):
             raise EngineInputError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise EngineInputError(f"{name} must be in [-2, 2], got {v}")
+        bias = tuple(sorted((int(t), float(b)) for t, b in self.logit_bias))
+        object.__setattr__(self, "logit_bias", bias)
+        for t, b in bias:
+            if t < 0 or not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS):
+                raise EngineInputError(f"logit_bias[{t}] = {b}: token ids must be >= 0 and "
+                                       f"biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if len({t for t, _ in bias}) != len(bias):
+            raise EngineInputError("logit_bias names a token twice")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits change before sampling (else the plain fast path)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.grammar is not None)
 
     def generator(self, step: int) -> torch.Generator:
         """The generator for the sequence's ``step``-th sampled token."""
@@ -49,8 +82,8 @@ class SamplingParams:
         return torch.Generator(device="cpu").manual_seed(mixed)
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """logits: [V] fp32 (any device) -> a token id; ``step`` = tokens sampled so far."""
+def _draw(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    """logits: [V] (any device) -> a token id; ``step`` = tokens sampled so far."""
     if params.greedy:
         return int(torch.argmax(logits))
     generator = params.generator(step)
@@ -65,10 +98,75 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                steps: list[int]) -> list[int]:
+def sample_row(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    """Stateless sampling of one row (no penalties or grammar: those need a RowSampler)."""
+    return _draw(logits, params, step)
+
+
+# Builds a sequence's grammar constraint (the engine's compiler, made on first use).
+ConstraintFactory = Callable[[GrammarSpec], Constraint]
+
+
+@dataclass(slots=True)
+class RowSampler:
+    """One sequence's sampling state: its parameters, the counts of the tokens it
+    generated (for penalties) and its grammar matcher."""
+
+    params: SamplingParams
+    constraint: Constraint | None = None
+    counts: dict[int, int] = field(default_factory=dict)
+    step: int = 0                   # tokens accepted so far
+
+    @classmethod
+    def create(cls, params: SamplingParams, vocab_size: int,
+               constraints: ConstraintFactory | None = None) -> RowSampler:
+        bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+        if bad:
+            raise EngineInputError(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                                   f"[0, {vocab_size})")
+        constraint = None
+        if params.grammar is not None:
+            if constraints is None:
+                raise EngineInputError("this engine cannot apply grammars")
+            constraint = constraints(params.grammar)
+        return cls(params, constraint)
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [V] of this sequence -> a processed fp32 copy."""
+        p = self.params
+        out = logits.float().clone()
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=out.device)
+            out[ids] += torch.tensor([b for _, b in p.logit_bias], device=out.device)
+        if self.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(list(self.counts), device=out.device)
+            n = torch.tensor(list(self.counts.values()), dtype=out.dtype, device=out.device)
+            out[ids] -= p.frequency_penalty * n + p.presence_penalty
+        if self.constraint is not None:
+            self.constraint.mask_(out)
+        return out
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """logits: [V] -> the next token, accepted into the state."""
+        p = self.params
+        token = _draw(self.process(logits) if p.processed else logits, p, self.step)
+        self.accept(token)
+        return token
+
+    def accept(self, token: int) -> None:
+        """Record a token the sequence took (sampled here or, on decode, by prefill)."""
+        self.step += 1
+        if self.params.presence_penalty or self.params.frequency_penalty:
+            self.counts[token] = self.counts.get(token, 0) + 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]:
     """logits: [N, V] for N sequences (rows beyond N are ignored)."""
-    if all(p.greedy for p in params):
-        return torch.argmax(logits[: len(params)], dim=-1).tolist()
-    return [sample_row(logits[i], p, st) for i, (p, st) in enumerate(zip(params, steps,
-                                                                          strict=True))]
+    if all(s.params.greedy and not s.params.processed for s in samplers):
+        tokens = torch.argmax(logits[: len(samplers)], dim=-1).tolist()
+        for s, t in zip(samplers, tokens, strict=True):
+            s.accept(t)
+        return tokens
+    return [s.sample(logits[i]) for i, s in enumerate(samplers)]

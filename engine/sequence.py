@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.sampling import RowSampler, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,8 @@ class Sequence:
     # Canonical recomputations of blocks [canonical_full, ...) made by
     # Engine.canonical_blocks, kept so free(keep_keys) can cache them in G1.
     shadow: list[int] = field(default_factory=list)
+    # Sampling state (penalty counts, grammar matcher); made by the engine at prefill/adopt.
+    sampler: RowSampler | None = None
 
     @property
     def generated(self) -> list[int]:

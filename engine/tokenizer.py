@@ -1,11 +1,18 @@
 """Tokenizers: an HF ``tokenizer.json`` (via the ``tokenizers`` library) with a
-jinja2 chat template, and a byte-level tokenizer for random-weight configs."""
+jinja2 chat template, and a byte-level tokenizer for random-weight configs.
+
+Control tokens are text unless the text is trusted: ``encode`` treats
+control-token strings (``<|im_start|>``...) as plain text by default, and
+``apply_chat_template`` makes only the template's own markers special tokens
+(engine.control_text says how). ``encode(text, special=True)`` is for text a
+trusted caller built itself (a benchmark's hand-made turns).
+"""
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,25 +20,34 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTok
 
+from engine.control_text import ControlStrings, Piece, new_nonce
 from engine.errors import EngineInputError, ModelLoadError
 
-Messages = Sequence[dict[str, str]]
+Messages = Sequence[Mapping[str, Any]]
 
 
 class Tokenizer(ABC):
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
     vocab_size: int
+    # Most UTF-8 bytes one token of plain text can stand for (None: no bound known,
+    # e.g. a normalizer that may drop characters). len(text) / this <= tokens.
+    max_token_bytes: int | None = None
 
     @abstractmethod
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, special: bool = False) -> list[int]: ...
 
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str: ...
 
     @abstractmethod
-    def apply_chat_template(self, messages: Messages,
-                            add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> list[int]: ...
+
+    def min_tokens(self, n_chars: int) -> int:
+        """A lower bound on the tokens of ``n_chars`` characters of plain text
+        (each character is at least one UTF-8 byte): a cheap too-long check."""
+        return n_chars // self.max_token_bytes if self.max_token_bytes else 0
 
 
 def _check_messages(messages: Messages) -> None:
@@ -68,26 +84,81 @@ class HFTokenizer(Tokenizer):
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise
+            # HF's tojson (transformers' chat templates): no HTML escaping, no \uXXXX.
+            env.policies["json.dumps_kwargs"] = {"ensure_ascii": False, "sort_keys": False}
+            env.filters["tojson"] = _tojson
             try:
                 self._template = env.from_string(source)
             except jinja2.TemplateError as exc:
                 raise ModelLoadError(f"{model_dir}: bad chat template ({exc})") from exc
+        self._controls, self._plain_ids = self._control_strings()
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        self.max_token_bytes = (max((len(t.encode()) for t in vocab), default=1)
+                                if self._tok.normalizer is None else None)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def _control_strings(self) -> tuple[ControlStrings, dict[str, list[int]]]:
+        """Every added token's text, and its encoding as plain text (by a copy of
+        the tokenizer that has no added tokens)."""
+        added = self._tok.get_added_tokens_decoder()
+        controls = ControlStrings(a.content for a in added.values())
+        spec = json.loads(self._tok.to_str())
+        spec["added_tokens"] = []
+        plain = _HFTok.from_str(json.dumps(spec))
+        ids: dict[str, list[int]] = {}
+        for s in controls.strings:
+            got = plain.encode(s, add_special_tokens=False).ids
+            if set(got) & set(added):
+                # The plain vocabulary can still form the token: spell it character by
+                # character (no single character is a control string of several).
+                got = [i for ch in s for i in plain.encode(ch, add_special_tokens=False).ids]
+            ids[s] = got
+        return controls, ids
+
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        if special or not self._controls:
+            return self._encode_pieces([Piece(text, False)])
+        nonce = new_nonce()
+        return self._encode_pieces(self._controls.split(self._controls.neutralise(text, nonce),
+                                                        nonce))
+
+    def _encode_pieces(self, pieces: Sequence[Piece]) -> list[int]:
+        # encode_batch releases the GIL (encode does not: 8 MB of text held it ~16 s).
+        texts = [p.text for p in pieces if not p.control]
+        encoded = iter(self._tok.encode_batch(texts, add_special_tokens=False)) if texts else None
+        out: list[int] = []
+        for p in pieces:
+            if p.control:
+                out += self._plain_ids[p.text]
+            else:
+                assert encoded is not None
+                out += next(encoded).ids
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: Messages,
-                            add_generation_prompt: bool = True) -> list[int]:
+    def tokenizer_json(self) -> str:
+        """The HF tokenizer as JSON text (what grammar compilers read: engine.constrained)."""
+        return str(self._tok.to_str())
+
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> list[int]:
+        """Render and encode; every string the caller passes in (message fields at
+        any depth, tools, other template variables) is untrusted text."""
         _check_messages(messages)
         if self._template is None:
             raise EngineInputError("this model has no chat template; send a plain prompt")
-        text = self._template.render(messages=list(messages),
-                                     add_generation_prompt=add_generation_prompt,
-                                     bos_token=self._bos or "", eos_token=self._eos or "")
-        return self.encode(text)
+        nonce = new_nonce()
+        safe = self._controls.neutralise
+        try:
+            text = self._template.render(
+                **{k: safe(v, nonce) for k, v in template_kwargs.items()},
+                messages=safe(list(messages), nonce),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos or "", eos_token=self._eos or "")
+        except jinja2.TemplateError as exc:
+            raise EngineInputError(f"chat template failed: {exc}") from exc
+        return self._encode_pieces(self._controls.split(text, nonce))
 
 
 class ByteTokenizer(Tokenizer):
@@ -100,14 +171,17 @@ class ByteTokenizer(Tokenizer):
         self.bos_token_id = self.BOS
         self.eos_token_ids = frozenset({self.EOS, self.IM_END})
 
-    def encode(self, text: str) -> list[int]:
+    max_token_bytes = 1
+
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        # Bytes only: no text can ever become one of the ids above 255.
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Messages,
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> list[int]:
         _check_messages(messages)
         out: list[int] = []
         for m in messages:
@@ -116,6 +190,12 @@ class ByteTokenizer(Tokenizer):
         if add_generation_prompt:
             out += [self.IM_START, *self.encode("assistant\n")]
         return out
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -7,15 +7,21 @@ no local prefix cache; the *cold* one never reads the warehouse
 (``--fetch-policy never``), the *warm* one uses the cost-aware rule. Each turn
 resends the whole conversation (the previous prompt + the model's answer +
 a new tool result), as an agent does, at the token level so the context is an
-exact prefix of the next turn. The warm instance runs each turn first (the
-cold instance's writes of that turn's prompt cannot help it), after the
-canonical blocks of the previous answer have reached the warehouse. TTFT is
-the client-side time of the Prefill call (the first token is in its reply).
+exact prefix of the next turn, with zero think time: the next turn goes out
+the moment the previous answer's final event arrives (decode stores the
+answer's canonical blocks before sending it). The warm instance runs each
+turn first (the cold instance's writes of that turn's prompt cannot help it).
+TTFT is the client-side time of the Prefill call (the first token is in its
+reply); ``end_wait_s`` is what holding the final event for the canonical
+write added to the end of the answer (client-side gap before the final event
+less the gap before the token ahead of it, both net of the server's own
+per-token times).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -23,11 +29,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from kvserve.config import KVServeConfig
 from kvserve.launcher import Child, start_children, stop_children, to_toml
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from security.config import TLS_DIR_ENV, SecurityConfig
 
 SYSTEM = (
     "You are a coding agent working in a Python repository. You can call tools: "
@@ -63,6 +68,12 @@ class TurnResult:
     warm_fetch_s: float
     warm_compute_s: float
     cold_compute_s: float
+    rule_tokens: int                # the hit rule on the previous prompt + output
+    end_wait_s: float               # added to the end of the warm answer (canonical write)
+
+    @property
+    def rule_met(self) -> bool:
+        return self.cached_tokens >= self.rule_tokens
 
     @property
     def speedup(self) -> float:
@@ -76,15 +87,18 @@ def run(args: Any) -> list[TurnResult]:
     cfg = load_config(args.config)
     cfg = replace(cfg, model=replace(cfg.model, name=args.model))
     # The tokenizer only: build the prompts here exactly as an agent harness would.
-    tok = Engine(EngineConfig(model=args.model, num_blocks=2,
-                              block_tokens=cfg.blocks.block_tokens)).tokenizer
+    eng = Engine(EngineConfig(model=args.model, num_blocks=2,
+                              block_tokens=cfg.blocks.block_tokens))
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-pd-") as tmp:
-        return asyncio.run(_bench(args, cfg, tok, Path(tmp)))
+        return asyncio.run(_bench(args, cfg, eng.tokenizer, eng.hit_rule, Path(tmp)))
 
 
-async def _bench(args: Any, cfg: KVServeConfig, tok: Any, tmp: Path) -> list[TurnResult]:
+async def _bench(args: Any, cfg: KVServeConfig, tok: Any, hit_rule: Any,
+                 tmp: Path) -> list[TurnResult]:
     from kvstore.redis_server import EmbeddedRedis, free_port
 
+    # mTLS as deployed; children, health checks and channels find it in the env.
+    os.environ[TLS_DIR_ENV] = SecurityConfig.for_local_run(tmp / "tls").cert_dir
     with EmbeddedRedis() as redis:
         ports = {name: free_port() for name in ("store", "cold", "warm", "decode")}
         config = tmp / "kvserve.toml"
@@ -109,17 +123,17 @@ async def _bench(args: Any, cfg: KVServeConfig, tok: Any, tmp: Path) -> list[Tur
               file=sys.stderr, flush=True)
         start_children(children, args.ready_timeout)
         try:
-            return await _conversation(args, cfg, tok, store, ports)
+            return await _conversation(args, cfg, tok, hit_rule, ports)
         finally:
             stop_children(children, 10.0)
 
 
-async def _conversation(args: Any, cfg: KVServeConfig, tok: Any, store: str,
+async def _conversation(args: Any, cfg: KVServeConfig, tok: Any, hit_rule: Any,
                         ports: dict[str, int]) -> list[TurnResult]:
     from tqdm import tqdm
 
-    chans = {n: grpc.aio.insecure_channel(f"127.0.0.1:{ports[n]}") for n in ("cold", "warm",
-                                                                            "decode")}
+    sec = SecurityConfig.from_env("operator")
+    chans = {n: sec.aio_channel(f"127.0.0.1:{ports[n]}", "") for n in ("cold", "warm", "decode")}
     cold = prefill_pb2_grpc.PrefillStub(chans["cold"])
     warm = prefill_pb2_grpc.PrefillStub(chans["warm"])
     dec = decode_pb2_grpc.DecodeStub(chans["decode"])
@@ -128,28 +142,25 @@ async def _conversation(args: Any, cfg: KVServeConfig, tok: Any, store: str,
     context = tok.apply_chat_template([{"role": "system", "content": SYSTEM},
                                        {"role": "user", "content": first}])
     results: list[TurnResult] = []
-    B = cfg.blocks.block_tokens
     prev_kv = 0
-    fingerprint = b""
     try:
         for turn in tqdm(range(1, args.turns + 1), desc="turns", file=sys.stderr):
-            if prev_kv:
-                await _wait_stored(store, context, prev_kv // B, B, fingerprint)
+            # Zero think time: no waiting for the warehouse between turns.
+            rule = hit_rule.usable_tokens(prev_kv, len(context)) if prev_kv else 0
             t_warm, h_warm = await _prefill(warm, context, sampling)
-            fingerprint = bytes.fromhex(h_warm.ctx.model_fingerprint)
-            out_warm, tps = await _decode(dec, h_warm, sampling)
+            out_warm, tps, end_wait = await _decode(dec, h_warm, sampling)
             t_cold, h_cold = await _prefill(cold, context, sampling)
-            out_cold, _ = await _decode(dec, h_cold, sampling)
+            out_cold, _, _ = await _decode(dec, h_cold, sampling)
             tw = h_warm.timings
             results.append(TurnResult(turn, len(context), h_warm.cached_tokens, t_cold, t_warm,
                                       tps, len(out_warm), out_warm == out_cold,
                                       h_warm.fetch_decision, tw.lookup_s, tw.fetch_s,
-                                      tw.compute_s, h_cold.timings.compute_s))
+                                      tw.compute_s, h_cold.timings.compute_s, rule, end_wait))
             prev_kv = len(context) + len(out_warm) - 1
             joint = "\n" if out_warm and out_warm[-1] in tok.eos_token_ids else "<|im_end|>\n"
             context = context + out_warm + tok.encode(
                 f"{joint}<|im_start|>user\n{tool_result(turn, args.tool_lines)}<|im_end|>\n"
-                "<|im_start|>assistant\n")
+                "<|im_start|>assistant\n", special=True)   # our own markup
     finally:
         for ch in chans.values():
             await ch.close()
@@ -166,28 +177,17 @@ async def _prefill(stub: prefill_pb2_grpc.PrefillStub, tokens: list[int],
 
 
 async def _decode(stub: decode_pb2_grpc.DecodeStub, handle: prefill_pb2.KVHandle,
-                  sampling: common_pb2.SamplingParams) -> tuple[list[int], float]:
+                  sampling: common_pb2.SamplingParams) -> tuple[list[int], float, float]:
+    """Tokens, decode tokens/s, and the delay the final event had beyond its
+    token (the canonical write), net of the delivery lag of the token before."""
     t0 = time.perf_counter()
     toks: list[int] = []
+    lags: list[float] = []                  # client receive time - server token time
     async for ev in stub.Decode(decode_pb2.DecodeRequest(handle=handle, sampling=sampling),
                                 timeout=600):
         toks.extend(ev.token_ids)
+        lags.append(time.perf_counter() - t0 - ev.t_s)
     dt = time.perf_counter() - t0
-    return toks, (len(toks) - 1) / dt if len(toks) > 1 and dt > 0 else 0.0
+    end_wait = lags[-1] - lags[-2] if len(lags) > 1 else 0.0
+    return toks, (len(toks) - 1) / dt if len(toks) > 1 and dt > 0 else 0.0, max(end_wait, 0.0)
 
-
-async def _wait_stored(store: str, context: list[int], n_blocks: int, block_tokens: int,
-                       fingerprint: bytes) -> None:
-    """Wait (bounded) until the warehouse holds the previous context's blocks."""
-    from kvstore.client import KVStoreClient
-    from kvstore.keys import chain_keys
-    from kvstore.types import RequestCtx
-
-    keys = chain_keys(context, block_tokens=block_tokens, tenant="bench", fingerprint=fingerprint)
-    async with KVStoreClient(store, timeout_s=5.0, use_shm=False) as c:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            res = await c.lookup(keys, prompt_tokens=len(context), ctx=RequestCtx(), touch=False)
-            if res.matched_blocks >= n_blocks:
-                return
-            await asyncio.sleep(0.05)

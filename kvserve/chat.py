@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 import uuid
@@ -21,6 +22,7 @@ import grpc
 
 from kvserve.cli import UsageError
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from security.config import SecurityConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,7 @@ class Target:
     router: str = ""
     prefill: str = ""
     decode: str = ""
+    security: SecurityConfig | None = None   # None: from the environment (KVSERVE_TLS_DIR)
 
     def describe(self) -> str:
         return f"router {self.router}" if self.router else (
@@ -55,6 +58,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", default=None, help="prefill host:port (with --decode)")
     p.add_argument("--decode", default=None, help="decode host:port (with --prefill)")
     p.add_argument("--redis-url", default=None, help="find instances in this registry")
+    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY", ""),
+                   help="key for a router started with --api-key-file (default "
+                        "$KVSERVE_API_KEY)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline per turn, seconds")
     p.add_argument("--stats", action="store_true",
                    help="print cached tokens and timings of each turn to stderr")
@@ -81,7 +87,8 @@ async def find_target(args: argparse.Namespace) -> Target:
     state = UpState.load()
     url = args.redis_url or (state.redis_url if state else "")
     if state and not args.redis_url:
-        return Target(router=state.router_grpc, prefill=state.prefill, decode=state.decode)
+        return Target(router=state.router_grpc, prefill=state.prefill, decode=state.decode,
+                      security=state.security())
     if not url:
         raise UsageError("no deployment found: run `kvserve up`, or pass --router, "
                          "--prefill/--decode or --redis-url")
@@ -158,7 +165,8 @@ class _Client:
             await ch.close()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        ch = grpc.aio.insecure_channel(address, options=[
+        sec = self._target.security or SecurityConfig.from_env("operator")
+        ch = sec.aio_channel(address, "", options=[
             ("grpc.max_receive_message_length", 256 * 2**20)])
         self._channels.append(ch)
         return ch
@@ -216,7 +224,9 @@ class _Client:
         req = router_pb2.GenerateRequest(ctx=self._ctx(), messages=msgs,
                                          sampling=self._sampling())
         first = True
-        async for ev in stub.Generate(req, timeout=self._args.timeout):
+        auth = ([("authorization", f"Bearer {self._args.api_key}")] if self._args.api_key
+                else None)
+        async for ev in stub.Generate(req, timeout=self._args.timeout, metadata=auth):
             usage = ((ev.usage.prompt_tokens, ev.usage.completion_tokens,
                       ev.usage.cached_tokens) if ev.finished else None)
             yield ev.text, first, usage

@@ -8,6 +8,7 @@ subcommands from several modules without an if/elif chain anywhere.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -105,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        return _closed_stdout()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
@@ -120,6 +128,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _closed_stdout() -> int:
+    """The reader went away (``kvserve ... | head``): exit quietly as a Unix
+    tool does. Point stdout at /dev/null so the interpreter's final flush of
+    the dead pipe raises nothing either."""
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141                      # 128 + SIGPIPE, what a shell reports for `| head`
 
 
 if __name__ == "__main__":

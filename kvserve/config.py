@@ -2,7 +2,8 @@
 same file), loaded into slotted dataclasses validated at construction.
 
 Components receive their own section explicitly; nothing reads the
-environment below the entry point except ``REDIS_URL`` (DESIGN §5).
+environment below the entry point except ``REDIS_URL`` (docs/architecture.md,
+"Redis").
 """
 
 from __future__ import annotations
@@ -20,10 +21,44 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "p
 _CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 DAY_S = 86_400
+ACK_MODES = ("g2", "durable")     # classes.ack values
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
+    """A configuration value is invalid; the message names the field.
+
+    ``problems`` lists every bad field when a whole file was checked."""
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems or (message,)
+
+
+# Field types as the TOML file may spell them: a field's annotation (a string
+# under ``from __future__ import annotations``) -> (check, what to write).
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_TYPE_CHECKS: dict[str, tuple[Any, str]] = {
+    "int": (_is_int, "an integer"),
+    "float": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "dict[str, int]": (lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and _is_int(x) for k, x in v.items()),
+        "a table of name = integer"),
+}
+_SIZE_CHECK = (lambda v: _is_int(v) or isinstance(v, str), "an integer or a size such as 4GiB")
+
+
+def _type_problem(section: str, name: str, annotation: str, value: Any) -> str | None:
+    """"section.name: expected ..., got ..." when ``value`` has the wrong type."""
+    check, want = _SIZE_CHECK if name.endswith("_bytes") else _TYPE_CHECKS.get(
+        annotation, (lambda v: True, annotation))
+    if check(value):
+        return None
+    return f"{section}.{name}: expected {want}, got {type(value).__name__} {value!r}"
 
 
 def parse_size(value: int | str, what: str = "size") -> int:
@@ -40,7 +75,7 @@ def parse_size(value: int | str, what: str = "size") -> int:
 
 @dataclass(frozen=True, slots=True)
 class HitRule:
-    """DESIGN §3: usable = floor_to_block(min(matched, L - reserve))."""
+    """The hit rule (docs/architecture.md): usable = floor_to_block(min(matched, L - reserve))."""
 
     block_tokens: int = 64
     window: int = 0                 # sliding-window size of SWA layers; 0 = full attention
@@ -75,6 +110,10 @@ class TrafficClasses:
 
     ttl_s: dict[str, int] = field(default_factory=lambda: {"agent": 3 * DAY_S, "chat": 7 * DAY_S})
     default: str = "chat"
+    # When a Put is acknowledged, per class (docs/services.md): "g2" once the blocks are
+    # in host memory (default: a cache may lose the last writes in a crash), "durable"
+    # once they are fsynced in G3 (G4 when there is no G3) and indexed there.
+    ack: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.ttl_s:
@@ -88,6 +127,14 @@ class TrafficClasses:
             raise ConfigError(
                 f"classes.default {self.default!r} is not a class; "
                 f"choose one of {sorted(self.ttl_s)}")
+        if not isinstance(self.ack, dict):
+            raise ConfigError("classes.ack must be a table of class = \"g2\" | \"durable\"")
+        for name, mode in self.ack.items():
+            if name not in self.ttl_s:
+                raise ConfigError(f"classes.ack.{name}: not a class; known: {sorted(self.ttl_s)}")
+            if mode not in ACK_MODES:
+                raise ConfigError(f"classes.ack.{name} must be one of {list(ACK_MODES)}, "
+                                  f"got {mode!r}")
 
     def resolve(self, name: str) -> str:
         """The class a request belongs to: its own if known, else an error."""
@@ -99,6 +146,14 @@ class TrafficClasses:
 
     def ttl(self, name: str) -> int:
         return self.ttl_s[self.resolve(name)]
+
+    def ack_mode(self, name: str) -> str:
+        """"g2" or "durable": when a Put of this class is acknowledged."""
+        return self.ack.get(self.resolve(name), "g2")
+
+    @property
+    def any_durable(self) -> bool:
+        return "durable" in self.ack.values()
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,24 +244,35 @@ class KVServeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVServeConfig:
+        built: dict[str, Any] = {}
+        problems: list[str] = []        # every bad field, not just the first
         unknown = set(data) - set(_SECTIONS)
         if unknown:
-            raise ConfigError(
-                f"unknown config section(s) {sorted(unknown)}; known: {sorted(_SECTIONS)}")
-        built: dict[str, Any] = {}
+            problems.append(f"unknown config section(s) {sorted(unknown)}; "
+                            f"known: {sorted(_SECTIONS)}")
         for name, section_cls in _SECTIONS.items():
             raw = data.get(name, {})
             if not isinstance(raw, dict):
-                raise ConfigError(f"[{name}] must be a table")
-            allowed = {f.name for f in fields(section_cls)}
-            extra = set(raw) - allowed
+                problems.append(f"[{name}] must be a table, got {type(raw).__name__}")
+                continue
+            types = {f.name: str(f.type) for f in fields(section_cls)}
+            extra = set(raw) - set(types)
             if extra:
-                raise ConfigError(
-                    f"[{name}] has unknown key(s) {sorted(extra)}; known: {sorted(allowed)}")
+                problems.append(f"[{name}] has unknown key(s) {sorted(extra)}; "
+                                f"known: {sorted(types)}")
+            bad = [p for k, v in raw.items() if k in types
+                   if (p := _type_problem(name, k, types[k], v))]
+            problems.extend(bad)
+            if extra or bad:
+                continue
             try:
                 built[name] = section_cls(**raw)
-            except TypeError as exc:
-                raise ConfigError(f"[{name}]: {exc}") from exc
+            except ConfigError as exc:
+                problems.append(str(exc))
+        if problems:
+            head = "1 problem" if len(problems) == 1 else f"{len(problems)} problems"
+            raise ConfigError(f"{head} in the config:\n  " + "\n  ".join(problems),
+                              tuple(problems))
         return cls(**built)
 
     @classmethod

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from typing import Any
 
 from kvserve.cli import UsageError, build_registry
 from kvserve.config import KVServeConfig
+from security.config import SecurityConfig
 
 STATE_ENV = "KVSERVE_STATE"
 
@@ -51,6 +53,15 @@ class UpState:
     tiers: str = ""
     pid: int = 0
     logs: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, str] = field(default_factory=dict)   # role -> Prometheus URL
+    config: str = ""                        # the effective config file every child reads
+    tls_dir: str = ""                       # the stack's deployment directory; "" = --insecure
+
+    def security(self, role: str = "operator") -> SecurityConfig:
+        """Credentials to talk to this stack (``kvserve chat`` / ``status``)."""
+        if not self.tls_dir:
+            return SecurityConfig(insecure=True)
+        return SecurityConfig(cert_dir=self.tls_dir, role=role)
 
     @classmethod
     def load(cls, path: Path | None = None) -> UpState | None:
@@ -59,7 +70,8 @@ class UpState:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        state = cls(**data)
+        known = set(cls.__dataclass_fields__)
+        state = cls(**{k: v for k, v in data.items() if k in known})
         with contextlib.suppress(OSError):
             os.kill(state.pid, 0)
             return state
@@ -73,6 +85,7 @@ class Child:
     health: str                                 # gRPC address with a health service; "" = none
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    security: SecurityConfig | None = None      # how the launcher dials its health check
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -83,47 +96,86 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--g3-path", default=None,
                    help="local disk tier directory (default: $KVSERVE_CACHE/g3, so warm KV "
                    "survives a restart); 'none' for no disk tier")
+    p.add_argument("--port", type=int, default=None,
+                   help="HTTP port of the OpenAI front (default [ports].http, 8000)")
+    p.add_argument("--api-key-file", default=None,
+                   help="file of 'KEY TENANT' lines; HTTP requests then need a listed key")
     p.add_argument("--free-ports", action="store_true",
                    help="pick free ports instead of the configured ones")
+    p.add_argument("--state-dir", default=None,
+                   help="state file, logs and default disk tier in DIR, so a second stack "
+                   "can run beside the first (use with --free-ports; point chat/status at it "
+                   "with KVSERVE_STATE=DIR/up.json)")
     p.add_argument("--run-dir", default=None, help="logs and the effective config (default: a "
                    "folder next to the state file)")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for every service to answer its health check")
     p.add_argument("--grace", type=float, default=10.0, help="shutdown grace per child, seconds")
     p.add_argument("--no-router", action="store_true", help="do not start the router front")
+    p.add_argument("--tls-dir", default=None, metavar="DIR",
+                   help="deployment directory (secret, CA, certificates) shared by every child; "
+                   "created on first start (default: tls/ next to the state file)")
+    p.add_argument("--insecure", action="store_true",
+                   help="plain text and NO authentication between the services (logged)")
+    p.add_argument("--engine", choices=("kvserve", "vllm"), default="kvserve",
+                   help="kvserve's own prefill/decode services, or vLLM OpenAI servers with "
+                   "the kvserve connector (needs the [vllm] extra; docs/vllm.md)")
+    from kvserve.launch_vllm import configure_up
+
+    configure_up(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.config import ConfigError
 
+    if getattr(args, "engine", "kvserve") == "vllm":
+        from kvserve.launch_vllm import run_up
+
+        return run_up(args)
+
+    if args.state_dir:
+        os.environ[STATE_ENV] = str(Path(args.state_dir).resolve() / "up.json")
+    _refuse_second(state_path())
+    if args.api_key_file and not Path(args.api_key_file).is_file():
+        raise UsageError(f"--api-key-file {args.api_key_file}: no such file")
     try:
         cfg = KVServeConfig.load(args.config) if args.config else KVServeConfig()
         cfg = _effective(cfg, args)
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
+    metrics_ports = _metrics_ports(cfg, free=args.free_ports)
+    check_ports_free(cfg.ports.host, {**_service_ports(cfg, router=not args.no_router),
+                                      **{f"{r} metrics": p for r, p in metrics_ports.items()}})
     run_dir = Path(args.run_dir) if args.run_dir else state_path().parent / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
+    security = _security(args)
     stop = _stop_on_signals()
     redis = None
     redis_url = args.redis_url or cfg.redis.effective_url()
     if not redis_url:
         from kvstore.redis_server import EmbeddedRedis
 
-        redis = EmbeddedRedis().start()
+        redis = EmbeddedRedis(preexec=_die_with_parent).start()
         redis_url = redis.url
     cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url))
+    os.environ["REDIS_URL"] = redis_url           # children inherit it (never in argv)
     _prefetch(cfg.model.name)
     config_file = run_dir / "kvserve.toml"
-    config_file.write_text(to_toml(cfg))
-    children = _children(cfg, config_file, run_dir, router=not args.no_router)
-    state = _state(cfg, children)
+    _write_private(config_file, to_toml(cfg))     # it holds the Redis password
+    children = _children(cfg, config_file, run_dir, router=not args.no_router,
+                         metrics=metrics_ports, api_key_file=args.api_key_file)
+    for c in children:
+        c.argv += security.cli_args()
+        c.security = security
+    state = replace(_state(cfg, children, metrics_ports), config=str(config_file),
+                    tls_dir="" if security.insecure else security.cert_dir)
     try:
         # The router last: its first view of the registry then holds the others.
         start_children([c for c in children if c.name != "router"], args.ready_timeout, stop)
         _wait_registered(redis_url, {"kvstore", "prefill", "decode"}, args.ready_timeout)
         start_children([c for c in children if c.name == "router"], args.ready_timeout, stop)
         state_path().parent.mkdir(parents=True, exist_ok=True)
-        state_path().write_text(json.dumps(asdict(state), indent=1))
+        _write_private(state_path(), json.dumps(asdict(state), indent=1))
         _print_started(state, children)
         code = _supervise(children, stop)
     finally:
@@ -135,11 +187,98 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def _security(args: argparse.Namespace) -> SecurityConfig:
+    """mTLS for every child unless --insecure: the deployment directory (secret,
+    CA, one certificate per role, keys 0600) is made on first start and kept."""
+    if args.insecure:
+        return SecurityConfig(insecure=True)
+    from security.pki import ensure_deployment
+
+    tls = Path(args.tls_dir) if args.tls_dir else state_path().parent / "tls"
+    try:
+        ensure_deployment(tls)
+        return SecurityConfig(cert_dir=str(tls.resolve()), role="operator")
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot prepare certificates in {tls}: {exc}") from exc
+
+
+def stack_security(role: str = "operator") -> SecurityConfig:
+    """Credentials of a command-line tool: KVSERVE_TLS_DIR if set, else those of
+    the running ``kvserve up`` (its state file), else an error naming both."""
+    from security.config import TLS_DIR_ENV
+
+    state = None if os.environ.get(TLS_DIR_ENV) else UpState.load()
+    try:
+        return state.security(role) if state is not None else SecurityConfig.from_env(role)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+
+
 def _remove_state() -> None:
     """Remove the state file if it is ours (another launcher may have replaced it)."""
     with contextlib.suppress(OSError, ValueError, KeyError):
         if json.loads(state_path().read_text())["pid"] == os.getpid():
             state_path().unlink()
+
+
+def _refuse_second(path: Path) -> None:
+    """One stack per state file: a second ``up`` would fight the first for its
+    ports and overwrite its logs and state."""
+    running = UpState.load(path)
+    if running is None:
+        return
+    where = running.router_http or running.prefill
+    raise UsageError(
+        f"kvserve up is already running: pid {running.pid}, model {running.model}, {where} "
+        f"(state {path}). Stop it first (Ctrl-C in its terminal, or kill {running.pid}), or "
+        "start another beside it with --state-dir DIR --free-ports")
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Fail before starting anything when a port is taken, naming it."""
+    taken = []
+    for name, port in ports.items():
+        if port <= 0:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            # As the servers bind (SO_REUSEADDR, never SO_REUSEPORT): a port in
+            # TIME_WAIT is free, one with a listener is not.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                taken.append(f"{name} port {port} ({exc.strerror})")
+    if taken:
+        raise UsageError(f"cannot start on {host}: " + ", ".join(taken) + ". Another kvserve "
+                         "up or another server holds it; pick ports with --port (HTTP) or a "
+                         "[ports] section, or use --free-ports")
+
+
+def _service_ports(cfg: KVServeConfig, *, router: bool) -> dict[str, int]:
+    p = cfg.ports
+    ports = {"kvstore": p.kvstore, "prefill": p.prefill, "decode": p.decode}
+    if router and router_available():
+        ports |= {"router gRPC": p.router_grpc, "HTTP": p.http}
+    return ports
+
+
+def _metrics_ports(cfg: KVServeConfig, *, free: bool) -> dict[str, int]:
+    """Prometheus ports of kvstore, prefill and decode ([ports].metrics and the
+    two after it; the router serves /metrics on its HTTP port)."""
+    base = cfg.ports.metrics
+    if free:
+        from kvstore.redis_server import free_port
+
+        return {r: free_port(cfg.ports.host) for r in ("kvstore", "prefill", "decode")}
+    return {"kvstore": base, "prefill": base + 1, "decode": base + 2}
 
 
 def _effective(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
@@ -148,8 +287,10 @@ def _effective(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
     g3 = args.g3_path
     if g3 is None and not cfg.tiers.g3_path:
         # A local stack keeps its blocks on disk by default: users expect warm KV
-        # (and what they paid to compute) to outlive a Ctrl-C.
-        g3 = str(Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "g3")
+        # (and what they paid to compute) to outlive a Ctrl-C. Beside another
+        # stack (--state-dir) it keeps its own.
+        g3 = str(Path(args.state_dir) / "g3" if args.state_dir else Path(os.environ.get(
+            "KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "g3")
     if g3 is not None:
         cfg = replace(cfg, tiers=replace(cfg.tiers, g3_path="" if g3 == "none" else g3))
     ports = cfg.ports
@@ -161,6 +302,8 @@ def _effective(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
         ports = replace(ports, kvstore=free_port(ports.host), prefill=free_port(ports.host),
                         decode=free_port(ports.host), router_grpc=free_port(ports.host),
                         http=free_port(ports.host), metrics=free_port(ports.host))
+    if args.port is not None:
+        ports = replace(ports, http=args.port)
     return replace(cfg, ports=ports)
 
 
@@ -172,22 +315,29 @@ def _prefetch(model: str) -> None:
         fetch_model(model)
 
 
-def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *,
-              router: bool) -> list[Child]:
+def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *, router: bool,
+              metrics: dict[str, int], api_key_file: str | None = None) -> list[Child]:
     host, p = cfg.ports.host, cfg.ports
     base = [sys.executable, "-m", "kvserve.cli"]
-    common = ["--config", str(config_file), "--host", host, "--redis-url", cfg.redis.url]
+    # No --redis-url: the URL may carry a password, and argv is world-readable in
+    # /proc. Children read it from the 0600 config file (REDIS_URL in their env
+    # wins there, so the launcher sets that too).
+    common = ["--config", str(config_file), "--host", host]
     store_addr = f"{host}:{p.kvstore}"
     children = [
         Child("kvstore", [*base, "store", "serve", *common, "--port", str(p.kvstore),
-                          "--metrics-port", str(p.metrics)], store_addr, run_dir / "kvstore.log"),
+                          "--metrics-port", str(metrics["kvstore"])], store_addr,
+              run_dir / "kvstore.log"),
         Child("prefill", [*base, "prefill", "serve", *common, "--port", str(p.prefill),
-                          "--store", store_addr], f"{host}:{p.prefill}", run_dir / "prefill.log"),
+                          "--store", store_addr, "--metrics-port", str(metrics["prefill"])],
+              f"{host}:{p.prefill}", run_dir / "prefill.log"),
         Child("decode", [*base, "decode", "serve", *common, "--port", str(p.decode),
-                         "--store", store_addr], f"{host}:{p.decode}", run_dir / "decode.log"),
+                         "--store", store_addr, "--metrics-port", str(metrics["decode"])],
+              f"{host}:{p.decode}", run_dir / "decode.log"),
     ]
     if router and router_available():
-        children.append(Child("router", [*base, "router", "serve", *common],
+        keys = ["--api-key-file", str(Path(api_key_file).resolve())] if api_key_file else []
+        children.append(Child("router", [*base, "router", "serve", *common, *keys],
                               f"{host}:{p.router_grpc}", run_dir / "router.log"))
     return children
 
@@ -197,7 +347,7 @@ def router_available() -> bool:
     return build_registry().has("router serve")
 
 
-def _state(cfg: KVServeConfig, children: list[Child]) -> UpState:
+def _state(cfg: KVServeConfig, children: list[Child], metrics: dict[str, int]) -> UpState:
     by = {c.name: c for c in children}
     p = cfg.ports
     tiers = ["G2 host " + _size(cfg.tiers.g2_bytes)]
@@ -211,7 +361,15 @@ def _state(cfg: KVServeConfig, children: list[Child]) -> UpState:
                    router_http=f"http://{p.host}:{p.http}" if router else "",
                    router_grpc=f"{p.host}:{p.router_grpc}" if router else "",
                    tiers=", ".join(tiers), pid=os.getpid(),
-                   logs={c.name: str(c.log) for c in children})
+                   logs={c.name: str(c.log) for c in children},
+                   metrics=_metrics_urls(p.host, metrics, p.http if router else 0))
+
+
+def _metrics_urls(host: str, ports: dict[str, int], http: int) -> dict[str, str]:
+    urls = {role: f"http://{host}:{port}/metrics" for role, port in ports.items() if port > 0}
+    if http:
+        urls["router"] = f"http://{host}:{http}/metrics"
+    return urls
 
 
 def _size(n: int) -> str:
@@ -255,11 +413,12 @@ def _stop_on_signals() -> _Stop:
     return stop
 
 
-def _healthy(address: str) -> bool:
+def _healthy(address: str, security: SecurityConfig | None = None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    sec = security or SecurityConfig.from_env("operator")
+    with sec.sync_channel(address, "") as ch:
         try:
             res = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                        timeout=1.0)
@@ -285,7 +444,7 @@ def _wait_ready(children: list[Child], timeout_s: float, stop: _Stop | None) -> 
             if c.proc.poll() is not None:
                 raise UsageError(f"{c.name} exited with status {c.proc.returncode} while "
                                  f"starting; its log: {c.log}\n{_tail(c.log)}")
-            if _healthy(c.health):
+            if _healthy(c.health, c.security):
                 pending.remove(c)
                 print(f"  {c.name:<8} ready at {c.health}", file=sys.stderr, flush=True)
         if stop is not None and stop.requested:
@@ -335,6 +494,8 @@ def _print_started(state: UpState, children: list[Child]) -> None:
         print(f"  {c.name:<9} {c.health:<22} pid {c.proc.pid:<8} log {c.log}")
     if state.router_http:
         print(f"  http      {state.router_http}/v1/chat/completions")
+    for role, url in state.metrics.items():
+        print(f"  metrics   {role:<9} {url}")
     print("  try:      kvserve chat --prompt 'Hello'   |   kvserve status", flush=True)
 
 

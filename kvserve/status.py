@@ -4,6 +4,9 @@ deployment (the one ``kvserve up`` started, or any Redis given).
 Instances: role, address, load, queue, tokens in flight, expert imbalance,
 seconds since the last heartbeat. Warehouse (each kvstore's Stats): bytes,
 blocks and hit rate per tier, and TTL, hits and hit rate per traffic class.
+Cached tokens (a stack ``kvserve up`` started, from its /metrics): the
+prefill engines' own G1 hits plus what they restored from the warehouse,
+which add up to the ``cached_tokens`` the API reported.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 from kvserve.cli import UsageError
+from security.config import SecurityConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +27,16 @@ class Snapshot:
     redis_url: str
     instances: list[dict[str, object]]
     stores: dict[str, dict[str, object]]      # address -> StoreStats as a dict, or {"error": ...}
+    cached: dict[str, float] = field(default_factory=dict)   # CACHED_METRICS name -> tokens
+
+
+# What ``status`` reads from /metrics: (role, sample name, label kind or "").
+CACHED_METRICS: dict[str, tuple[str, str, str]] = {
+    "engine_g1_tokens": ("prefill", "kvserve_prefill_prefill_g1_tokens_total", ""),
+    "warehouse_tokens": ("prefill", "kvserve_prefill_prefill_warehouse_tokens_total", ""),
+    "prefill_cached_tokens": ("prefill", "kvserve_prefill_prefill_cached_tokens_total", ""),
+    "api_cached_tokens": ("router", "kvserve_router_tokens_total", "cached"),
+}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -41,7 +55,10 @@ def run(args: argparse.Namespace) -> int:
     url = args.redis_url or (state.redis_url if state else "") or os.environ.get("REDIS_URL", "")
     if not url:
         raise UsageError("no registry: start `kvserve up` or pass --redis-url / set REDIS_URL")
-    snap = asyncio.run(collect(url, args.store, args.timeout))
+    snap = asyncio.run(collect(url, args.store, args.timeout,
+                               state.security() if state is not None else None))
+    if state is not None and not args.redis_url:
+        snap = replace(snap, cached=cached_tokens(state.metrics, args.timeout))
     if args.json:
         print(json.dumps(asdict(snap), indent=1, sort_keys=True))
     else:
@@ -49,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def collect(redis_url: str, extra_stores: list[str], timeout_s: float) -> Snapshot:
+async def collect(redis_url: str, extra_stores: list[str], timeout_s: float,
+                  security: SecurityConfig | None = None) -> Snapshot:
     from kvstore.client import KVStoreClient
     from kvstore.errors import KVStoreError
     from kvstore.registry import InstanceRegistry
@@ -63,13 +81,38 @@ async def collect(redis_url: str, extra_stores: list[str], timeout_s: float) -> 
     stores: dict[str, dict[str, object]] = {}
     for address in dict.fromkeys(addresses):
         try:
-            async with KVStoreClient(address, timeout_s=timeout_s, use_shm=False) as c:
+            async with KVStoreClient(address, timeout_s=timeout_s, use_shm=False,
+                                     security=security) as c:
                 stores[address] = asdict(await c.stats())
-        except KVStoreError as exc:
+        except (KVStoreError, ValueError) as exc:   # ValueError: no credentials
             stores[address] = {"error": str(exc)}
     return Snapshot(redis_url, [asdict(i) for i in sorted(live, key=lambda i: (i.role,
                                                                               i.instance_id))],
                     stores)
+
+
+def cached_tokens(metrics_urls: dict[str, str], timeout_s: float) -> dict[str, float]:
+    """Sum CACHED_METRICS over the roles' /metrics; a role that does not answer is left out."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for role, url in metrics_urls.items():
+        wanted = {n: (s, k) for n, (r, s, k) in CACHED_METRICS.items() if r == role}
+        if not wanted:
+            continue
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for fam in text_string_to_metric_families(text):
+            for sample in fam.samples:
+                for name, (sample_name, kind) in wanted.items():
+                    if sample.name == sample_name and sample.labels.get("kind", "") == kind:
+                        out[name] = out.get(name, 0.0) + sample.value
+    return out
 
 
 def _rate(hits: object, misses: object) -> str:
@@ -105,4 +148,9 @@ def render(snap: Snapshot) -> str:
             ttl = f"{int(c['ttl_s']) / 86400:.1f}d"
             out.append(f"  {c['traffic_class']:<8} {ttl:>9} {c['blocks']:>8} {c['hits']:>8} "
                        f"{c['misses']:>8} {_rate(c['hits'], c['misses']):>8}")
+    if snap.cached:
+        c = {k: int(snap.cached.get(k, 0)) for k in CACHED_METRICS}
+        out += ["", f"cached tokens since start: engine G1 {c['engine_g1_tokens']:,} + warehouse "
+                f"{c['warehouse_tokens']:,} = {c['prefill_cached_tokens']:,} (prefill); "
+                f"the API reported {c['api_cached_tokens']:,} (router)"]
     return "\n".join(out)

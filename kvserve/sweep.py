@@ -10,8 +10,11 @@ and ``kvserve store whatif`` print the same keys.
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
+import os
 import re
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,8 @@ from tqdm import tqdm
 
 from kvserve.traces import Trace
 from kvstore.eviction import policy_names
-from kvstore.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN, Future, replay_cache
+from kvstore.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN, compact_of, replay_cache
+from kvstore.trace_arrays import CompactTrace
 from kvstore.whatif import WhatIfRow
 
 _UNITS_S = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86_400, "w": 604_800}
@@ -89,17 +93,56 @@ class SweepRow(WhatIfRow):
                 "expirations": self.expirations, "time_scale": self.time_scale}
 
 
-def run_sweep(trace: Trace, *, ttls: Sequence[float], capacities: Sequence[float],
-              policies: Sequence[str], kv_bytes_per_token: int = LLAMA3_70B_KV_BYTES_PER_TOKEN,
-              time_scale: float = 1.0, progress: bool = True) -> list[SweepRow]:
+_SHARED: Trace | CompactTrace | None = None   # the trace a forked worker replays
+
+
+def _replay_one(task: tuple[str, float, float, int]) -> tuple[tuple[str, float, float], Any]:
+    policy, cap, ttl, kvb = task
+    assert _SHARED is not None
+    st = replay_cache(_SHARED, policy=policy, capacity_tokens=None if math.isinf(cap) else cap,
+                      ttl_s=ttl, kv_bytes_per_token=kvb)
+    return (policy, cap, ttl), st
+
+
+def default_jobs(n_tasks: int) -> int:
+    return max(1, min(n_tasks, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else (os.cpu_count() or 1)))
+
+
+def run_sweep(trace: Trace | CompactTrace, *, ttls: Sequence[float],
+              capacities: Sequence[float], policies: Sequence[str],
+              kv_bytes_per_token: int = LLAMA3_70B_KV_BYTES_PER_TOKEN,
+              time_scale: float = 1.0, progress: bool = True,
+              jobs: int | None = None) -> list[SweepRow]:
     """Replay ``trace`` once per TTL x capacity x policy; rows per class and ``all``.
-    Bytes are per class only for ``all`` (one store holds every class)."""
-    future = Future.of(trace) if "belady" in policies else None
+    Bytes are per class only for ``all`` (one store holds every class). Replays
+    run in ``jobs`` forked processes (default: one per CPU) that share the
+    trace's arrays copy-on-write; one progress bar counts them all."""
+    global _SHARED
+    ct = compact_of(trace) if isinstance(trace, Trace) else trace
     combos = [(p, c, t) for p in policies for c in capacities for t in ttls]
+    n_jobs = default_jobs(len(combos)) if jobs is None else max(1, min(jobs, len(combos)))
+    tasks = [(p, c, t, kv_bytes_per_token) for p, c, t in combos]
+    results: dict[tuple[str, float, float], Any] = {}
+    bar = tqdm(total=len(combos), desc="ttl-sweep", unit="replay", disable=not progress)
+    _SHARED = ct
+    try:
+        if n_jobs == 1 or "fork" not in mp.get_all_start_methods():
+            for task in tasks:
+                key, st = _replay_one(task)
+                results[key] = st
+                bar.update()
+        else:
+            with ProcessPoolExecutor(n_jobs, mp_context=mp.get_context("fork")) as pool:
+                for key, st in pool.map(_replay_one, tasks, chunksize=1):
+                    results[key] = st
+                    bar.update()
+    finally:
+        _SHARED = None
+        bar.close()
     rows: list[SweepRow] = []
-    for policy, cap, ttl in tqdm(combos, desc="ttl-sweep", unit="replay", disable=not progress):
-        st = replay_cache(trace, policy=policy, capacity_tokens=None if math.isinf(cap) else cap,
-                          ttl_s=ttl, kv_bytes_per_token=kv_bytes_per_token, future=future)
+    for policy, cap, ttl in combos:
+        st = results[(policy, cap, ttl)]
         common = (ttl, cap, policy)
         for cls, cs in st.per_class.items():
             rows.append(SweepRow(cls, *common, cs.hit_rate, cs.token_hit_rate, st.bytes_peak,

@@ -8,6 +8,11 @@ Formats (detected from the file, see ``shared/traces/*/README.md`` beside the ch
 - **Bailian/Qwen** JSONL: ``chat_id``, ``parent_chat_id``, ``timestamp`` (s),
   ``type``, ``turn``, ``hash_ids`` (16-token blocks, global to the file). A
   session is a ``parent_chat_id`` chain.
+- **CSV / Parquet** (operators' own logs): one row per request with ``time``
+  (s), ``session``, ``hashes`` (block hashes root first) and optional
+  ``input_length``, ``output_length``, ``class``; see ``_load_table``.
+- **Compact trace directory** (``kvstore.trace_arrays``, written by
+  ``kvserve trace synth`` or ``kvserve trace compact``): arrays mapped from disk.
 - **Claude Code agent sessions** (weka-claude-code): a ``traces.tar.xz`` of
   ``trace_NNNN.json``, a directory of them, or one such file. Hash ids are
   local to each session, so each session gets its own namespace; sub-agent
@@ -34,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvstore.trace_arrays import CompactTrace, is_compact_dir
 
 FILE_SHIFT = 48
 SESSION_SHIFT = 32
@@ -116,6 +123,7 @@ class _Raw:
     input_length: int
     output_length: int
     rtype: str = ""
+    klass: str = ""             # a class the file names (CSV/Parquet ``class``), else ""
 
 
 def file_tag(path: Path) -> int:
@@ -147,9 +155,14 @@ def load_trace(path: str | Path, *, max_requests: int | None = None, seed: int =
     if not 0 <= tag < _FILE_TAGS:
         raise ValueError(f"namespace must be in 0..{_FILE_TAGS - 1}, got {namespace}")
     rule = class_of if isinstance(class_of, ClassRule) else ClassRule.parse(class_of)
+    if is_compact_dir(p):
+        return _from_compact(p, max_requests, time_scale, rule)
     if _is_agent_archive(p):
         raws, block_tokens, note = _load_agent(p, tag, seed, session_rate_per_s, max_sessions)
         default_class = "agent"
+    elif p.name.endswith((".csv", ".csv.gz", ".parquet")):
+        raws, block_tokens, note = _load_table(p, tag)
+        default_class = "chat"
     else:
         raws, block_tokens, note = _load_jsonl(p, tag)
         default_class = "chat"
@@ -161,7 +174,8 @@ def load_trace(path: str | Path, *, max_requests: int | None = None, seed: int =
     requests = tuple(
         TraceRequest(t=r.t * time_scale, session=r.session, hash_ids=r.hash_ids,
                      input_length=r.input_length, output_length=r.output_length,
-                     traffic_class=rule.classify(p.name, r.rtype, r.session, default_class))
+                     traffic_class=rule.classify(p.name, r.rtype, r.session,
+                                                 r.klass or default_class))
         for r in raws)
     if not requests:
         raise TraceFormatError(f"trace {p} holds no requests")
@@ -244,6 +258,103 @@ def _infer_sessions(raws: list[_Raw], stem: str) -> None:
         for h in r.hash_ids[k:]:
             owner[h] = sid
         r.session = f"{stem}:{sid}"
+
+
+# ------------------------------------------------------------ operators' tables
+
+def _hash_token(tok: str, p: Path, lineno: int) -> str:
+    if not tok:
+        raise TraceFormatError(f"{p}:{lineno}: empty block hash")
+    return tok
+
+
+def _table_rows(p: Path) -> tuple[Iterator[tuple[int, dict[str, Any]]], int]:
+    """(line, row) pairs and the block size of a CSV or Parquet trace."""
+    if p.name.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise TraceFormatError(f"{p}: reading Parquet needs pyarrow (pip install pyarrow); "
+                                   "CSV needs nothing") from None
+        table = pq.read_table(p)
+        meta = table.schema.metadata or {}
+        bt = int(meta.get(b"block_tokens", b"64"))
+        return ((i + 2, row) for i, row in enumerate(table.to_pylist())), bt
+    import csv
+    import gzip
+    import io
+
+    opener: Any = gzip.open if p.name.endswith(".gz") else open
+    try:
+        with opener(p, "rt", newline="") as f:
+            text = io.StringIO(f.read())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceFormatError(f"{p}: unreadable ({exc})") from None
+    first = text.readline()
+    bt = 64
+    skip = 1
+    m = re.match(r"#\s*block_tokens\s*[:=]\s*(\d+)", first)
+    if m:
+        bt = int(m.group(1))
+    else:
+        text.seek(0)
+        skip = 0
+    reader = csv.DictReader(text)
+    return ((i + 2 + skip, row) for i, row in enumerate(reader)), bt
+
+
+def _load_table(p: Path, tag: int) -> tuple[list[_Raw], int, str]:
+    """The operators' form: one row per request with ``time`` (seconds),
+    ``session``, ``hashes`` (the prompt's block hashes root first: a list, or
+    one string of space-separated tokens; any token text, e.g. hex digests)
+    and optional ``input_length`` (tokens; default blocks x block size),
+    ``output_length`` and ``class``. CSV may start with ``# block_tokens=N``
+    (default 64); Parquet keeps it in the schema metadata key ``block_tokens``."""
+    rows, bt = _table_rows(p)
+    if bt < 1:
+        raise TraceFormatError(f"{p}: block_tokens must be >= 1")
+    base = tag << FILE_SHIFT
+    local: dict[str, int] = {}
+    raws: list[_Raw] = []
+    for lineno, row in rows:
+        try:
+            hashes = row["hashes"]
+            toks = hashes.split() if isinstance(hashes, str) else [str(h) for h in hashes]
+            ids = tuple(base | local.setdefault(_hash_token(t, p, lineno), len(local))
+                        for t in toks)
+            n_in = row.get("input_length")
+            cls = str(row.get("class") or "")
+            if cls and not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", cls):
+                raise ValueError(f"class {cls!r} must match [a-z][a-z0-9_-]*")
+            raws.append(_Raw(float(row["time"]), str(row["session"]), ids,
+                             int(n_in) if n_in not in (None, "") else len(ids) * bt,
+                             int(row.get("output_length") or 0), klass=cls))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceFormatError(f"{p}:{lineno}: bad row ({exc!r}); columns are time, "
+                                   "session, hashes[, input_length, output_length, class]"
+                                   ) from None
+    if len(local) >= 1 << FILE_SHIFT:
+        raise TraceFormatError(f"{p}: more than 2**48 distinct block hashes")
+    return raws, bt, "times (s) as recorded in the table"
+
+
+def _from_compact(p: Path, max_requests: int | None, time_scale: float,
+                  rule: ClassRule) -> Trace:
+    ct = CompactTrace.load(p)
+    tr = ct.to_trace()
+    reqs = tr.requests[:max_requests] if max_requests else tr.requests
+    reqs = tuple(replace(r, t=r.t * time_scale, traffic_class=rule.classify(
+        p.name, "", r.session, r.traffic_class)) for r in reqs)
+    return replace(tr, requests=reqs)
+
+
+def load_compact(path: str | Path, **kwargs: Any) -> CompactTrace:
+    """A trace as arrays: a compact directory is mapped from disk as it is
+    (no options apply), any other format is loaded and converted."""
+    p = Path(path)
+    if is_compact_dir(p) and not any(v not in (None, 1.0, 0) for v in kwargs.values()):
+        return CompactTrace.load(p)
+    return CompactTrace.from_trace(load_trace(p, **kwargs))
 
 
 # ------------------------------------------------------------ agent sessions

@@ -6,6 +6,8 @@ row and its baseline run in turn within each round, so both see the same
 moments of a shared machine):
 - memcpy: numpy copy of the blocks into a reused buffer (the ceiling of any
   in-memory path); g2_put / g2_get: the G2 tier (copy + xxh3 checksum);
+  verified_copy: one thread copying every slot out of the G2 segment with the
+  hash-while-copying check a same-host reader runs (``copy_verified``);
 - raw_write / raw_read: the same bytes as ONE plain file written in
   sequence with one fsync, read back block by block with ``f.read``;
   g3_write / g3_read: the G3 tier as the warehouse drives it (one file per
@@ -16,9 +18,15 @@ moments of a shared machine):
   LMCache's Redis backend does);
 - lookup p50/p99 ms: one chain lookup of ``--chain`` blocks (loopback Redis,
   TTL refresh on), and grpc_lookup through the service;
-- grpc_put / grpc_get: a ``kvserve store serve`` process over loopback TCP;
-  shm_put / shm_get: the same process through shared memory. grpc_gbps and
-  shm_gbps are the get figures (restoring KV is the path that waits).
+- grpc_put / grpc_get: a ``kvserve store serve`` process over loopback TCP
+  with mTLS (as deployed); shm_put / shm_get: the same process through shared
+  memory. grpc_gbps and shm_gbps are the get figures (restoring KV is the path
+  that waits). plain_put / plain_get: a second store in plain text
+  (``--insecure``), so tls_put_ratio / tls_get_ratio = the cost of TLS.
+  shm_get_vs_memcpy: shm get (every copy verified against its checksum) over
+  the memcpy of the same bytes in the same rounds;
+- ack_g2_put / ack_durable_put: puts acknowledged at G2 vs after the G3 fsync
+  (kvstore/bench_ack.py), ack_durable_vs_g2 their ratio.
 """
 
 from __future__ import annotations
@@ -60,7 +68,11 @@ def check_goals(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each goal's measured value, target and verdict (negative bound = a floor;
     a negative multiple of a reference row = at most that row)."""
     out = {}
-    goals = GOALS + (_PEER_GOALS if "mooncake_put_gbps" in res else ())
+    from kvstore.bench_cluster import CLUSTER_GOALS
+
+    goals = GOALS + (_PEER_GOALS if "mooncake_put_gbps" in res else ()) + \
+        (CLUSTER_GOALS if "cluster_lookup_p99_ms" in res else ())
+    goals = tuple(g for g in goals if g[1] in res and (g[2] is None or g[2] in res))
     for name, metric, ref, k in goals:
         value = float(res[metric])
         if ref is not None:
@@ -88,6 +100,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mooncake-python", default="",
                    help="a Python with mooncake-transfer-engine-non-cuda installed (its bin/ "
                         "holds mooncake_master): adds Mooncake Store rows side by side")
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                   help="also start a local Redis Cluster of N masters (+N replicas, N >= 3) "
+                        "and report its lookup, bytes per block and failover time "
+                        "(kvstore/bench_cluster.py)")
+    p.add_argument("--g4", default="", metavar="URL",
+                   help="also put/get the blocks through a G4 tier at URL (e.g. s3://bucket/p; "
+                        "endpoint and credentials from KVSERVE_G4_OPTIONS / AWS_* env)")
+    p.add_argument("--only", default="",
+                   help="comma-separated steps to run (memory,disk,redis,lookup,service,"
+                        "mooncake,cluster,g4); default: all that apply")
 
 
 def _interleaved(nbytes: int, repeats: int,
@@ -155,8 +177,22 @@ def bench_memory(d: _Data, repeats: int) -> dict[str, float]:
                 if g2.get(k) is None:
                     raise RuntimeError("G2 lost a block during the benchmark")
 
+        from kvstore.tiers.shm import attach_segment, copy_verified
+
+        seg = attach_segment(g2.shm_name)
+
+        def verified_copy(_: int) -> None:
+            # What a same-host reader does per slot: copy out + xxh3 of the copy.
+            for i, k in enumerate(last):
+                slot = g2.locate(k)
+                if slot is None or not copy_verified(seg, slot, memoryview(dst[i])):
+                    raise RuntimeError("a G2 slot failed verification during the benchmark")
+
         out = _interleaved(d.total, repeats, {"memcpy_gbps": memcpy, "g2_put_gbps": put,
-                                              "g2_get_gbps": get})
+                                              "g2_get_gbps": get,
+                                              "verified_copy_gbps": verified_copy})
+        out["verified_copy_vs_memcpy"] = out["verified_copy_gbps"] / out["memcpy_gbps"]
+        seg.close()
     finally:
         g2.close()
     return out
@@ -273,28 +309,44 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
     from kvstore.index import BlockIndex, IndexRecord
     from kvstore.redis_server import free_port
     from kvstore.types import RequestCtx
+    from security.config import TLS_DIR_ENV, SecurityConfig
+    from security.pki import ensure_deployment
 
-    port = free_port()
+    # The service as deployed (mTLS), and beside it the same store in plain text
+    # (--insecure) so the cost of TLS on the gRPC path is measured in the same run.
+    tls_tmp = tempfile.TemporaryDirectory(prefix="kvserve-bench-tls-")
+    tls = os.environ.get(TLS_DIR_ENV) or str(ensure_deployment(tls_tmp.name))
+    port, plain_port = free_port(), free_port()
     g2 = 2 * d.total * (repeats + 2)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
-        "--port", str(port), "--metrics-port", "-1", "--redis-url", url, "--node", "bench-svc",
-        "--g2-bytes", str(g2), stdout=asyncio.subprocess.PIPE)
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
-    if not line.startswith("kvstore ready"):
-        proc.kill()
-        raise RuntimeError(f"store did not start: {line!r}")
+    procs = []
+    for p, sec, node in ((port, ["--tls-dir", tls], "bench-svc"),
+                         (plain_port, ["--insecure"], "bench-plain")):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
+            "--port", str(p), "--metrics-port", "-1", "--redis-url", url, "--node", node,
+            "--g2-bytes", str(g2), *sec, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL)
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        if not line.startswith("kvstore ready"):
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"store did not start: {line!r}")
+    secure = SecurityConfig(tls, role="operator")
+    plain = SecurityConfig(insecure=True)
     out: dict[str, float] = {}
     ctx = RequestCtx(tenant="bench")
     layout = f"L1xH1xT{d.size // 8}xD1:float32"               # 1*2*1*T*1*4 bytes = size
     dst = np.empty_like(d.arr)
     dst.fill(0)
     try:
-        for mode, shm in (("grpc", False), ("shm", True)):
-            async with KVStoreClient(f"127.0.0.1:{port}", timeout_s=120, use_shm=shm) as c:
+        for mode, shm, at, sec, tag in (("grpc", False, port, secure, 200),
+                                        ("shm", True, port, secure, 300),
+                                        ("plain", False, plain_port, plain, 400)):
+            async with KVStoreClient(f"127.0.0.1:{at}", timeout_s=120, use_shm=shm,
+                                     security=sec) as c:
                 await c.stats()
-                tag = 300 if shm else 200
                 warm = d.keys(tag + 99)
                 await c.put(warm, d.arr, layout=layout, token_count=1, ctx=ctx)
                 await c.get(warm, ctx=ctx, out=dst)
@@ -322,8 +374,9 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
         ix = await BlockIndex(url, node="bench-svc", classes=TrafficClasses(),
                               publish_events=False).start()
         for i in range(0, chain, 1024):         # entries as the store's own G3 blocks
-            await ix.add([IndexRecord(k, 2**20, "chat") for k in ks[i:i + 1024]], tier="G3")
-        async with KVStoreClient(f"127.0.0.1:{port}", timeout_s=30) as c:
+            await ix.add([IndexRecord(k, 2**20, "chat", tenant=ctx.tenant)
+                          for k in ks[i:i + 1024]], tier="G3")
+        async with KVStoreClient(f"127.0.0.1:{port}", timeout_s=30, security=secure) as c:
             if (await c.lookup(ks, prompt_tokens=chain * 64, ctx=ctx)).matched_blocks != chain:
                 raise RuntimeError("the store does not see the benchmark's index entries")
             times = []
@@ -334,9 +387,13 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
             out["grpc_lookup_p50_ms"], out["grpc_lookup_p99_ms"] = _percentiles(times)
         await ix.delete(ks)
         await ix.close()
+        out["tls_put_ratio"] = out["grpc_put_gbps"] / out["plain_put_gbps"]
+        out["tls_get_ratio"] = out["grpc_gbps"] / out["plain_gbps"]
     finally:
-        proc.terminate()
-        await proc.wait()
+        for proc in procs:
+            proc.terminate()
+            await proc.wait()
+        tls_tmp.cleanup()
     return out
 
 
@@ -439,7 +496,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         embedded = EmbeddedRedis().start()
         url = embedded.url
     mooncake = _mooncake_python(args.mooncake_python)
-    steps = ["memory", "disk", "redis", "lookup", "service"] + (["mooncake"] if mooncake else [])
+    steps = ["memory", "disk", "redis", "lookup", "service", "ack"] + (
+        ["mooncake"] if mooncake else [])
+    steps += (["cluster"] if args.redis_cluster else []) + (["g4"] if args.g4 else [])
+    if args.only:
+        steps = [s for s in steps if s in set(args.only.split(","))]
     try:
         with tempfile.TemporaryDirectory(dir=args.dir or None) as tmp, \
                 tqdm(total=len(steps), desc="bench store", file=sys.stderr) as bar:
@@ -453,9 +514,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     res.update(bench_redis(d, args.repeats, url))
                 elif step == "lookup":
                     res.update(asyncio.run(bench_lookup(url, args.chain, args.lookups)))
+                elif step == "cluster":
+                    from kvstore.bench_cluster import bench_cluster
+
+                    res.update(bench_cluster(args.redis_cluster, url, args.chain, args.lookups))
+                elif step == "g4":
+                    from kvstore.bench_cluster import bench_g4
+
+                    res.update(bench_g4(args.g4, d.views, args.repeats))
                 elif step == "service":
                     res.update(asyncio.run(bench_service(d, args.repeats, url, args.chain,
                                                          args.lookups)))
+                elif step == "ack":                 # issue 10: ack = "g2" vs "durable"
+                    from kvstore.bench_ack import bench_ack
+
+                    res.update(asyncio.run(bench_ack(d.arr, args.repeats, url, Path(tmp))))
                 else:
                     res.update(bench_mooncake(mooncake, d, args.repeats))
                 bar.update()
@@ -464,6 +537,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             embedded.stop()
     if not mooncake:
         res["mooncake"] = "not installed: pass --mooncake-python (see docs/BENCHMARKS.md)"
+    if "shm_gbps" in res:   # every shm copy verified (xxh3 while copying), same run
+        res["shm_get_vs_memcpy"] = res["shm_gbps"] / res["shm_memcpy_gbps"]
     res["goals"] = check_goals(res)
     return res
 

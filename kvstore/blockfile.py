@@ -9,7 +9,8 @@ The JSON holds one tensor "kv" (the payload: dtype/shape from the layout, or
 uint8 when lz4-compressed) and ``__metadata__`` (all strings): key (hex),
 fingerprint, layout, token_count, traffic_class, expires_at, checksum
 (xxh3-128 of the *uncompressed* payload, hex), size (uncompressed bytes),
-compression ("none" | "lz4"), format, and header_checksum (xxh3-64 of the
+compression ("none" | "lz4"), tenant (namespace; absent in older files =
+"default"), format, and header_checksum (xxh3-64 of the
 canonical JSON of everything else in the header, so a flipped metadata byte
 is caught as surely as a flipped payload byte).
 
@@ -75,6 +76,7 @@ class BlockMeta:
     expires_at: float
     checksum: bytes = b""
     size: int = 0
+    tenant: str = "default"      # the tenant namespace that stored it (docs/security.md)
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or len(self.key) != KEY_BYTES:
@@ -155,14 +157,14 @@ def encode_parts(payload: bytes | bytearray | memoryview, meta: BlockMeta,
         "layout": meta.layout, "token_count": str(meta.token_count),
         "traffic_class": meta.traffic_class, "expires_at": repr(float(meta.expires_at)),
         "checksum": digest.hex(), "size": str(view.nbytes),
-        "compression": "lz4" if lz4 else "none",
+        "compression": "lz4" if lz4 else "none", "tenant": meta.tenant,
     }
     tensor = {"dtype": dtype, "shape": shape, "data_offsets": [0, body.nbytes]}
     md["header_checksum"] = _header_checksum(tensor, md)
     text = json.dumps({"kv": tensor, "__metadata__": md}, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + _LEN.size) % _ALIGN)
     full = BlockMeta(meta.key, meta.fingerprint, meta.layout, meta.token_count,
-                     meta.traffic_class, meta.expires_at, digest, view.nbytes)
+                     meta.traffic_class, meta.expires_at, digest, view.nbytes, meta.tenant)
     return EncodedBlock(_LEN.pack(len(text)) + text, body, full)
 
 
@@ -204,7 +206,7 @@ def parse_header(head: bytes | bytearray | memoryview) -> BlockHeader:
             key=bytes.fromhex(md["key"]), fingerprint=md["fingerprint"], layout=md["layout"],
             token_count=int(md["token_count"]), traffic_class=md["traffic_class"],
             expires_at=float(md["expires_at"]), checksum=bytes.fromhex(md["checksum"]),
-            size=int(md["size"]))
+            size=int(md["size"]), tenant=md.get("tenant", "default"))
     except BlockCorruptError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

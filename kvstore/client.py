@@ -9,9 +9,11 @@ Same-host fast path (``use_shm``): when the store says it can and runs on
 this host, a Get asks for shared-memory descriptors of G2 blocks (all of a
 chain in one message) and copies them straight out of the store's segment
 (attached once, its pages mapped at attach) on copier threads; a Put writes its
-blocks into a staging segment this client owns and sends only the header.
-A descriptor whose copy cannot be trusted (the slot was reused meanwhile) is
-fetched again through the socket, so the fast path can never serve bad bytes.
+blocks into a staging segment the store handed it (``Stage``) and sends only
+the header. Every shared-memory copy is verified against the checksum taken at
+put; one that does not match (scribbled, or the slot was reused meanwhile) is
+never used but fetched again through the socket, where the store verifies
+again, so the fast path can never serve bad bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import contextlib
 import functools
 import logging
 import queue
-import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -31,9 +32,15 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from kvstore.errors import InvalidRequest, KVStoreError, ShmUnavailable, StoreUnavailable
-from kvstore.segments import SegmentCache, copy_is_trusted
-from kvstore.tiers.shm import SEGMENT_HEADER, ShmSlot, disown_segment, own_segment
+from kvstore.errors import (
+    AccessDenied,
+    InvalidRequest,
+    KVStoreError,
+    ShmUnavailable,
+    StoreUnavailable,
+)
+from kvstore.segments import SegmentCache, copy_verified
+from kvstore.tiers.shm import ShmSlot, attach_segment
 from kvstore.types import (
     ClassSnapshot,
     GetResult,
@@ -45,6 +52,7 @@ from kvstore.types import (
 )
 from kvstore.wire import decode_get_chunk, encode_put_data, encode_put_header
 from proto import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from security.config import SecurityConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,6 +68,8 @@ _ERRORS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.CANCELLED: StoreUnavailable,
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidRequest,
     grpc.StatusCode.FAILED_PRECONDITION: ShmUnavailable,
+    grpc.StatusCode.UNAUTHENTICATED: AccessDenied,
+    grpc.StatusCode.PERMISSION_DENIED: AccessDenied,
 }
 
 
@@ -104,27 +114,33 @@ def as_byte_views(blocks: Any, n: int) -> list[memoryview]:
 
 
 class _Staging:
-    """A client-owned shared-memory segment for Puts, grown on demand."""
+    """The staging segment the store handed this client for shared-memory Puts
+    (``Stage``: the store creates it and binds it to this connection; it never
+    reads a segment a client merely names). Re-asked for when a Put needs more
+    room or the store forgot it (restart, reconnect, idle expiry)."""
 
     def __init__(self) -> None:
         self.seg: shared_memory.SharedMemory | None = None
         self.lock = asyncio.Lock()
 
-    def ensure(self, nbytes: int) -> shared_memory.SharedMemory:
+    async def ensure(self, stub: kvstore_pb2_grpc.KVStoreStub, nbytes: int, ctx: RequestCtx,
+                     timeout_s: float) -> shared_memory.SharedMemory:
         if self.seg is None or self.seg.size < nbytes:
+            res = await stub.Stage(kvstore_pb2.StageRequest(ctx=ctx_to_proto(ctx),
+                                                            min_bytes=nbytes), timeout=timeout_s)
             self.close()
-            size = max(nbytes, 64 * 2**20)
-            self.seg = shared_memory.SharedMemory(name=f"kvc-{secrets.token_hex(6)}",
-                                                  create=True, size=size)
-            own_segment(self.seg.name)  # a store in this same process must not adopt it
+            seg = attach_segment(res.shm_name)
+            if seg.size < nbytes:
+                seg.close()
+                raise ShmUnavailable(f"staging segment {res.shm_name!r} holds {seg.size} "
+                                     f"bytes, {nbytes} needed")
+            self.seg = seg
         return self.seg
 
     def close(self) -> None:
         if self.seg is not None:
-            disown_segment(self.seg.name)
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(BufferError):
                 self.seg.close()
-                self.seg.unlink()
             self.seg = None
 
 
@@ -134,13 +150,15 @@ class _SlotCopier:
     block, and numpy copies that release the GIL, so the workers copy in
     parallel (one core's copy does not saturate memory: 2 threads measured
     ~1.3x a single memcpy here) while the event loop keeps receiving. Every
-    copy is checked after it finishes (``copy_is_trusted``); an untrusted one
-    is reported for a socket refetch."""
+    copy is hashed as it is made and compared with the checksum taken at put
+    (``copy_verified``); one that does not match is never used, only reported
+    for a socket refetch (where the store verifies again and drops a bad block)."""
 
     def __init__(self, segments: SegmentCache, dst: list[memoryview] | None,
                  payloads: list[memoryview | None], threads: int) -> None:
         self._segments, self._dst, self._payloads = segments, dst, payloads
         self._queue: queue.SimpleQueue[tuple[int, ShmSlot] | None] = queue.SimpleQueue()
+        self.failed = 0     # copies that did not match their checksum (int += under the GIL)
         loop = asyncio.get_running_loop()
         self._workers = [loop.run_in_executor(None, self._run) for _ in range(threads)]
 
@@ -167,12 +185,8 @@ class _SlotCopier:
         except (FileNotFoundError, ValueError, OSError):
             return False
         target = self._dst[i] if self._dst is not None else memoryview(bytearray(slot.size))
-        if slot.offset < SEGMENT_HEADER or slot.offset + slot.size > seg.size \
-                or target.nbytes != slot.size:
-            return False
-        np.copyto(np.frombuffer(target, dtype=np.uint8),
-                  np.frombuffer(seg.buf, dtype=np.uint8, count=slot.size, offset=slot.offset))
-        if not copy_is_trusted(seg, slot, [target]):
+        if not copy_verified(seg, slot, target):
+            self.failed += 1                     # scribbled or reused: never used
             return False
         self._payloads[i] = target
         return True
@@ -180,7 +194,10 @@ class _SlotCopier:
 
 class KVStoreClient:
     def __init__(self, address: str, *, timeout_s: float = 5.0, use_shm: bool = True,
-                 chunk_bytes: int = CHUNK_BYTES, copy_threads: int = COPY_THREADS) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, copy_threads: int = COPY_THREADS,
+                 security: SecurityConfig | None = None) -> None:
+        """``security``: this caller's credentials (mTLS); None reads them from the
+        environment (``SecurityConfig.from_env("operator")``)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if copy_threads < 1:
@@ -190,7 +207,8 @@ class KVStoreClient:
         self.timeout_s = timeout_s
         self.use_shm = use_shm
         self.chunk_bytes = chunk_bytes
-        self._channel = grpc.aio.insecure_channel(address, options=[
+        self.security = security or SecurityConfig.from_env("operator")
+        self._channel = self.security.aio_channel(address, "kvstore", options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
@@ -205,6 +223,10 @@ class KVStoreClient:
         self._shm_ok: bool | None = None if use_shm else False
         self._segments = SegmentCache(populate=True)  # the store prefaults its arena
         self._staging = _Staging()
+        self._shm_put_ok = use_shm
+        # Shared-memory copies that failed verification (each was refetched over the
+        # socket, where the store verifies again and drops a bad block).
+        self.shm_verify_failures = 0
 
     async def close(self) -> None:
         self._segments.close()
@@ -242,22 +264,31 @@ class KVStoreClient:
                    for k, v, c in zip(keys, views, counts, strict=True)]
         hdr = kvstore_pb2.PutHeader(ctx=ctx_to_proto(ctx), layout=layout, blocks=headers)
         timeout = timeout_s or self.timeout_s
-        if await self._same_host():
-            try:
-                async with self._staging.lock:
-                    seg = self._staging.ensure(sum(v.nbytes for v in views))
-                    await asyncio.to_thread(self._stage, seg, views)
-                    hdr.shm_name, hdr.shm_offset = seg.name, 0
-                    res = await self._put_call(iter([encode_put_header(hdr)]),
-                                               timeout=timeout)
-                return PutResult(res.stored_blocks, res.skipped_blocks, res.bytes)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                    raise
-                log.info("store cannot attach our staging segment (%s); streaming instead",
-                         exc.details())
-                self._shm_ok = False
-                hdr.shm_name, hdr.shm_offset = "", 0
+        if self._shm_put_ok and await self._same_host():
+            nbytes = sum(v.nbytes for v in views)
+            for attempt in (0, 1):   # once more with a fresh segment if the store forgot ours
+                try:
+                    async with self._staging.lock:
+                        if attempt:
+                            self._staging.close()
+                        seg = await self._staging.ensure(self._stub, nbytes, ctx, timeout)
+                        await asyncio.to_thread(self._stage, seg, views)
+                        hdr.shm_name, hdr.shm_offset = seg.name, 0
+                        res = await self._put_call(iter([encode_put_header(hdr)]),
+                                                   timeout=timeout)
+                    return PutResult(res.stored_blocks, res.skipped_blocks, res.bytes)
+                except (grpc.aio.AioRpcError, ShmUnavailable, OSError) as exc:
+                    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+                    if code not in (None, grpc.StatusCode.FAILED_PRECONDITION,
+                                    grpc.StatusCode.UNIMPLEMENTED):
+                        raise
+                    detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc
+                    log.info("shared-memory put failed (%s)%s", detail,
+                             "; streaming instead" if attempt else "; asking for a new segment")
+                    hdr.shm_name, hdr.shm_offset = "", 0
+                    if code is grpc.StatusCode.UNIMPLEMENTED:
+                        break
+            self._shm_put_ok = False
         res = await self._put_call(self._chunks(hdr, views), timeout=timeout)
         return PutResult(res.stored_blocks, res.skipped_blocks, res.bytes)
 
@@ -353,6 +384,8 @@ class KVStoreClient:
             finish()
         finally:
             redo = await copier.done() if copier is not None else []
+            if copier is not None:
+                self.shm_verify_failures += copier.failed
         return payloads, tiers, redo
 
     @_mapped

@@ -27,3 +27,8 @@ class StoreDraining(KVStoreError):
 class ShmUnavailable(KVStoreError):
     """The shared-memory path cannot be used (segment not attachable here);
     the client falls back to streaming bytes."""
+
+
+class AccessDenied(KVStoreError):
+    """The store refused the caller (UNAUTHENTICATED / PERMISSION_DENIED):
+    e.g. a tenant-scoped identity asking for another tenant's blocks."""

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
+from kvstore.redis_conn import connect
 
 STREAM = "kvserve:events"
 DEFAULT_MAXLEN = 100_000          # approximate trim; old events age out
@@ -61,7 +61,7 @@ class EventReader:
     waiting up to ``block_ms``."""
 
     def __init__(self, redis_url: str, *, start_id: str = "$", stream: str = STREAM) -> None:
-        self._redis = aioredis.Redis.from_url(redis_url)
+        self._redis = connect(redis_url)  # one server or a cluster (kvstore.redis_conn)
         self._stream = stream
         self._last = start_id
 

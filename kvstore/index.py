@@ -1,8 +1,9 @@
 """The block index in Redis (DESIGN §5): one key per block, EXPIRE = TTL.
 
 Key:   b"B" + the 16-byte block key (17 bytes; our other keys start "kvserve:").
-Value: 12 packed bytes ``<BBHII`` = tier mask, class id, node id, payload
-       size, last refresh (unix seconds). An embstr, so one allocation.
+Value: 16 packed bytes ``<BBHIII`` = tier mask, class id, node id, payload
+       size, last refresh (unix seconds), tenant namespace id. An embstr, so
+       one allocation.
 
 Invariants
 - An entry exists only while some tier holds a complete copy (the warehouse
@@ -20,6 +21,9 @@ Invariants
 
 Node and class names map to small ids through the hash ``kvserve:ids``; every
 store re-asserts its own ids, so a FLUSHALL cannot make two names share one.
+Tenant namespaces get ids the same way (``tenant:`` space): an entry belongs to
+the namespace that stored it first; a lookup for another namespace stops there
+and a store for another namespace leaves it alone (docs/security.md).
 """
 
 from __future__ import annotations
@@ -31,25 +35,28 @@ from dataclasses import dataclass
 from string import Template
 
 import numpy as np
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvserve.config import TrafficClasses
-from kvstore import events
+from kvstore import events, index_cluster
 from kvstore.errors import InvalidRequest, StoreUnavailable
+from kvstore.keys import DEFAULT_TENANT
+from kvstore.redis_conn import connect, is_cluster_url
 from kvstore.types import LOCAL_TIERS_MASK, TIER_BITS
 
 KEY_BYTES = 16
 PREFIX = b"B"
-ENTRY = struct.Struct("<BBHII")           # mask, class id, node id, size, stamp
-RECORD = struct.Struct("<16sIBI")         # key, size, class id, ttl  (store script input)
+ENTRY = struct.Struct("<BBHIII")          # mask, class id, node id, size, stamp, tenant id
+RECORD = struct.Struct("<16sIBII")        # key, size, class id, ttl, tenant id (store input)
 IDS_HASH = "kvserve:ids"
 EPOCH_KEY = "kvserve:index:epoch"
 MAX_NODE_ID = 65_535
 MAX_CLASS_ID = 255
+MAX_TENANT_ID = 2**32 - 1
 ALL_TIERS_MASK = sum(TIER_BITS.values())
 # Keys per MGET inside Lua: a small first probe (a cold prompt misses at once),
 # then large batches (fewer calls; Lua's unpack() is limited to ~8,000 values).
+_TENANT_ID = struct.Struct("<I")
 _MGET_FIRST = 32
 _MGET_BATCH = 4096
 
@@ -63,8 +70,9 @@ def index_key(key: bytes) -> bytes:
 
 
 # ARGV: the chain's index keys concatenated (17 bytes each, "B" + key), touch, now,
-# request class id, refresh fraction, node id, local mask, shared mask, then the
-# TTL per class id. Keys travel as one blob: declaring 2,048 KEYS halves the
+# request class id, refresh fraction, node id, local mask, shared mask, the tenant
+# namespace id (4 packed bytes, compared with each entry's last 4), then the TTL per
+# class id. Keys travel as one blob: declaring 2,048 KEYS halves the
 # server's time but triples the client's (redis-py packs each argument in Python);
 # one blob is the cheaper total (a Redis Cluster version must declare them, see
 # docs/warehouse-sizing.md). The blob carries the "B" prefix so each key is one
@@ -83,10 +91,11 @@ local frac = tonumber(ARGV[5])
 local me = tonumber(ARGV[6])
 local lmask = tonumber(ARGV[7])
 local smask = tonumber(ARGV[8])
+local tenant = ARGV[9]
 local byte, sub, band = string.byte, string.sub, bit.band
 local any_node = me < 0
 local me_lo, me_hi = me % 256, math.floor(me / 256) % 256
-local function ttl_of(c) return tonumber(ARGV[9 + c] or '0') or 0 end
+local function ttl_of(c) return tonumber(ARGV[10 + c] or '0') or 0 end
 -- Per mask byte: 2 = a shared tier, 1 = only local tiers, 0 = nothing this node serves.
 local serves = {}
 for m = 0, 255 do
@@ -123,8 +132,10 @@ while i <= n do
     if not v then stop = t break end
     local mask, cls, lo, hi = byte(v, 1, 4)
     local s = serves[mask]
-    -- A malformed value (wrong length) ends the match like a missing one.
-    if #v ~= 12 or s == 0 or (s == 1 and not any_node and (lo ~= me_lo or hi ~= me_hi)) then
+    -- A malformed value (wrong length) or another tenant's entry ends the match
+    -- like a missing one.
+    if #v ~= 16 or s == 0 or (s == 1 and not any_node and (lo ~= me_lo or hi ~= me_hi))
+        or sub(v, 13, 16) ~= tenant then
       stop = t break
     end
     if touch then
@@ -138,7 +149,7 @@ while i <= n do
         end
         if refresh then
           local _, _, node, size = struct.unpack('<BBHII', v)
-          v = struct.pack('<BBHII', mask, p[1], node, size, now)
+          v = struct.pack('<BBHII', mask, p[1], node, size, now) .. tenant
           redis.call('SET', ks[t], v, 'EX', p[2])
           vals[t] = v
         end
@@ -165,29 +176,34 @@ local now = tonumber(ARGV[4])
 local g2set, stream = ARGV[5], ARGV[6]
 local LOCAL = $local_mask
 for a = 11, #ARGV, 2 do redis.call('HSETNX', '$ids', ARGV[a], ARGV[a + 1]) end
-local n = #blob / 25
+local n = #blob / 29
 local created = 0
 local changed = {}
 for i = 1, n do
-  local key = string.sub(blob, i * 25 - 24, i * 25 - 9)
-  local size, cls, ttl = struct.unpack('<IBI', blob, i * 25 - 8)
+  local key = string.sub(blob, i * 29 - 28, i * 29 - 13)
+  local size, cls, ttl = struct.unpack('<IBI', blob, i * 29 - 12)
+  local tenant = string.sub(blob, i * 29 - 3, i * 29)
   local k = 'B' .. key
   local v = redis.call('GET', k)
-  if not v then
-    redis.call('SET', k, struct.pack('<BBHII', tbit, cls, me, size, now), 'EX', ttl)
+  if not v or #v ~= 16 then
+    redis.call('SET', k, struct.pack('<BBHII', tbit, cls, me, size, now) .. tenant, 'EX', ttl)
     created = created + 1
     changed[#changed + 1] = key
   else
     local mask, ocls, node, osize, stamp = struct.unpack('<BBHII', v)
     local is_local = bit.band(tbit, LOCAL) ~= 0
-    if not (is_local and node ~= me and bit.band(mask, LOCAL) ~= 0) then
+    -- Another tenant namespace's entry is never merged into (docs/security.md).
+    if string.sub(v, 13, 16) == tenant
+        and not (is_local and node ~= me and bit.band(mask, LOCAL) ~= 0) then
       if is_local then node = me end
       mask = bit.bor(mask, tbit)
       local left = redis.call('TTL', k)
       if ttl >= left then
-        redis.call('SET', k, struct.pack('<BBHII', mask, cls, node, size, now), 'EX', ttl)
+        redis.call('SET', k, struct.pack('<BBHII', mask, cls, node, size, now) .. tenant,
+                   'EX', ttl)
       else
-        redis.call('SET', k, struct.pack('<BBHII', mask, ocls, node, size, stamp), 'KEEPTTL')
+        redis.call('SET', k, struct.pack('<BBHII', mask, ocls, node, size, stamp) .. tenant,
+                   'KEEPTTL')
       end
       changed[#changed + 1] = key
     end
@@ -226,7 +242,8 @@ for i = 1, n do
         redis.call('DEL', k)
         removed = removed + 1
       else
-        redis.call('SET', k, struct.pack('<BBHII', mask, cls, node, size, stamp), 'KEEPTTL')
+        redis.call('SET', k, struct.pack('<BBHII', mask, cls, node, size, stamp)
+                   .. string.sub(v, 13, 16), 'KEEPTTL')
       end
       changed[#changed + 1] = key
     end
@@ -254,6 +271,14 @@ return nid
 """).substitute(ids=IDS_HASH)
 
 
+# Redis Cluster variants (kvstore.index_cluster): per-key GETs instead of MGET, and
+# store/clear return the keys they changed (events and G2 set go out after the call).
+_LUA_LOOKUP_CLUSTER = index_cluster.cluster_lookup_script(_LUA_LOOKUP,
+                                                          "redis.call('MGET', unpack(ks))")
+_LUA_STORE_CLUSTER = index_cluster.returning_changes(_LUA_STORE, "return created", "created")
+_LUA_CLEAR_CLUSTER = index_cluster.returning_changes(_LUA_CLEAR, "return removed", "removed")
+
+
 @dataclass(frozen=True, slots=True)
 class IndexEntry:
     tiers: int          # bit mask of kvstore.types.TIER_BITS
@@ -261,6 +286,7 @@ class IndexEntry:
     node_id: int
     size: int
     stamp: int          # last TTL refresh, unix seconds
+    tenant_id: int = 0  # the tenant namespace that stored it (BlockIndex.tenant_id)
 
     @classmethod
     def unpack(cls, raw: bytes) -> IndexEntry:
@@ -268,7 +294,7 @@ class IndexEntry:
 
 
 _ENTRY_DTYPE = np.dtype([("tiers", "u1"), ("class_id", "u1"), ("node_id", "<u2"),
-                         ("size", "<u4"), ("stamp", "<u4")])
+                         ("size", "<u4"), ("stamp", "<u4"), ("tenant_id", "<u4")])
 assert _ENTRY_DTYPE.itemsize == ENTRY.size
 
 
@@ -287,7 +313,7 @@ class ChainMatch:
 
     @property
     def table(self) -> np.ndarray:
-        """Structured array with fields tiers, class_id, node_id, size, stamp."""
+        """Structured array with fields tiers, class_id, node_id, size, stamp, tenant_id."""
         return np.frombuffer(self.raw, dtype=_ENTRY_DTYPE)
 
     @property
@@ -304,6 +330,7 @@ class IndexRecord:
     size: int
     traffic_class: str
     ttl_s: int | None = None
+    tenant: str = DEFAULT_TENANT
 
 
 def _check_keys(keys: Sequence[bytes]) -> bytes:
@@ -336,7 +363,12 @@ class BlockIndex:
         self._stream = events.STREAM if publish_events else ""
         self._maxlen = event_maxlen
         self._frac = refresh_fraction
-        self._r = aioredis.Redis.from_url(redis_url, socket_timeout=10.0)
+        self._r = connect(redis_url, socket_timeout=10.0)
+        # A cluster URL: scripts run per master (kvstore.index_cluster); None = one server.
+        self._cluster = index_cluster.ClusterOps(
+            redis_url, self._r, lookup=_LUA_LOOKUP_CLUSTER, store=_LUA_STORE_CLUSTER,
+            clear=_LUA_CLEAR_CLUSTER, entry_size=ENTRY.size, record_size=RECORD.size,
+            socket_timeout=10.0) if is_cluster_url(redis_url) else None
         self._lookup = self._r.register_script(_LUA_LOOKUP)
         self._store = self._r.register_script(_LUA_STORE)
         self._clear = self._r.register_script(_LUA_CLEAR)
@@ -345,6 +377,7 @@ class BlockIndex:
         self.class_ids: dict[str, int] = {}
         self._ttl_argv: list[int] = []
         self._reassert: list[str | int] = []
+        self._tenant_ids: dict[str, int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> BlockIndex:
@@ -367,9 +400,17 @@ class BlockIndex:
         return self
 
     async def _id_for(self, space: str, name: str, limit: int) -> int:
-        return int(await self._ensure(keys=[], args=[name, limit, f"{space}:"]))
+        # KEYS names the hash only so a cluster client routes the call to its slot.
+        return int(await self._ensure(keys=[IDS_HASH], args=[name, limit, f"{space}:"]))
+
+    @property
+    def cluster_errors(self) -> int:
+        """Failed per-master calls on a Redis Cluster (0 on one server)."""
+        return self._cluster.errors if self._cluster is not None else 0
 
     async def close(self) -> None:
+        if self._cluster is not None:
+            await self._cluster.aclose()
         await self._r.aclose()
 
     async def __aenter__(self) -> BlockIndex:
@@ -381,12 +422,27 @@ class BlockIndex:
     def class_id(self, traffic_class: str) -> int:
         return self.class_ids[self.classes.resolve(traffic_class)]
 
+    async def tenant_id(self, tenant: str) -> int:
+        """The namespace id of ``tenant`` (one round trip the first time per process)."""
+        tenant = tenant or DEFAULT_TENANT
+        tid = self._tenant_ids.get(tenant)
+        if tid is None:
+            try:
+                tid = await self._id_for("tenant", tenant, MAX_TENANT_ID)
+            except RedisError as exc:
+                raise StoreUnavailable(f"Redis at {self.redis_url} unavailable: {exc}") from exc
+            if len(self._tenant_ids) < 65_536:  # bounded: names come from requests
+                self._tenant_ids[tenant] = tid
+        return tid
+
     # -- reads -------------------------------------------------------------------------------
     async def match_chain(self, keys: Sequence[bytes], *, traffic_class: str = "",
-                          touch: bool = True, local_only: bool = True) -> ChainMatch:
-        """Longest prefix of ``keys`` with an entry this node can serve (its own
-        G2/G3 or the shared G4; any node's tiers when ``local_only`` is False),
-        in one round trip; refreshes the matched entries' TTLs when ``touch``."""
+                          touch: bool = True, local_only: bool = True,
+                          tenant: str = DEFAULT_TENANT) -> ChainMatch:
+        """Longest prefix of ``keys`` with an entry of ``tenant``'s namespace
+        that this node can serve (its own G2/G3 or the shared G4; any node's
+        tiers when ``local_only`` is False), in one round trip; refreshes the
+        matched entries' TTLs when ``touch``."""
         _check_keys(keys)
         t0 = time.perf_counter()
         if not keys:
@@ -395,10 +451,14 @@ class BlockIndex:
         local_mask = TIER_BITS["G2"] | TIER_BITS["G3"] if local_only else ALL_TIERS_MASK
         shared_mask = TIER_BITS["G4"] if local_only else ALL_TIERS_MASK
         me = self.node_id if local_only else -1
+        tid = _TENANT_ID.pack(await self.tenant_id(tenant))
+        args = [int(touch), int(time.time()), self.class_id(traffic_class), self._frac,
+                me, local_mask, shared_mask, tid, *self._ttl_argv]
         try:
-            raw = await self._lookup(keys=[], args=[
-                blob, int(touch), int(time.time()), self.class_id(traffic_class), self._frac,
-                me, local_mask, shared_mask, *self._ttl_argv])
+            if self._cluster is not None:
+                raw = await self._cluster.lookup(blob, len(PREFIX) + KEY_BYTES, args)
+            else:
+                raw = await self._lookup(keys=[], args=[blob, *args])
         except RedisError as exc:
             raise StoreUnavailable(f"index lookup failed: {exc}") from exc
         return ChainMatch(bytes(raw), time.perf_counter() - t0)
@@ -407,8 +467,10 @@ class BlockIndex:
         _check_keys(keys)
         if not keys:
             return []
-        raw = await self._r.mget([index_key(k) for k in keys])
-        return [IndexEntry.unpack(v) if v is not None else None for v in raw]
+        mget = self._r.mget_nonatomic if self._cluster is not None else self._r.mget
+        raw = await mget([index_key(k) for k in keys])
+        return [IndexEntry.unpack(v) if v is not None and len(v) == ENTRY.size else None
+                for v in raw]
 
     async def ttl(self, key: bytes) -> float:
         """Seconds left on the key's entry; -2 when it has none."""
@@ -416,6 +478,10 @@ class BlockIndex:
         return ms / 1000.0 if ms >= 0 else float(ms)
 
     async def memory_usage(self, key: bytes) -> int:
+        if self._cluster is not None:  # redis-py cannot route MEMORY USAGE by its key
+            node = self._r.get_node_from_key(index_key(key))
+            return int(await self._r.execute_command("MEMORY USAGE", index_key(key),
+                                                     target_nodes=node) or 0)
         return int(await self._r.memory_usage(index_key(key)) or 0)
 
     async def scan_keys(self, count: int = 1000) -> AsyncIterator[bytes]:
@@ -441,9 +507,17 @@ class BlockIndex:
             ttl = r.ttl_s if r.ttl_s is not None else self._ttl_argv[cid]
             if len(r.key) != KEY_BYTES:
                 raise InvalidRequest(f"key is not {KEY_BYTES} bytes")
-            parts.append(RECORD.pack(r.key, r.size, cid, max(1, int(ttl))))
+            tid = await self.tenant_id(r.tenant)
+            parts.append(RECORD.pack(r.key, r.size, cid, max(1, int(ttl)), tid))
         g2 = g2_set_name(self.node) if tier == "G2" else ""
         try:
+            if self._cluster is not None:
+                return await self._cluster.store(
+                    b"".join(parts), [bit, self.node_id, int(time.time()), "", "", self._maxlen,
+                                      self.node, tier, self.instance],
+                    g2set=g2, stream=self._stream, maxlen=self._maxlen,
+                    fields=self._event_fields(events.KIND_STORED, tier),
+                    reassert=self._reassert, ids_hash=IDS_HASH, prefix=PREFIX)
             return int(await self._store(keys=[], args=[
                 b"".join(parts), bit, self.node_id, int(time.time()), g2, self._stream,
                 self._maxlen, self.node, tier, self.instance, *self._reassert]))
@@ -457,6 +531,12 @@ class BlockIndex:
             return 0
         g2 = g2_set_name(self.node) if tier == "G2" else ""
         try:
+            if self._cluster is not None:
+                return await self._cluster.clear(
+                    _check_keys(keys), [TIER_BITS[tier], self.node_id, "", "", self._maxlen,
+                                        self.node, tier, self.instance],
+                    g2set=g2, stream=self._stream, maxlen=self._maxlen,
+                    fields=self._event_fields(events.KIND_EVICTED, tier), prefix=PREFIX)
             return int(await self._clear(keys=[], args=[
                 _check_keys(keys), TIER_BITS[tier], self.node_id, g2, self._stream,
                 self._maxlen, self.node, tier, self.instance]))
@@ -468,6 +548,8 @@ class BlockIndex:
         blob = _check_keys(keys)
         if not keys:
             return 0
+        if self._cluster is not None:
+            return await self._delete_cluster(keys, blob)
         pipe = self._r.pipeline(transaction=True)
         pipe.delete(*[index_key(k) for k in keys])
         pipe.srem(g2_set_name(self.node), *keys)
@@ -477,6 +559,23 @@ class BlockIndex:
                       maxlen=self._maxlen, approximate=True)
         res = await pipe.execute()
         return int(res[0])
+
+    async def _delete_cluster(self, keys: Sequence[bytes], blob: bytes) -> int:
+        # Keys of many slots: redis-py splits the DEL per slot; the set and the
+        # event are separate calls (no cross-slot transaction on a cluster).
+        try:
+            n = int(await self._r.delete(*[index_key(k) for k in keys]))
+            await self._r.srem(g2_set_name(self.node), *keys)
+            if self._stream:
+                await self._r.xadd(self._stream, {**self._event_fields(events.KIND_DELETED, ""),
+                                                  "keys": blob},
+                                   maxlen=self._maxlen, approximate=True)
+        except RedisError as exc:
+            raise StoreUnavailable(f"index update failed: {exc}") from exc
+        return n
+
+    def _event_fields(self, kind: str, tier: str) -> dict[str, str]:
+        return {"kind": kind, "node": self.node, "tier": tier, "instance": self.instance}
 
     async def reconcile_g2(self, batch: int = 4096) -> int:
         """G2 died with the previous process: clear this node's G2 bits.

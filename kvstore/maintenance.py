@@ -72,7 +72,7 @@ def _record(wh: Warehouse, meta: BlockMeta, now: float) -> IndexRecord:
     # An expired file may still be live (its entry was refreshed by hits and then
     # lost with Redis): give it a fresh class TTL rather than losing it.
     ttl = math.ceil(left) if left > 0 else wh.classes.ttl_s[cls]
-    return IndexRecord(meta.key, meta.size, cls, ttl_s=ttl)
+    return IndexRecord(meta.key, meta.size, cls, ttl_s=ttl, tenant=meta.tenant)
 
 
 async def _scan(tier_scan: Iterator[BlockMeta]) -> list[list[BlockMeta]]:
@@ -88,7 +88,10 @@ async def reindex(wh: Warehouse) -> ReindexReport:
         n = 0
         for batch in await _scan(tier.scan()):
             now = time.time()
-            await wh.index.add([_record(wh, m, now) for m in batch], tier=name)
+            records = [_record(wh, m, now) for m in batch]
+            await wh.index.add(records, tier=name)
+            for rec in records:         # per-class counts in stats survive a restart
+                wh.count_class_blocks(rec.traffic_class, 1)
             n += len(batch)
         counts[name] = n
     await wh.index.mark_epoch()

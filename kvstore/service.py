@@ -8,7 +8,9 @@
   before anything is stored, so a bad request stores nothing and the store
   keeps serving.
 - Same-host fast path: a Get with ``use_shm`` answers G2 hits with shared
-  memory descriptors; a Put may name a staging segment instead of streaming.
+  memory descriptors (the client verifies every copy); a Put may name a
+  staging segment instead of streaming, but only one this store created and
+  handed to the same connection (``Stage``, kvstore.segments.StagingSegments).
 - Standard health and reflection services; SIGTERM drains (``serve``).
 """
 
@@ -37,12 +39,22 @@ from kvstore.errors import (
     StoreUnavailable,
 )
 from kvstore.keys import KeyInputError
-from kvstore.segments import SegmentCache, copy_is_trusted
+from kvstore.segments import SegmentCache, StagingSegments, digest_matches
 from kvstore.tiers import ShmSlot, TierError
 from kvstore.types import BlockLayout, RequestCtx
 from kvstore.warehouse import Warehouse
 from kvstore.wire import PutPart, decode_put_chunk, encode_get_chunks, get_chunk_prefix
 from proto import common_pb2, kvstore_pb2
+from security.authz import (
+    Access,
+    AuthInterceptor,
+    PermissionDenied,
+    Unauthenticated,
+    acting_tenant,
+)
+from security.config import SecurityConfig
+from security.grpc_input import InputGuard
+from security.health_port import start_health_port
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +74,11 @@ class ServiceLimits:
     max_put_bytes: int = 4 * 2**30
     max_keys: int = 1 << 17
     get_chunk_bytes: int = 4 * 2**20
+    max_staging_bytes: int = 8 * 2**30      # all same-host Put staging segments together
 
     def __post_init__(self) -> None:
         if min(self.max_message_bytes, self.max_block_bytes, self.max_put_bytes,
-               self.max_keys, self.get_chunk_bytes) < 1:
+               self.max_keys, self.get_chunk_bytes, self.max_staging_bytes) < 1:
             raise ConfigError("service limits must be positive")
         if self.get_chunk_bytes > self.max_message_bytes - 4096:
             raise ConfigError("get_chunk_bytes must leave room for a header in max_message_bytes")
@@ -73,11 +86,14 @@ class ServiceLimits:
     def grpc_options(self) -> list[tuple[str, int]]:
         transport = min(2 * self.max_message_bytes, 2**31 - 1)
         return [("grpc.max_receive_message_length", transport),
-                ("grpc.max_send_message_length", transport)]
+                ("grpc.max_send_message_length", transport),
+                ("grpc.so_reuseport", 0)]       # a taken port fails the bind, never shares it
 
 
 # -- errors -> status codes, the one table ---------------------------------------------------
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),  # e.g. another tenant's key
     (StoreDraining, grpc.StatusCode.UNAVAILABLE),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (ShmUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
@@ -164,7 +180,11 @@ def rpc(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 # -- request validation -----------------------------------------------------------------------
 def ctx_from_proto(ctx: common_pb2.RequestContext) -> RequestCtx:
-    return RequestCtx(ctx.request_id, ctx.tenant, ctx.traffic_class, ctx.model_fingerprint)
+    """The request's context with the tenant the caller is authorised to act for
+    (security.authz.acting_tenant: a tenant-scoped caller naming another tenant
+    is refused; a service acts for the tenant it names)."""
+    return RequestCtx(ctx.request_id, acting_tenant(ctx.tenant), ctx.traffic_class,
+                      ctx.model_fingerprint)
 
 
 def _keys(raw: Any, limits: ServiceLimits) -> list[bytes]:
@@ -243,7 +263,9 @@ class KVStoreService:
     def __init__(self, wh: Warehouse, limits: ServiceLimits | None = None) -> None:
         self.wh = wh
         self.limits = limits or ServiceLimits()
-        self._segments = SegmentCache()
+        self._segments = SegmentCache()          # the store's own G2 arena, mapped once
+        self.staging = StagingSegments(max_bytes=min(self.limits.max_staging_bytes,
+                                                     self.limits.max_put_bytes))
 
     @rpc("Lookup")
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext,
@@ -266,7 +288,7 @@ class KVStoreService:
             raise InvalidRequest("a Put must start with its PutHeader (wrong chunk order)")
         plan = _plan_put(first.header, self.limits)
         if plan.shm_name:
-            payloads = self._staged(plan)
+            payloads = self._staged(plan, context.peer())
             async for chunk in it:
                 _parsed(chunk, "PutChunk")
                 raise InvalidRequest("a shared-memory Put carries no data chunks")
@@ -319,13 +341,12 @@ class KVStoreService:
                                  "announced")
         return out
 
-    def _staged(self, plan: _PutPlan) -> list[memoryview]:
-        """Views of the client's staging segment (the warehouse copies what it
-        keeps: ``borrowed=True``)."""
-        try:
-            seg = self._segments.get(plan.shm_name)
-        except (FileNotFoundError, ValueError, OSError) as exc:
-            raise ShmUnavailable(f"staging segment {plan.shm_name!r}: {exc}") from None
+    def _staged(self, plan: _PutPlan, owner: str) -> list[memoryview]:
+        """Views of the staging segment this store handed to the caller's connection
+        (the warehouse copies what it keeps: ``borrowed=True``). A name the store did
+        not hand out, or handed to another connection, is refused: a Put must never
+        make the store read some other process's memory."""
+        seg = self.staging.resolve(owner, plan.shm_name)
         end = plan.shm_offset + plan.total
         if end > seg.size:
             raise InvalidRequest(f"staging segment {plan.shm_name!r} holds {seg.size} bytes; "
@@ -335,6 +356,18 @@ class KVStoreService:
             out.append(seg.buf[pos:pos + size])
             pos += size
         return out
+
+    @rpc("Stage")
+    async def Stage(self, request: Any, context: grpc.aio.ServicerContext,
+                    ) -> kvstore_pb2.StageResponse:
+        req: kvstore_pb2.StageRequest = _parsed(request, "StageRequest")
+        if self.wh.g2 is None:
+            raise ShmUnavailable("this store has no shared-memory tier")
+        if req.min_bytes > self.limits.max_put_bytes:
+            raise ShmUnavailable(f"{req.min_bytes} bytes exceed the {self.limits.max_put_bytes}"
+                                 "-byte put limit")
+        seg = await asyncio.to_thread(self.staging.open, context.peer(), req.min_bytes)
+        return kvstore_pb2.StageResponse(shm_name=seg.name, size=seg.size)
 
     @rpc("Get")
     async def Get(self, request: Any, context: grpc.aio.ServicerContext,
@@ -392,6 +425,9 @@ class KVStoreService:
 
     def _from_slot(self, hdr: kvstore_pb2.BlockHeader, slot: ShmSlot,
                    chunk: int) -> list[bytes] | None:
+        """The block's GetChunk messages, copied straight out of the arena, or None
+        when the copy does not match the checksum taken at put (scribbled, or the
+        slot was reused under us): verified before anything is sent."""
         seg = self._segments.get(slot.shm_name)
         src = seg.buf[slot.offset:slot.offset + slot.size]
         try:
@@ -400,7 +436,7 @@ class KVStoreService:
             src.release()
         data = [memoryview(p)[len(p) - n:] for p, n in
                 zip(pieces, _piece_sizes(slot.size, chunk), strict=True)]
-        return pieces if copy_is_trusted(seg, slot, data) else None
+        return pieces if digest_matches(data, slot.checksum) else None
 
     @rpc("Delete")
     async def Delete(self, request: Any, context: grpc.aio.ServicerContext,
@@ -443,6 +479,9 @@ class KVStoreService:
             "Stats": grpc.unary_unary_rpc_method_handler(
                 self.Stats, request_deserializer=_safe(kvstore_pb2.StatsRequest.FromString),
                 **ser),
+            "Stage": grpc.unary_unary_rpc_method_handler(
+                self.Stage, request_deserializer=_safe(kvstore_pb2.StageRequest.FromString),
+                **ser),
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -453,29 +492,51 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health_aio.HealthServicer
+    service: KVStoreService | None = None
+    health_server: grpc.aio.Server | None = None   # plain-text health-only port (probes)
+    health_port: int = -1
 
     async def drain(self, grace_s: float) -> None:
         """Health NOT_SERVING first (balancers stop sending), then finish
         in-flight calls for up to ``grace_s``."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
+        if self.service is not None:
+            self.service.staging.close()
+
+
+# Who may call what (security.authz); unlisted methods (reflection) need a service.
+POLICY: dict[str, Access] = {
+    **{f"/{SERVICE_NAME}/{m}": Access.TENANT for m in ("Lookup", "Get", "Put", "Stage", "Stats")},
+    f"/{SERVICE_NAME}/Delete": Access.OPERATOR,
+}
 
 
 async def start_server(wh: Warehouse, *, host: str = "127.0.0.1", port: int = 0,
-                       limits: ServiceLimits | None = None) -> RunningServer:
+                       limits: ServiceLimits | None = None,
+                       security: SecurityConfig | None = None,
+                       health_port: int = -1) -> RunningServer:
+    """Serve ``wh`` with mTLS (``security``; None = from the environment) and,
+    when ``health_port`` >= 0, the health service alone in plain text there."""
     limits = limits or ServiceLimits()
-    server = grpc.aio.server(options=limits.grpc_options())
-    KVStoreService(wh, limits).add_to_server(server)
+    security = security or SecurityConfig.from_env("kvstore")
+    server = grpc.aio.server(options=limits.grpc_options(), interceptors=[
+        AuthInterceptor(POLICY, insecure=security.insecure), InputGuard()])
+    service = KVStoreService(wh, limits)
+    service.add_to_server(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise StoreUnavailable(f"cannot bind {host}:{port}")
     await server.start()
     serving = health_pb2.HealthCheckResponse.SERVING
     await health.set("", serving)
     await health.set(SERVICE_NAME, serving)
-    return RunningServer(server, bound, health)
+    probe = await start_health_port(health, host, health_port)
+    return RunningServer(server, bound, health, service, *(probe or (None, -1)))

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from kvserve.traces import Trace, TraceRequest
 from kvstore.eviction import CapacityCache, make_policy
+from kvstore.replay_core import ENGINES, native_supports, replay_native
+from kvstore.trace_arrays import CompactTrace
 
 # Llama-3-70B: 80 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes (bf16).
 LLAMA3_70B_KV_BYTES_PER_TOKEN = 327_680
@@ -350,13 +352,43 @@ class SimWarehouse:
             tier_hits=tuple(self.tier_hits))
 
 
-def replay_cache(trace: Trace, *, policy: str = "lru",
+_COMPACT_CACHE: list[tuple[Trace, CompactTrace]] = []
+
+
+def compact_of(trace: Trace) -> CompactTrace:
+    """``CompactTrace.from_trace``, remembered for the last two traces (a sweep
+    replays one trace many times)."""
+    for t, ct in _COMPACT_CACHE:
+        if t is trace:
+            return ct
+    ct = CompactTrace.from_trace(trace)
+    _COMPACT_CACHE.insert(0, (trace, ct))
+    del _COMPACT_CACHE[2:]
+    return ct
+
+
+def replay_cache(trace: Trace | CompactTrace, *, policy: str = "lru",
                  capacity_tokens: int | Sequence[int | None] | None = None,
                  ttl_s: float | Mapping[str, float] = math.inf,
                  kv_bytes_per_token: int = LLAMA3_70B_KV_BYTES_PER_TOKEN,
-                 cache_partial: bool = False, future: Future | None = None) -> ReplayStats:
+                 cache_partial: bool = False, future: Future | None = None,
+                 engine: str = "auto") -> ReplayStats:
     """Replay a whole trace through one simulated store (the trace's block size).
-    Pass a precomputed ``future`` to reuse it across Belady runs."""
+    Pass a precomputed ``future`` to reuse it across Belady runs. ``engine``:
+    "auto" runs the native core where it can (same results to the bit),
+    "native" requires it, "python" forces this module's loop."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine != "python" and native_supports(policy, capacity_tokens):
+        ct = trace if isinstance(trace, CompactTrace) else compact_of(trace)
+        return replay_native(ct, policy=policy, capacity_tokens=capacity_tokens, ttl_s=ttl_s,
+                             kv_bytes_per_token=kv_bytes_per_token,
+                             cache_partial=cache_partial)
+    if engine == "native":
+        raise ValueError(f"the native core cannot run policy {policy!r} with capacities "
+                         f"{capacity_tokens!r} (or it is not built)")
+    if isinstance(trace, CompactTrace):
+        trace = trace.to_trace()
     wh = SimWarehouse(capacity_tokens, policy=policy, ttl_s=ttl_s,
                       block_tokens=trace.block_tokens, kv_bytes_per_token=kv_bytes_per_token,
                       cache_partial=cache_partial, future=None)
@@ -368,4 +400,4 @@ def replay_cache(trace: Trace, *, policy: str = "lru",
 
 
 __all__ = ["LLAMA3_70B_KV_BYTES_PER_TOKEN", "AccessResult", "ClassStats", "Future",
-           "ReplayStats", "SimWarehouse", "replay_cache"]
+           "ReplayStats", "SimWarehouse", "compact_of", "replay_cache"]

@@ -18,6 +18,7 @@ TIER_ORDER: tuple[str, ...] = ("G1", "G2", "G3", "G4")
 LOCAL_TIERS_MASK = TIER_BITS["G1"] | TIER_BITS["G2"] | TIER_BITS["G3"]
 
 _TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+MAX_LAYOUT_CHARS = 128   # "L<layers>xH<heads>xT<tokens>xD<dim>:<dtype>" is ~30
 _LAYOUT = re.compile(r"^L(\d+)xH(\d+)xT(\d+)xD(\d+):(\w+)$")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1,
              "float8_e5m2": 1, "int8": 1, "uint8": 1}
@@ -50,6 +51,9 @@ class BlockLayout:
 
     @classmethod
     def parse(cls, name: str) -> BlockLayout:
+        if len(name) > MAX_LAYOUT_CHARS:   # client input: bound it before any parsing
+            raise InvalidRequest(f"layout name of {len(name)} characters exceeds "
+                                 f"{MAX_LAYOUT_CHARS} (e.g. {name[:40]!r}...)")
         m = _LAYOUT.match(name)
         if not m or m.group(5) not in _ITEMSIZE:
             raise InvalidRequest(
@@ -57,7 +61,7 @@ class BlockLayout:
                 f"with dtype one of {sorted(_ITEMSIZE)}")
         layers, heads, tokens, dim = (int(g) for g in m.groups()[:4])
         if min(layers, heads, tokens, dim) < 1:
-            raise InvalidRequest(f"layout {name!r} has a zero dimension")
+            raise InvalidRequest(f"layout {name[:80]!r} has a zero dimension")
         return cls(layers, heads, tokens, dim, m.group(5))
 
     @property

@@ -36,11 +36,13 @@ import numpy as np
 from kvserve.config import ConfigError, HitRule, TierConfig, TrafficClasses
 from kvstore import maintenance
 from kvstore.blockfile import BlockMeta, checksum
-from kvstore.errors import InvalidRequest, StoreDraining
+from kvstore.errors import InvalidRequest, StoreDraining, StoreUnavailable
 from kvstore.index import BlockIndex, IndexEntry, IndexRecord
+from kvstore.keys import DEFAULT_TENANT
 from kvstore.metrics import StoreMetrics
 from kvstore.tiers import ShmSlot, Tier, TierHit, open_tier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.objstore import TierUnavailable
 from kvstore.types import (
     TIER_BITS,
     ClassSnapshot,
@@ -54,12 +56,19 @@ from kvstore.types import (
 )
 from kvstore.whatif import WhatIfEstimator
 from kvstore.writeback import WriteBack, WriteJob
+from security.authz import PermissionDenied
 
 log = logging.getLogger(__name__)
 
 G4_DEFAULT_BYTES = 1 << 50
 WHATIF_SHARE = 0.1          # most of the time the what-if estimator may take
 _SERVE_LOCAL = TIER_BITS["G2"] | TIER_BITS["G3"]
+
+
+def _tenant(ctx: RequestCtx) -> str:
+    """The namespace a call works in. The service has already replaced the
+    request's tenant with the one the caller is authorised for."""
+    return ctx.tenant or DEFAULT_TENANT
 _BEST_TIER = [best_tier(m) for m in range(16)]     # tier mask -> fastest tier name
 
 
@@ -82,6 +91,13 @@ class WarehouseConfig:
             raise ConfigError("warehouse needs a redis_url")
         if self.sweep_interval_s < 0 or self.write_workers < 1 or self.max_pending_bytes < 1:
             raise ConfigError("sweep_interval_s >= 0, write_workers >= 1, max_pending_bytes >= 1")
+        if self.classes.any_durable:
+            if not (self.tiers.g3_path or self.tiers.g4_url):
+                raise ConfigError("classes.ack = \"durable\" needs a G3 (tiers.g3_path) or G4 "
+                                  "tier to be durable in")
+            if not self.fsync and self.tiers.g3_path:
+                raise ConfigError("classes.ack = \"durable\" needs fsync on (G3 writes that are "
+                                  "not synced are not durable)")
 
 
 class Fetched(NamedTuple):
@@ -266,7 +282,8 @@ class Warehouse:
             raise InvalidRequest(
                 f"prompt_tokens {prompt_tokens} is fewer than the {len(keys)} keys x "
                 f"{bt} tokens they stand for (or zero): wrong block size or prompt length")
-        match = await self.index.match_chain(keys, traffic_class=cls, touch=touch)
+        match = await self.index.match_chain(keys, traffic_class=cls, touch=touch,
+                                             tenant=_tenant(ctx))
         t = match.table
         mine = t["node_id"] == self.index.node_id
         masks = (t["tiers"] & TIER_BITS["G4"]) | np.where(mine, t["tiers"] & _SERVE_LOCAL, 0)
@@ -303,19 +320,53 @@ class Warehouse:
                                      "the checksum sent with it")
         nbytes = sum(p.nbytes for p in payloads)
         entries = await self.index.entries(keys)
+        tenant = _tenant(ctx)
+        tid = await self.index.tenant_id(tenant)
+        foreign = [i for i, e in enumerate(entries) if e is not None and e.tenant_id != tid]
+        if foreign:  # a key another tenant namespace holds: never overwritten, never merged
+            self.metrics.errors.labels("Put", "PERMISSION_DENIED").inc()
+            raise PermissionDenied(f"block {foreign[0]} ({keys[foreign[0]].hex()}) belongs to "
+                                   f"another tenant namespace than {tenant!r}")
         expires = time.time() + self.classes.ttl_s[cls]
         todo = [i for i, e in enumerate(entries)
                 if not self.servable_mask(e) and not self.is_pending(keys[i])]
         metas = [BlockMeta(keys[i], ctx.model_fingerprint, layout, token_counts[i], cls, expires,
-                           checksums[i] if i < len(checksums) else b"", payloads[i].nbytes)
+                           checksums[i] if i < len(checksums) else b"", payloads[i].nbytes,
+                           tenant)
                  for i in todo]
         if todo and self.g2 is not None:
             await self._into_g2([(m, payloads[i]) for m, i in zip(metas, todo, strict=True)])
         lower = tuple(t for t in ("G3", "G4") if t in self.tiers)
+        # ack = "durable": answer only once every block is fsynced in the first lower
+        # tier and indexed there (kvstore.writeback resolves each job's future).
+        ack_tier = lower[0] if lower and self.classes.ack_mode(cls) == "durable" else ""
+        acks: list[asyncio.Future[bool]] = []
+
+        async def enqueue(i: int, meta: BlockMeta, tiers: tuple[str, ...]) -> None:
+            p = memoryview(payloads[i].tobytes()) if borrowed else payloads[i]
+            fut = asyncio.get_running_loop().create_future() if ack_tier else None
+            await self.writeback.enqueue(WriteJob(meta.key, p, meta, tiers, fut, ack_tier))
+            if fut is not None:
+                acks.append(fut)
+
         if lower:
             for m, i in zip(metas, todo, strict=True):
-                p = memoryview(payloads[i].tobytes()) if borrowed else payloads[i]
-                await self.writeback.enqueue(WriteJob(m.key, p, m, lower))
+                await enqueue(i, m, lower)
+        if ack_tier:
+            # Present blocks not yet durable here (only in G2, or still queued by an
+            # earlier "g2" put) are written to the ack tier too before the answer.
+            bit, todo_set = TIER_BITS[ack_tier], set(todo)
+            for i, e in enumerate(entries):
+                if i not in todo_set and not self.servable_mask(e) & bit:
+                    await enqueue(i, BlockMeta(
+                        keys[i], ctx.model_fingerprint, layout, token_counts[i], cls, expires,
+                        checksums[i] if i < len(checksums) else b"", payloads[i].nbytes,
+                        tenant), (ack_tier,))
+            ok = await asyncio.gather(*acks)
+            if not all(ok):
+                raise StoreUnavailable(f"{ok.count(False)} of {len(keys)} blocks could not be "
+                                       f"made durable in {ack_tier} (ack = \"durable\"); "
+                                       "nothing of this put is acknowledged")
         self._class_blocks[cls] += len(todo)
         self.metrics.bytes_in.labels("G2").inc(sum(m.size for m in metas))
         return PutResult(len(todo), len(keys) - len(todo), nbytes)
@@ -337,7 +388,7 @@ class Warehouse:
         async with self._g2_lock:
             stored, evicted = await asyncio.to_thread(copy_in)
             gone = {m.key for m in evicted}
-            await self.index.add([IndexRecord(m.key, m.size, m.traffic_class)
+            await self.index.add([IndexRecord(m.key, m.size, m.traffic_class, tenant=m.tenant)
                                   for m in stored if m.key not in gone], tier="G2")
             if gone:
                 await self.index.remove(list(gone), tier="G2")
@@ -366,7 +417,9 @@ class Warehouse:
             if len(k) != 16:
                 raise InvalidRequest(f"key {i} is not a 16-byte block key")
         fp = ctx.model_fingerprint
+        tenant = _tenant(ctx)
         misses: dict[str, list[bytes]] = {name: [] for name in self.tiers}
+        denied: list[bytes] = []
 
         def fetch() -> list[Fetched]:
             out: list[Fetched] = []
@@ -375,16 +428,25 @@ class Warehouse:
                 for name, tier in self.tiers.items():
                     if locate and isinstance(tier, HostTier):
                         meta = tier.meta(key)
+                        if meta is not None and meta.tenant != tenant:
+                            denied.append(key)  # another namespace's block: a miss, and
+                            break               # no index bits cleared on its account
                         slot = tier.locate(key) if meta is not None else None
                         if slot is not None and meta is not None:
                             found = Fetched(key, name, meta, None, slot)
                             break
                         misses[name].append(key)
                         continue
-                    hit: TierHit | None = tier.get(key)
+                    try:
+                        hit: TierHit | None = tier.get(key)
+                    except TierUnavailable:
+                        continue  # store down (counted by the tier): a miss; keep the index bit
                     if hit is None:
                         misses[name].append(key)
                         continue
+                    if hit.meta.tenant != tenant:
+                        denied.append(key)
+                        break
                     if fp and hit.meta.fingerprint and hit.meta.fingerprint != fp:
                         misses[name].append(key)  # a key collision across models: never serve
                         continue
@@ -394,6 +456,8 @@ class Warehouse:
             return out
 
         fetched = await asyncio.to_thread(fetch)
+        if denied:
+            self.metrics.errors.labels("Get", "PERMISSION_DENIED").inc(len(denied))
         await self._after_get(fetched, misses, cls)
         return fetched
 
@@ -449,6 +513,11 @@ class Warehouse:
             out.append(TierSnapshot(name, s.capacity_bytes, s.used_bytes, s.blocks, s.hits,
                                     s.misses, s.evictions, s.checksum_failures))
         return out
+
+    def count_class_blocks(self, traffic_class: str, n: int) -> None:
+        """Blocks of a class this store holds: written, or found in a tier at a reindex."""
+        if traffic_class in self._class_blocks:
+            self._class_blocks[traffic_class] += n
 
     async def stats(self) -> StoreStats:
         classes = [ClassSnapshot(c, ttl, self._class_hits[c], self._class_misses[c],

@@ -1,8 +1,10 @@
 """Asynchronous durable writes (G2 -> G3/G4) and their bookkeeping.
 
-A put returns once its blocks are in G2; ``WriteBack`` then writes them to
-the lower tiers in worker tasks and adds each tier's index bit only after
-that tier's write has returned (so an entry never names a torn block).
+A put returns once its blocks are in G2 (``ack = "g2"``) or once they are
+durable (``ack = "durable"``: the job's ``acked`` future, resolved after the
+G3 fsync and its index bit); ``WriteBack`` writes them to the lower tiers in
+worker tasks and adds each tier's index bit only after that tier's write has
+returned (so an entry never names a torn block).
 
 Invariants shared with the sweeper (kvstore.maintenance):
 - a key with a queued or running write is *pending*; the sweeper never
@@ -31,6 +33,7 @@ from kvstore.tiers import Tier
 log = logging.getLogger(__name__)
 
 WRITE_BATCH = 64                          # durable writes handed to a tier at once
+FAILURE_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(slots=True)
@@ -39,6 +42,10 @@ class WriteJob:
     payload: memoryview
     meta: BlockMeta
     tiers: tuple[str, ...]
+    # A durable-ack put waits on this: True once ``ack_tier`` stored the block (fsynced)
+    # and its index bit is set, False if that write failed or was refused.
+    acked: asyncio.Future[bool] | None = None
+    ack_tier: str = ""
 
 
 class WriteBack:
@@ -54,6 +61,8 @@ class WriteBack:
         self._queue: asyncio.Queue[WriteJob] = asyncio.Queue()
         self._sweeping: dict[bytes, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.failed_batches = 0
+        self._failure_logged_at = -math.inf
 
     def start(self, workers: int) -> None:
         self._tasks = [asyncio.create_task(self._worker(), name=f"kv-writer-{i}")
@@ -73,6 +82,8 @@ class WriteBack:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        while not self._queue.empty():          # never leave a durable put waiting
+            _resolve(self._queue.get_nowait(), False)
 
     def is_pending(self, key: bytes) -> bool:
         return key in self._pending
@@ -113,9 +124,17 @@ class WriteBack:
             try:
                 await self._write(jobs)
             except Exception:  # one failed batch must not stop the writer
-                log.exception("durable write of %d blocks failed", len(jobs))
+                self.failed_batches += 1
+                now = time.monotonic()
+                if now - self._failure_logged_at >= FAILURE_LOG_INTERVAL_S:
+                    # One traceback per interval: a broken disk must not flood the log.
+                    self._failure_logged_at = now
+                    log.exception("durable write of %d blocks failed (%d failed batches so "
+                                  "far; the next traceback in %.0f s at the earliest)",
+                                  len(jobs), self.failed_batches, FAILURE_LOG_INTERVAL_S)
             finally:
                 for job in jobs:
+                    _resolve(job, False)    # no-op where the write already answered
                     left = self._pending.get(job.key, 1) - 1
                     if left:
                         self._pending[job.key] = left
@@ -144,7 +163,8 @@ class WriteBack:
             now = time.time()
             # What is left of each block's TTL: an entry never outlives its class TTL.
             records = [IndexRecord(j.key, j.meta.size, j.meta.traffic_class,
-                                   ttl_s=math.ceil(j.meta.expires_at - now))
+                                   ttl_s=math.ceil(j.meta.expires_at - now),
+                                   tenant=j.meta.tenant)
                        for j, out in zip(mine, outs, strict=True)
                        if out.stored and j.meta.expires_at > now]
             await self.index.add(records, tier=name)
@@ -154,3 +174,11 @@ class WriteBack:
             evicted = [m.key for o in outs for m in o.evicted]
             if evicted:
                 await self.index.remove(evicted, tier=name)
+            for j, out in zip(mine, outs, strict=True):
+                if j.ack_tier == name:
+                    _resolve(j, out.stored and j.key not in evicted)
+
+
+def _resolve(job: WriteJob, ok: bool) -> None:
+    if job.acked is not None and not job.acked.done():
+        job.acked.set_result(ok)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserve.config import ConfigError, KVServeConfig, TrafficClasses, parse_size
+from security.config import SecurityConfig
 
 _TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -71,6 +72,8 @@ class Endpoint:
     drain_grace_s: float = 5.0
     metrics_port: int = -1              # -1: no /metrics endpoint; 0: a free port
     max_message_bytes: int = 256 * 2**20
+    security: SecurityConfig | None = None  # mTLS + deployment secret; None: the environment
+    health_port: int = -1               # plain-text health-only port (k8s probes); -1 off
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -90,6 +93,12 @@ class Endpoint:
                            parse_size(self.max_message_bytes, "max_message_bytes"))
         if self.max_message_bytes < 4 * 2**20:
             raise ConfigError("max_message_bytes must be at least 4MiB")
+
+    def security_for(self, role: str) -> SecurityConfig:
+        """This process's credentials as ``role`` (from the environment when unset)."""
+        if self.security is None:
+            return SecurityConfig.from_env(role)
+        return self.security.for_role(role) if self.security.role != role else self.security
 
     def dial_host(self) -> str:
         if self.advertise_host:

@@ -5,6 +5,12 @@ runs them one at a time on a single worker thread, in submission order, and
 the event loop stays free for gRPC. Because the order is FIFO, a cleanup
 submitted after a call (``free`` after ``adopt``) always runs after it, even
 when the awaiting request was cancelled in between.
+
+A long job can still stop early: ``call_stoppable`` hands the job a ``Stop``
+that turns true when the awaiting caller is cancelled (its client went away),
+and the job polls it between its steps (prefill: before every chunk), so an
+abandoned request costs at most the chunk in flight, and a job still waiting
+in the queue costs nothing.
 """
 
 from __future__ import annotations
@@ -12,15 +18,31 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+class Stop:
+    """Polled by a job between its steps; true once its caller has gone."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def __call__(self) -> bool:
+        return self._event.is_set()
 
 
 class EngineThread:
@@ -30,6 +52,7 @@ class EngineThread:
         self._submitted = 0
         self._completed = 0
         self.busy_s = 0.0            # time spent running jobs
+        self.stopped_total = 0       # stoppable jobs whose caller went away
         self._mark = (time.monotonic(), 0.0)
 
     @property
@@ -48,6 +71,19 @@ class EngineThread:
         still completes (the engine's state stays consistent)."""
         fut = self.submit(fn, *args, **kwargs)
         return await asyncio.shield(asyncio.wrap_future(fut))
+
+    async def call_stoppable(self, fn: Callable[Concatenate[Stop, P], T], *args: P.args,
+                             **kwargs: P.kwargs) -> T:
+        """Like ``call``, but ``fn(stop, ...)`` is told when the caller is cancelled,
+        so it can end at its next step instead of running to the end for nobody."""
+        stop = Stop()
+        fut = self.submit(fn, stop, *args, **kwargs)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            stop.set()
+            self.stopped_total += 1
+            raise
 
     def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """Queue ``fn`` without waiting; errors are logged when nobody awaits them."""

@@ -23,12 +23,16 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
 from prefill_svc.config import Endpoint, EngineSpec
 from prefill_svc.metrics import Source, serve_metrics
+from security.authz import Access, AuthInterceptor
+from security.grpc_input import InputGuard
+from security.health_port import start_health_port
 
 log = logging.getLogger(__name__)
 
 
 def server_options(endpoint: Endpoint) -> list[tuple[str, int]]:
     return [
+        ("grpc.so_reuseport", 0),       # a taken port fails the bind, never shares it
         ("grpc.max_send_message_length", endpoint.max_message_bytes),
         ("grpc.max_receive_message_length", endpoint.max_message_bytes),
         ("grpc.keepalive_time_ms", 10_000),
@@ -57,6 +61,8 @@ class HostedServer:
     port: int
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
+    health_server: grpc.aio.Server | None = None    # plain-text health-only port (probes)
+    health_port: int = -1
 
     async def set_serving(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
@@ -91,6 +97,7 @@ class Ready:
     address: str
     port: int
     metrics_port: int
+    health_port: int = -1
 
     def line(self) -> str:
         """The line a launcher or test waits for on stdout."""
@@ -103,8 +110,10 @@ READY_PREFIX = "KVSERVE_READY "
 async def start_server(endpoint: Endpoint, spec: ServiceSpec
                        ) -> tuple[HostedServer, EngineService, str]:
     """Bind, build the servicer with its dial address, start, mark SERVING."""
-    server = grpc.aio.server(options=server_options(endpoint))
-    port = server.add_insecure_port(f"{endpoint.host}:{endpoint.port}")
+    security = endpoint.security_for(spec.role)
+    server = grpc.aio.server(options=server_options(endpoint), interceptors=[
+        AuthInterceptor({}, default=Access.SERVICE, insecure=security.insecure), InputGuard()])
+    port = security.add_port(server, f"{endpoint.host}:{endpoint.port}")
     if port == 0:
         raise OSError(f"cannot bind {endpoint.host}:{endpoint.port}")
     address = f"{endpoint.dial_host()}:{port}"
@@ -117,7 +126,9 @@ async def start_server(endpoint: Endpoint, spec: ServiceSpec
          reflection.SERVICE_NAME), server)
     await service.start()
     await server.start()
-    hosted = HostedServer(server, port, health_servicer, (spec.service_name,))
+    probe = await start_health_port(health_servicer, endpoint.host, endpoint.health_port)
+    hosted = HostedServer(server, port, health_servicer, (spec.service_name,),
+                          *(probe or (None, -1)))
     await hosted.set_serving(True)
     return hosted, service, address
 
@@ -141,7 +152,8 @@ async def run_service(endpoint: Endpoint, spec: ServiceSpec, *,
         if endpoint.metrics_port >= 0:
             metrics_port = serve_metrics(f"kvserve_{spec.role}", service.metric_sources(),
                                          host=endpoint.host, port=endpoint.metrics_port)
-        ready = Ready(spec.role, instance_id, address, hosted.port, metrics_port)
+        ready = Ready(spec.role, instance_id, address, hosted.port, metrics_port,
+                      hosted.health_port)
         log.info("%s serving on %s", spec.role, address)
         if on_ready is not None:
             on_ready(ready)
@@ -210,6 +222,8 @@ async def drain(hosted: HostedServer, heartbeat: Heartbeat, grace_s: float) -> N
     await hosted.set_serving(False)
     await heartbeat.stop()
     await hosted.server.stop(grace_s)
+    if hosted.health_server is not None:
+        await hosted.health_server.stop(None)
 
 
 def serve_engine_service(role: str, service_name: str, engine_spec: EngineSpec,

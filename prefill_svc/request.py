@@ -8,7 +8,8 @@ FAILED_PRECONDITION.
 
 from __future__ import annotations
 
-import uuid
+import logging
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,8 @@ from kvstore.keys import validate_tenant
 from kvstore.types import RequestCtx
 from prefill_svc.errors import InvalidRequest, PreconditionFailed
 from proto import common_pb2, prefill_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +48,13 @@ def resolve_ctx(ctx: common_pb2.RequestContext, model: ModelIdentity, *,
             f"model fingerprint {ctx.model_fingerprint[:64]!r} does not match this instance "
             f"({model.name}, fingerprint {model.fingerprint_hex})")
     tenant = validate_tenant(ctx.tenant or default_tenant)
-    return RequestCtx(request_id=ctx.request_id or uuid.uuid4().hex, tenant=tenant,
+    # The id keys this request's KV buffer (PullKV/Release) and its engine sequence,
+    # so it is always ours and unguessable: a caller's id could collide with another
+    # request's or name one it should not reach. The caller's id is only logged.
+    request_id = secrets.token_hex(16)
+    if ctx.request_id:
+        log.debug("prefill %s is the caller's request %r", request_id, ctx.request_id[:128])
+    return RequestCtx(request_id=request_id, tenant=tenant,
                       traffic_class=classes.resolve(ctx.traffic_class),
                       model_fingerprint=model.fingerprint_hex)
 
@@ -54,13 +63,18 @@ def sampling_from_proto(p: common_pb2.SamplingParams, *, require_max_tokens: boo
     """Engine sampling parameters; ``top_p`` 0 means disabled. ``max_tokens``
     0 is an error where the caller needs it (decode) and 1 otherwise."""
     from engine import SamplingParams
+    from engine.constrained import GrammarSpec
 
     if p.max_tokens == 0 and require_max_tokens:
         raise InvalidRequest("sampling.max_tokens must be >= 1, got 0")
+    grammar = GrammarSpec(p.grammar.kind, p.grammar.source) if p.HasField("grammar") else None
     return SamplingParams(temperature=float(p.temperature),
                           top_p=float(p.top_p) if 0.0 < p.top_p < 1.0 else 1.0,
                           seed=int(p.seed), max_tokens=max(1, int(p.max_tokens)),
-                          stop=tuple(p.stop), ignore_eos=bool(p.ignore_eos))
+                          stop=tuple(p.stop), ignore_eos=bool(p.ignore_eos),
+                          presence_penalty=float(p.presence_penalty),
+                          frequency_penalty=float(p.frequency_penalty),
+                          logit_bias=tuple(p.logit_bias.items()), grammar=grammar)
 
 
 def check_tokens(tokens: Sequence[int], model: ModelIdentity) -> None:

@@ -30,7 +30,7 @@ from kvstore.registry import LoadReport
 from kvstore.types import PutResult
 from prefill_svc.config import PrefillConfig
 from prefill_svc.cost import CostModel
-from prefill_svc.engine_thread import EngineThread
+from prefill_svc.engine_thread import EngineThread, Stop
 from prefill_svc.errors import grpc_stream, grpc_unary, status_for
 from prefill_svc.kv_buffer import KVBuffer
 from prefill_svc.metrics import Source
@@ -49,13 +49,17 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 class PrefillStats:
     requests_total: dict[str, int] = field(default_factory=dict)    # "ok" / status name
     degraded_requests_total: int = 0        # answered without the warehouse (it was down)
-    cached_tokens_total: int = 0
+    cached_tokens_total: int = 0            # = g1_tokens_total + warehouse_tokens_total
+    g1_tokens_total: int = 0                # of them from the engine's own prefix cache
+    warehouse_tokens_total: int = 0         # of them restored from the warehouse
     computed_tokens_total: int = 0
     fetch_decisions_total: dict[str, int] = field(default_factory=dict)
     fetch_short_blocks_total: int = 0
     pulls_total: dict[str, int] = field(default_factory=dict)       # "shm" / "stream"
     prefill_tokens_per_s: float = 0.0
     in_flight_tokens: int = 0
+    chunks_total: int = 0                   # prefill chunks computed (engine.prefill)
+    stopped_total: int = 0                  # prefills ended early: their caller went away
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +82,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             layout=engine.layout.name, vocab_size=mc.vocab_size,
             max_prompt_tokens=min(cfg.max_prompt_tokens or mc.max_position, mc.max_position - 1))
         self.thread = EngineThread("prefill-engine")
-        self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s)
+        security = cfg.endpoint.security_for("prefill")
+        self.secret = security.require_secret()  # keys tenant salts (kvstore.keys)
+        self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s,
+                               security=security)
         self.cost = CostModel(cfg.cost, block_nbytes=engine.layout.block_nbytes,
                               block_tokens=self.block_tokens)
         self.restorer = Restorer(self.store, self.cost, engine.hit_rule, engine.layout,
@@ -158,7 +165,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                             classes=self.cfg.classes, default_tenant=self.cfg.default_tenant)
         tokens, ctx, L = inp.tokens, inp.ctx, len(inp.tokens)
         keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
-                          fingerprint=self.engine.fingerprint)
+                          fingerprint=self.engine.fingerprint, secret=self.secret)
         self.stats.in_flight_tokens += L
         try:
             g1 = (await self.thread.call(self.engine.g1_match, keys)
@@ -167,8 +174,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             # Blocks the warehouse lacks get written through (none without a warehouse).
             writing = self.store.enabled and self.cfg.writer.enabled
             write_from = (restore.stored_blocks or 0) if writing else len(keys)
-            computed = await self.thread.call(self._compute, ctx.request_id, tokens, inp.sampling,
-                                              keys, restore, write_from, time.perf_counter())
+            # Stoppable: a caller that hangs up (the router's client left) ends the
+            # prefill before its next chunk instead of after the whole prompt.
+            computed = await self.thread.call_stoppable(
+                self._compute, ctx.request_id, tokens, inp.sampling, keys, restore, write_from,
+                time.perf_counter())
         finally:
             self.stats.in_flight_tokens -= L
         res = computed.result
@@ -190,17 +200,27 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                        total_s=total_s),
             written_tiers=written, fetch_decision=restore.decision)
 
-    def _compute(self, seq_id: str, tokens: list[int], sampling: Any, keys: Sequence[bytes],
-                 restore: Restore, write_from: int, t_submit: float) -> _Computed:
+    def _compute(self, stop: Stop, seq_id: str, tokens: list[int], sampling: Any,
+                 keys: Sequence[bytes], restore: Restore, write_from: int,
+                 t_submit: float) -> _Computed:
         """Engine thread: prefill, copy the prompt's KV out, free the sequence."""
         queue_s = time.perf_counter() - t_submit
         eng = self.engine
+
+        def next_chunk() -> bool:
+            """True: stop now. Counts the chunks that do run."""
+            if stop():
+                self.stats.stopped_total += 1
+                return True
+            self.stats.chunks_total += 1
+            return False
+
         g1_keys = keys if self.cfg.local_prefix_cache else None
         # restored_start_block pins where the fetched blocks go: if another
         # request evicted part of the G1 hit meanwhile, the engine recomputes.
         res = eng.prefill(seq_id, tokens, sampling=sampling, block_keys=g1_keys,
                           restored=restore.blocks, max_restore_tokens=restore.usable_tokens,
-                          restored_start_block=restore.start_block)
+                          restored_start_block=restore.start_block, stop=next_chunk)
         try:
             kv = eng.export_tokens(seq_id, 0, len(tokens))
             n_full = len(tokens) // self.block_tokens
@@ -219,6 +239,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         s.fetch_decisions_total[kind] = s.fetch_decisions_total.get(kind, 0) + 1
         s.fetch_short_blocks_total += restore.short_blocks
         s.cached_tokens_total += res.restored_tokens + res.g1_tokens
+        s.g1_tokens_total += res.g1_tokens
+        s.warehouse_tokens_total += res.restored_tokens
         s.computed_tokens_total += res.computed_tokens
         self.cost.observe_prefill(res.computed_tokens, res.compute_s)
         s.prefill_tokens_per_s = self.cost.snapshot().prefill_tokens_per_s

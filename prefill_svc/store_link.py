@@ -20,6 +20,7 @@ import grpc
 import torch
 
 from kvstore.types import GetResult, LookupResult, PutResult, RequestCtx
+from security.config import SecurityConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,10 @@ class StoreStats:
 
 
 class StoreLink:
-    def __init__(self, address: str, *, timeout_s: float, use_shm: bool = True) -> None:
+    def __init__(self, address: str, *, timeout_s: float, use_shm: bool = True,
+                 security: SecurityConfig | None = None) -> None:
         self.address = address
+        self._security = security
         self._timeout_s = timeout_s
         self._use_shm = use_shm
         self._client: object | None = None
@@ -50,7 +53,7 @@ class StoreLink:
             from kvstore.client import KVStoreClient
 
             self._client = KVStoreClient(self.address, timeout_s=self._timeout_s,
-                                         use_shm=self._use_shm)
+                                         use_shm=self._use_shm, security=self._security)
         return self._client
 
     async def _degraded(self, op: str, exc: BaseException) -> None:

@@ -88,6 +88,15 @@ class BlockWriter:
         self.stats.queued = self._queue.qsize()
         return True
 
+    async def write_now(self, keys: Sequence[bytes], blocks: torch.Tensor, *, layout: str,
+                        token_count: int, ctx: RequestCtx) -> None:
+        """Put blocks at once (not queued), with the same retries and counters;
+        for callers that must know the blocks are in the warehouse before they
+        answer (decode's canonical blocks before the final event)."""
+        if keys:
+            await self._write(WriteJob(tuple(keys), blocks.detach().to("cpu"), layout,
+                                       token_count, ctx))
+
     async def flush(self, timeout_s: float) -> bool:
         """Wait until every queued job is done (True) or the timeout passes."""
         try:

@@ -24,21 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\nkvserve.v1\"f\n\x0eRequestContext\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x15\n\rtraffic_class\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\"x\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"r\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x10\n\x08lookup_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x66\x65tch_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x0f\n\x07write_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\"A\n\x08\x42lockRef\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\nkvserve.v1\"f\n\x0eRequestContext\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x15\n\rtraffic_class\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\"\xc4\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).kvserve.v1.SamplingParams.LogitBiasEntry\x12$\n\x07grammar\x18\n \x01(\x0b\x32\x13.kvserve.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\'\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"r\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x10\n\x08lookup_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x66\x65tch_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x0f\n\x07write_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\"A\n\x08\x42lockRef\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_REQUESTCONTEXT']._serialized_start=34
   _globals['_REQUESTCONTEXT']._serialized_end=136
-  _globals['_SAMPLINGPARAMS']._serialized_start=138
-  _globals['_SAMPLINGPARAMS']._serialized_end=258
-  _globals['_CHATMESSAGE']._serialized_start=260
-  _globals['_CHATMESSAGE']._serialized_end=304
-  _globals['_TIMINGS']._serialized_start=306
-  _globals['_TIMINGS']._serialized_end=420
-  _globals['_BLOCKREF']._serialized_start=422
-  _globals['_BLOCKREF']._serialized_end=487
+  _globals['_SAMPLINGPARAMS']._serialized_start=139
+  _globals['_SAMPLINGPARAMS']._serialized_end=463
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=415
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=463
+  _globals['_GRAMMAR']._serialized_start=465
+  _globals['_GRAMMAR']._serialized_end=504
+  _globals['_CHATMESSAGE']._serialized_start=506
+  _globals['_CHATMESSAGE']._serialized_end=550
+  _globals['_TIMINGS']._serialized_start=552
+  _globals['_TIMINGS']._serialized_end=666
+  _globals['_BLOCKREF']._serialized_start=668
+  _globals['_BLOCKREF']._serialized_end=733
 # @@protoc_insertion_point(module_scope)

@@ -135,6 +135,22 @@ class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class StageRequest(_message.Message):
+    __slots__ = ("ctx", "min_bytes")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ctx: _common_pb2.RequestContext
+    min_bytes: int
+    def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., min_bytes: _Optional[int] = ...) -> None: ...
+
+class StageResponse(_message.Message):
+    __slots__ = ("shm_name", "size")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    size: int
+    def __init__(self, shm_name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
 class TierStats(_message.Message):
     __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "checksum_failures")
     TIER_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class KVStoreStub:
                 request_serializer=proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Stage = channel.unary_unary(
+                '/kvserve.v1.KVStore/Stage',
+                request_serializer=proto_dot_kvstore__pb2.StageRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore__pb2.StageResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -97,6 +102,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stage(self, request, context):
+        """Same-host Put: a staging segment the store creates and binds to this
+        connection; a shared-memory Put names only such a segment (DESIGN §11).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +137,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'Stage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stage,
+                    request_deserializer=proto_dot_kvstore__pb2.StageRequest.FromString,
+                    response_serializer=proto_dot_kvstore__pb2.StageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +279,33 @@ class KVStore:
             '/kvserve.v1.KVStore/Stats',
             proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
             proto_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVStore/Stage',
+            proto_dot_kvstore__pb2.StageRequest.SerializeToString,
+            proto_dot_kvstore__pb2.StageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,7 @@ the HTTP layer alone.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -28,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import grpc
 
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from security.config import TLS_DIR_ENV, SecurityConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +125,9 @@ async def _measure(cfg: FrontBenchConfig, prefill_addr: str, decode_addr: str, h
 
     direct: list[float] = []
     routed: list[float] = []
-    async with grpc.aio.insecure_channel(prefill_addr) as pch, \
-            grpc.aio.insecure_channel(decode_addr) as dch, aiohttp.ClientSession() as session:
+    sec = SecurityConfig.from_env("operator")
+    async with sec.aio_channel(prefill_addr, "prefill") as pch, \
+            sec.aio_channel(decode_addr, "decode") as dch, aiohttp.ClientSession() as session:
         pstub, dstub = prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch)
         url = f"{http}/v1/completions"
         for _ in range(cfg.warmup):
@@ -179,6 +181,8 @@ def run(cfg: FrontBenchConfig) -> FrontBenchResult:
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-front-") as tmp, \
             EmbeddedRedis() as redis:
         d = Path(tmp)
+        # mTLS as deployed; children, health checks and channels find it in the env.
+        os.environ[TLS_DIR_ENV] = SecurityConfig.for_local_run(d / "tls").cert_dir
         ports = {n: free_port() for n in ("store", "prefill", "decode", "router", "http")}
         base = [sys.executable, "-m", "kvserve.cli"]
         common = ["--host", "127.0.0.1", "--redis-url", redis.url]

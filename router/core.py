@@ -41,6 +41,7 @@ from router.live_view import Choice, LiveView
 from router.metrics import RouterMetrics
 from router.model_meta import ModelMeta
 from router.openai_schema import Sampling, messages_as_dicts
+from router.tokenize import tokenize_off_loop
 from router.upstream import DecodeCall, Upstreams
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class CoreConfig:
     max_attempts: int = 3            # instances tried per request before giving up
     default_max_tokens: int = 256    # when the client gives none (OpenAI's "until the end"
                                      # is minutes of CPU decode for a small prompt)
+    secret: bytes = field(default=b"", repr=False)  # deployment secret: keys tenant salts
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -128,19 +130,25 @@ class RouterCore:
             self.cfg.default_max_tokens, room)
         # Unseeded sampling still needs some seed; greedy ignores it.
         seed = s.seed if s.seed is not None else secrets.randbits(63)
-        return common_pb2.SamplingParams(
+        out = common_pb2.SamplingParams(
             temperature=s.temperature, top_p=s.top_p, seed=seed & _U64, max_tokens=max_tokens,
-            stop=list(s.stop), ignore_eos=s.ignore_eos)
+            stop=list(s.stop), ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias))
+        if s.grammar is not None:   # constrained decoding, enforced by the engines
+            out.grammar.CopyFrom(common_pb2.Grammar(kind=s.grammar.kind, source=s.grammar.source))
+        return out
 
     # -- the flow ---------------------------------------------------------------------
 
     async def generate(self, req: RouteRequest) -> AsyncGenerator[GenEvent, None]:
-        tokens = self.tokenize(req)
+        # Off the event loop (router.tokenize): a long prompt must not stall the front.
+        tokens = await tokenize_off_loop(self.tokenize, self.meta.tokenizer, req,
+                                         self.meta.max_context)
         sampling = self.sampling(req.sampling, len(tokens),
                                  prompt_param="messages" if req.messages else "prompt")
         fingerprint = self.view.fingerprint()
         keys = chain_keys(tokens, block_tokens=self.cfg.block_tokens, tenant=req.tenant,
-                          fingerprint=bytes.fromhex(fingerprint))
+                          fingerprint=bytes.fromhex(fingerprint), secret=self.cfg.secret)
         ctx = common_pb2.RequestContext(request_id=req.request_id, tenant=req.tenant,
                                         traffic_class=req.traffic_class,
                                         model_fingerprint=fingerprint)

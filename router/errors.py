@@ -81,6 +81,20 @@ class PayloadTooLargeError(InvalidRequestError):
     http_status = 413
 
 
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """A Content-Type or Content-Encoding the front does not decode."""
+
+    http_status = 415
+
+
+class HeaderError(InvalidRequestError):
+    """The HTTP request itself is malformed (aiohttp's parser refused it)."""
+
+
+class HeaderTooLargeError(HeaderError):
+    http_status = 431
+
+
 class NoInstanceError(RouterError):
     """No live instance of a role is available (none registered, or all failed)."""
 

@@ -15,11 +15,11 @@ HTTP status; only a failure after that point is reported in-stream, as an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,15 +28,18 @@ from aiohttp import web
 
 from kvserve.config import TrafficClasses
 from router.auth import ApiKeys, Caller, identify
+from router.body import BodyLimits, install, read_json_body
+from router.chat_plan import chat_shapes, plan_chat
 from router.errors import (
-    InvalidRequestError,
     MethodNotAllowedError,
+    ModelNotFoundError,
     PayloadTooLargeError,
     RouteNotFoundError,
     RouterError,
     http_error,
 )
 from router.generation import GenEvent, RouteRequest, Usage
+from router.messages_api import MessagesApi
 from router.metrics import RouterMetrics
 from router.openai_responses import (
     SSE_DONE,
@@ -51,7 +54,9 @@ from router.openai_schema import parse_chat_request, parse_completion_request
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID_HEADER = "X-Request-Id"          # ours, in every reply
+CLIENT_ID_HEADERS = ("X-Client-Request-Id", "X-Request-Id")   # the client's, echoed back
+CLIENT_ID_REPLY = "X-Client-Request-Id"
 # Where the request ran: useful to operators and to tests that kill an instance.
 PREFILL_HEADER = "X-KV-Prefill-Instance"
 DECODE_HEADER = "X-KV-Decode-Instance"
@@ -74,6 +79,7 @@ class FrontConfig:
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     max_body_bytes: int = 16 * 2**20
     created: int = field(default_factory=lambda: int(time.time()))
+    body: BodyLimits | None = None   # None: the defaults, with max_body_bytes as the size cap
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -82,6 +88,13 @@ class FrontConfig:
             raise ValueError("FrontConfig.max_context must be >= 2 and vocab_size >= 1")
         if self.max_body_bytes < 1024:
             raise ValueError("FrontConfig.max_body_bytes must be >= 1024")
+
+    def body_limits(self) -> BodyLimits:
+        if self.body is not None:
+            return self.body
+        from router.body_decode import DecodeLimits
+
+        return BodyLimits(decode=DecodeLimits(max_bytes=self.max_body_bytes))
 
 
 _APP_KEY = web.AppKey("kvserve_front", object)
@@ -100,46 +113,39 @@ class Front:
         return identify(request.headers, self.cfg.api_keys, self.cfg.classes)
 
     @staticmethod
-    async def _json_body(request: web.Request) -> object:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise PayloadTooLargeError(f"request body too large: {exc.text}", param="body",
-                                       code="request_too_large") from exc
-        if not raw.strip():
-            raise InvalidRequestError("the request body is empty; send a JSON object",
-                                      param="body")
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidRequestError(f"the request body is not valid JSON: {exc}",
-                                      param="body", code="invalid_json") from exc
-
-    @staticmethod
     def _request_id(request: web.Request) -> str:
-        given = request.headers.get(REQUEST_ID_HEADER, "")
-        return given[:128] if given.isprintable() and given else uuid.uuid4().hex
+        """Ours, always (internal keys derive from it and must be unguessable);
+        the client's own id is only logged beside it and echoed back."""
+        rid = secrets.token_hex(16)
+        client = _client_id(request)
+        if client:
+            log.info("request %s is the client's %r", rid, client)
+        return rid
 
     # -- handlers ----------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
-        parsed = parse_chat_request(await self._json_body(request),
-                                    served_model=self.cfg.model_name,
-                                    max_context=self.cfg.max_context)
+        # Off the loop: a big body's walk is Python work (threads share the GIL
+        # with the loop but yield it every few ms, unlike one C call).
+        parsed = await asyncio.to_thread(parse_chat_request, await read_json_body(request),
+                                         served_model=self.cfg.model_name,
+                                         max_context=self.cfg.max_context)
+        # Tools rendered in, the grammar of a forced call or response_format set.
+        plan = plan_chat(parsed.messages, parsed.sampling, parsed.tools, parsed.response_format)
         route = RouteRequest(request_id=self._request_id(request), tenant=caller.tenant,
-                             traffic_class=caller.traffic_class, sampling=parsed.sampling,
-                             messages=parsed.messages)
-        shapes = ChatShapes(ResponseIds(self.cfg.model_name, chat=True),
-                            include_usage=parsed.stream.include_usage)
+                             traffic_class=caller.traffic_class, sampling=plan.sampling,
+                             messages=plan.messages)
+        shapes = chat_shapes(ChatShapes(ResponseIds(self.cfg.model_name, chat=True),
+                                        include_usage=parsed.stream.include_usage), plan.tools)
         return await self._respond(request, route, shapes, stream=parsed.stream.enabled)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
-        parsed = parse_completion_request(await self._json_body(request),
-                                          served_model=self.cfg.model_name,
-                                          max_context=self.cfg.max_context,
-                                          vocab_size=self.cfg.vocab_size)
+        parsed = await asyncio.to_thread(parse_completion_request, await read_json_body(request),
+                                         served_model=self.cfg.model_name,
+                                         max_context=self.cfg.max_context,
+                                         vocab_size=self.cfg.vocab_size)
         prompt, token_ids = ((parsed.prompt, ()) if isinstance(parsed.prompt, str)
                              else ("", parsed.prompt))
         route = RouteRequest(request_id=self._request_id(request), tenant=caller.tenant,
@@ -152,6 +158,15 @@ class Front:
     async def models(self, request: web.Request) -> web.Response:
         self._caller(request)
         return web.json_response(models_body(self.cfg.model_name, self.cfg.created))
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the model object, or a 404 OpenAI error."""
+        self._caller(request)
+        model_id = request.match_info["model_id"]
+        if model_id != self.cfg.model_name:
+            raise ModelNotFoundError(model_id, self.cfg.model_name)
+        (obj,) = models_body(self.cfg.model_name, self.cfg.created)["data"]
+        return web.json_response(obj)
 
     async def health(self, request: web.Request) -> web.Response:
         counts = self.core.live_counts()
@@ -181,14 +196,15 @@ class Front:
                 raise RouterError("the generation ended without any event") from None
             self.metrics.ttft_seconds.observe(time.perf_counter() - t0)
             if not stream:
-                return await self._whole(route, events, first, shapes)
+                return await self._whole(request, route, events, first, shapes)
             return await self._stream(request, route, events, first, shapes)
         finally:
             # Whatever happened (done, failed, client gone): end the decode stream.
             await events.aclose()
 
-    async def _whole(self, route: RouteRequest, events: AsyncGenerator[GenEvent, None],
-                     first: GenEvent, shapes: Shapes) -> web.Response:
+    async def _whole(self, request: web.Request, route: RouteRequest,
+                     events: AsyncGenerator[GenEvent, None], first: GenEvent,
+                     shapes: Shapes) -> web.Response:
         parts = [first.text]
         last = first
         async for ev in events:
@@ -196,14 +212,14 @@ class Front:
             last = ev
         usage = self._finish(last)
         body = shapes.whole("".join(parts), last.finish_reason or "stop", usage)
-        return web.json_response(body, headers=self._headers(route, first))
+        return web.json_response(body, headers=self._headers(request, route, first))
 
     async def _stream(self, request: web.Request, route: RouteRequest,
                       events: AsyncGenerator[GenEvent, None], first: GenEvent,
                       shapes: Shapes) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
-                                           **self._headers(route, first)})
+                                           **self._headers(request, route, first)})
         await resp.prepare(request)
         try:
             if first.text and not first.finished:
@@ -240,9 +256,22 @@ class Front:
         return resp
 
     @staticmethod
-    def _headers(route: RouteRequest, first: GenEvent) -> dict[str, str]:
-        return {REQUEST_ID_HEADER: route.request_id, PREFILL_HEADER: first.prefill_instance,
-                DECODE_HEADER: first.decode_instance}
+    def _headers(request: web.Request, route: RouteRequest, first: GenEvent) -> dict[str, str]:
+        out = {REQUEST_ID_HEADER: route.request_id, PREFILL_HEADER: first.prefill_instance,
+               DECODE_HEADER: first.decode_instance}
+        client = _client_id(request)
+        if client:
+            out[CLIENT_ID_REPLY] = client
+        return out
+
+
+def _client_id(request: web.Request) -> str:
+    """The client's request id, if it sent a printable one (cut to 128 characters)."""
+    for name in CLIENT_ID_HEADERS:
+        given = request.headers.get(name, "")
+        if given and given.isprintable() and given.isascii():
+            return given[:128]
+    return ""
 
     def _finish(self, last: GenEvent) -> Usage:
         if not last.finished or last.usage is None:
@@ -277,7 +306,11 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         resp = await handler(request)
         status = resp.status
+        _echo_client_id(request, resp)
         return resp
+    except asyncio.CancelledError:
+        status = 499                 # the client closed the connection (nginx's code)
+        raise
     except web.HTTPException as exc:
         make = _HTTP_EXC.get(exc.status)
         if make is None:
@@ -289,14 +322,15 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         else:
             err = http_error(make(request))
             status = err.status
-        return web.json_response(err.body, status=status)
+        return _echo_client_id(request, web.json_response(err.body, status=status))
     except Exception as exc:  # every failure becomes an OpenAI error body
         err = http_error(exc)
         status = err.status
         if status >= 500:
+            # A 5xx that is not a RouterError is our bug: log it with its traceback.
             log.error("request %s %s failed: %s", request.method, request.path,
                       err.body["error"]["message"], exc_info=not isinstance(exc, RouterError))
-        return web.json_response(err.body, status=status)
+        return _echo_client_id(request, web.json_response(err.body, status=status))
     finally:
         if api:
             front.metrics.end_request()
@@ -306,13 +340,23 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         front.metrics.request_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
 
 
+def _echo_client_id(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    client = _client_id(request)
+    if client and not resp.prepared:
+        resp.headers[CLIENT_ID_REPLY] = client
+    return resp
+
+
 def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics) -> web.Application:
     front = Front(cfg, core, metrics)
     app = web.Application(middlewares=[_error_middleware], client_max_size=cfg.max_body_bytes)
     app[_APP_KEY] = front
+    install(app, cfg.body_limits())
     app.router.add_post("/v1/chat/completions", front.chat)
     app.router.add_post("/v1/completions", front.completions)
+    app.router.add_post("/v1/messages", MessagesApi(front).handle)   # router/messages_api.py
     app.router.add_get("/v1/models", front.models)
+    app.router.add_get("/v1/models/{model_id:.+}", front.model)    # ids may hold a "/"
     app.router.add_get("/health", front.health)
     app.router.add_get("/metrics", front.metrics_handler)
     return app

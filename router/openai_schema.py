@@ -16,7 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.constrained import GrammarSpec
 from router.errors import InvalidRequestError, ModelNotFoundError
+from router.structured import parse_response_format
+from router.tools import ToolCall, ToolSpec, parse_message_tool_calls, parse_openai_tools
 
 # Roles a chat template understands; "developer" is OpenAI's newer name for system.
 _ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user",
@@ -33,6 +36,8 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 class Message:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()     # an assistant turn's calls (router/tools.py)
+    tool_call_id: str = ""                    # a tool turn's answer to that call
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,10 @@ class Sampling:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None      # response_format or a forced tool call
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +68,8 @@ class ChatRequest:
     messages: tuple[Message, ...]
     sampling: Sampling
     stream: StreamSpec
+    tools: ToolSpec | None = None
+    response_format: GrammarSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,10 +184,36 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise _bad("echo is not supported by this server", "echo")
     if _opt(body, "suffix") not in (None, ""):
         raise _bad("suffix is not supported by this server", "suffix")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = _opt(body, name)
-        if value is not None and not -2.0 <= _as_number(value, name) <= 2.0:
-            raise _bad(f"{name} must be in [-2, 2], got {value}", name)
+
+
+def _parse_penalty(body: Mapping[str, Any], name: str) -> float:
+    value = _opt(body, name)
+    if value is None:
+        return 0.0
+    f = _as_number(value, name)
+    if not -2.0 <= f <= 2.0:
+        raise _bad(f"{name} must be in [-2, 2], got {value}", name)
+    return f
+
+
+def _parse_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} map; ids are checked against the vocabulary by the engine."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _bad(f"logit_bias must be an object, got {_type_name(value)}", "logit_bias")
+    if len(value) > 300:
+        raise _bad(f"logit_bias may hold at most 300 tokens, got {len(value)}", "logit_bias")
+    out: list[tuple[int, float]] = []
+    for key, bias in value.items():
+        param = f"logit_bias.{key}"
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 10):
+            raise _bad(f"logit_bias keys must be token ids, got {key!r}", param)
+        b = _as_number(bias, param)
+        if not -100.0 <= b <= 100.0:
+            raise _bad(f"{param} must be in [-100, 100], got {bias}", param)
+        out.append((int(key), b))
+    return tuple(sorted(out))
 
 
 def _parse_sampling(body: Mapping[str, Any], max_context: int) -> Sampling:
@@ -201,7 +238,10 @@ def _parse_sampling(body: Mapping[str, Any], max_context: int) -> Sampling:
         ignore_eos = _as_bool(body["ignore_eos"], "ignore_eos")
     return Sampling(temperature=temperature, top_p=top_p, seed=seed,
                     max_tokens=_parse_max_tokens(body, max_context),
-                    stop=_parse_stop(_opt(body, "stop")), ignore_eos=ignore_eos)
+                    stop=_parse_stop(_opt(body, "stop")), ignore_eos=ignore_eos,
+                    presence_penalty=_parse_penalty(body, "presence_penalty"),
+                    frequency_penalty=_parse_penalty(body, "frequency_penalty"),
+                    logit_bias=_parse_logit_bias(_opt(body, "logit_bias")))
 
 
 def _parse_stream(body: Mapping[str, Any]) -> StreamSpec:
@@ -261,7 +301,11 @@ def _parse_messages(value: object) -> tuple[Message, ...]:
         # An assistant turn that only called tools carries null content.
         text = "" if content is None and role == "assistant" else _content_text(
             content, f"{param}.content")
-        out.append(Message(role=role, content=text))
+        calls = (parse_message_tool_calls(m.get("tool_calls"), f"{param}.tool_calls")
+                 if role == "assistant" else ())
+        call_id = m.get("tool_call_id") if role == "tool" else None
+        out.append(Message(role=role, content=text, tool_calls=calls,
+                           tool_call_id=call_id if isinstance(call_id, str) else ""))
     return tuple(out)
 
 
@@ -302,7 +346,9 @@ def parse_chat_request(body: object, *, served_model: str, max_context: int) -> 
     model = _parse_model(b, served_model)
     messages = _parse_messages(b.get("messages"))
     return ChatRequest(model=model, messages=messages,
-                       sampling=_parse_sampling(b, max_context), stream=_parse_stream(b))
+                       sampling=_parse_sampling(b, max_context), stream=_parse_stream(b),
+                       tools=parse_openai_tools(b),
+                       response_format=parse_response_format(_opt(b, "response_format")))
 
 
 def parse_completion_request(body: object, *, served_model: str, max_context: int,

@@ -71,6 +71,32 @@ class PolicyConfig:
         if not self.load_weight >= 0:
             raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
 
+    @classmethod
+    def from_costs(cls, bandwidth_Bps: dict[str, float], latency_s: dict[str, float], *,
+                   block_bytes: int, block_tokens: int, prefill_tokens_per_s: float,
+                   fetch_blocks: int = 64, load_weight: float = 1.0) -> PolicyConfig:
+        """Tier credits from measured costs (the numbers prefill's cost rule
+        learns, prefill_svc/cost.py): a token restored from tier t saves its
+        compute minus its fetch, credit_t = 1 - fetch_s / recompute_s per block,
+        where a fetch of ``fetch_blocks`` blocks pays the tier's latency once;
+        clamped to [0, 1] and made non-increasing G1 -> G4 (a deeper tier is
+        never credited above a faster one). G1 (the engine's own pool) is 1."""
+        if min(block_bytes, block_tokens, fetch_blocks) <= 0 or not prefill_tokens_per_s > 0:
+            raise ValueError("block_bytes, block_tokens, fetch_blocks and "
+                             "prefill_tokens_per_s must be > 0")
+        recompute_s = block_tokens / prefill_tokens_per_s
+        credits = [1.0]
+        for tier in TIERS[1:]:
+            bw, lat = bandwidth_Bps.get(tier), latency_s.get(tier)
+            if bw is None or lat is None or bw <= 0:
+                c = 0.0                           # unknown or unusable: no credit
+            else:
+                fetch_s = lat / fetch_blocks + block_bytes / bw
+                c = min(1.0, max(0.0, 1.0 - fetch_s / recompute_s))
+            credits.append(min(c, credits[-1]))
+        return cls(tier_credit=(credits[0], credits[1], credits[2], credits[3]),
+                   load_weight=load_weight)
+
 
 @dataclass(frozen=True, slots=True)
 class PlacementRequest:

@@ -25,13 +25,19 @@ from kvstore.registry import InstanceInfo, LoadReport
 from prefill_svc.hosting import READY_PREFIX, Heartbeat, stop_event_on_signals
 from proto import router_pb2_grpc
 from router.auth import ApiKeys
+from router.backends import make_backend
 from router.core import CoreConfig, RouterCore
 from router.front import FrontConfig, make_app
+from router.front_runner import FrontRunner
 from router.live_view import LiveView, ViewConfig
 from router.metrics import RouterMetrics
 from router.model_meta import load_model_meta
 from router.service import SERVICE_NAME, RouterService
 from router.upstream import CallTimeouts, Upstreams
+from security.authz import Access, AuthInterceptor
+from security.config import SecurityConfig
+from security.grpc_input import InputGuard
+from security.health_port import start_health_port
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,9 @@ class RouterConfig:
     timeouts: CallTimeouts = field(default_factory=CallTimeouts)
     drain_grace_s: float = 10.0
     max_body_bytes: int = 16 * 2**20
+    security: SecurityConfig | None = None   # mTLS + deployment secret; None: the environment
+    health_port: int = -1                    # plain-text health-only gRPC port (probes)
+    backend: str = "engine"                  # router.backends: "engine" or "vllm"
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -84,6 +93,8 @@ class RunningRouter:
     grpc_port: int
     http_port: int
     instance_id: str
+    health_server: grpc.aio.Server | None = None
+    health_port: int = -1
 
     async def stop(self, grace_s: float) -> None:
         for name in ("", SERVICE_NAME):
@@ -93,6 +104,8 @@ class RunningRouter:
         await asyncio.gather(self.grpc_server.stop(grace_s), self.http_runner.cleanup())
         await self.view.stop()
         await self.upstreams.close()
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
 
 async def start_router(cfg: RouterConfig) -> RunningRouter:
@@ -104,32 +117,59 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
     metrics.set_hit_rule(rule)
     view = LiveView(cfg.redis_url, replace(cfg.view, hit_rule=rule), metrics)
     await view.start()
-    upstreams = Upstreams(cfg.timeouts)
+    security = cfg.security or SecurityConfig.from_env("router")
+    upstreams = Upstreams(cfg.timeouts, security)
     view.on_change(upstreams.retain)
-    core = RouterCore(cfg.core, meta, view, upstreams, metrics)
+    core = RouterCore(replace(cfg.core, secret=security.require_secret()), meta, view, upstreams,
+                      metrics)
+    backend = make_backend(cfg.backend, core)   # the fronts' one seam (router.backends)
 
+    # The Router API checks its own API keys; any identity of the deployment may call it.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20),
-                                      ("grpc.max_send_message_length", 64 * 2**20)])
+                                      ("grpc.max_send_message_length", 64 * 2**20),
+                                      ("grpc.so_reuseport", 0)],  # taken port: fail, not share
+                             interceptors=[AuthInterceptor({}, default=Access.ANY,
+                                                           insecure=security.insecure),
+                                           InputGuard()])
     router_pb2_grpc.add_RouterServicer_to_server(
-        RouterService(core, classes=cfg.classes, api_keys=api_keys), server)
+        RouterService(backend, classes=cfg.classes, api_keys=api_keys), server)  # type: ignore[arg-type]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    try:
+        grpc_port = security.add_port(server, f"{cfg.host}:{cfg.grpc_port}")
+    except RuntimeError:                 # grpc's "Failed to bind" (port taken)
+        grpc_port = 0
     if grpc_port == 0:
-        raise OSError(f"cannot bind gRPC {cfg.host}:{cfg.grpc_port}")
+        await view.stop()
+        await upstreams.close()
+        raise OSError(f"cannot serve gRPC on {cfg.host}:{cfg.grpc_port}: address in use or "
+                      "not available")
     await server.start()
+    probe = await start_health_port(health_servicer, cfg.host, cfg.health_port)
 
     front_cfg = FrontConfig(model_name=meta.served_name, max_context=meta.max_context,
                             vocab_size=meta.vocab_size, classes=cfg.classes, api_keys=api_keys,
                             max_body_bytes=cfg.max_body_bytes)
-    runner = web.AppRunner(make_app(front_cfg, core, metrics), access_log=None,
-                           shutdown_timeout=cfg.drain_grace_s)
+    runner = FrontRunner(make_app(front_cfg, backend, metrics), access_log=None,
+                         shutdown_timeout=cfg.drain_grace_s)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.http_port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        # Undo what started, or the gRPC server and the view keep the loop
+        # (and the process) alive after the error.
+        await runner.cleanup()
+        await server.stop(None)
+        if probe is not None:
+            await probe[0].stop(None)
+        await view.stop()
+        await upstreams.close()
+        raise OSError(f"cannot serve HTTP on {cfg.host}:{cfg.http_port}: "
+                      f"{exc.strerror or exc}") from exc
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     instance_id = cfg.instance_id or f"router-{cfg.host}:{grpc_port}"
@@ -143,7 +183,7 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningRouter(core, view, upstreams, server, health_servicer, runner, heartbeat,
-                         grpc_port, http_port, instance_id)
+                         grpc_port, http_port, instance_id, *(probe or (None, -1)))
 
 
 def ready_line(r: RunningRouter) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-import uuid
+import secrets
 from collections.abc import AsyncIterator
 
 import grpc
@@ -62,7 +62,8 @@ def route_request(req: router_pb2.GenerateRequest, *, tenant: str, classes: Traf
             raise InvalidRequestError(f"messages[{i}].role {m.role!r} is not one of "
                                       f"{sorted(_ROLES)}", param=f"messages[{i}].role")
     return RouteRequest(
-        request_id=req.ctx.request_id[:128] or uuid.uuid4().hex, tenant=tenant,
+        # Ours: internal keys derive from it (a caller's ctx.request_id is only logged).
+        request_id=secrets.token_hex(16), tenant=tenant,
         traffic_class=traffic_class(req.ctx.traffic_class, classes),
         sampling=_sampling(req.sampling, max_context),
         messages=tuple(Message(m.role, m.content) for m in req.messages),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from security.config import SecurityConfig
 
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 2**20),
@@ -50,30 +51,35 @@ class _Conn:
 @dataclass(slots=True)
 class Upstreams:
     timeouts: CallTimeouts = field(default_factory=CallTimeouts)
+    security: SecurityConfig | None = None      # None: from the environment (router identity)
     _conns: dict[str, _Conn] = field(default_factory=dict)
 
-    def _conn(self, address: str) -> _Conn:
+    def _conn(self, address: str, role: str) -> _Conn:
         conn = self._conns.get(address)
         if conn is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            if self.security is None:
+                self.security = SecurityConfig.from_env("router")
+            # An address is one instance of one role: its certificate must name it.
+            channel = self.security.aio_channel(address, role, options=_CHANNEL_OPTIONS)
             conn = _Conn(channel, prefill_pb2_grpc.PrefillStub(channel),
                          decode_pb2_grpc.DecodeStub(channel))
             self._conns[address] = conn
         return conn
 
     async def prefill(self, address: str, req: prefill_pb2.PrefillRequest) -> prefill_pb2.KVHandle:
-        return await self._conn(address).prefill.Prefill(req, timeout=self.timeouts.prefill_s)
+        return await self._conn(address, "prefill").prefill.Prefill(
+            req, timeout=self.timeouts.prefill_s)
 
     async def release(self, handle: prefill_pb2.KVHandle) -> None:
         """Best effort: the prefill instance frees the handle at expiry anyway."""
         with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
-            await self._conn(handle.prefill_address).prefill.Release(
+            await self._conn(handle.prefill_address, "prefill").prefill.Release(
                 prefill_pb2.ReleaseRequest(request_id=handle.ctx.request_id),
                 timeout=self.timeouts.release_s)
 
     def decode(self, address: str, handle: prefill_pb2.KVHandle,
                sampling: common_pb2.SamplingParams) -> DecodeCall:
-        call = self._conn(address).decode.Decode(
+        call = self._conn(address, "decode").decode.Decode(
             decode_pb2.DecodeRequest(handle=handle, sampling=sampling),
             timeout=self.timeouts.decode_total_s)
         return DecodeCall(call, self.timeouts.decode_first_s)

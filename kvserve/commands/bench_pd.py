@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _report_turns(args: argparse.Namespace, turns: list[Any]) -> None:
-    rows = [{**asdict(t), "speedup": t.speedup} for t in turns]
+    rows = [{**asdict(t), "speedup": t.speedup, "rule_met": t.rule_met} for t in turns]
     if args.json:
         print(json.dumps({"mode": "services", "model": args.model, "turns": rows}, indent=1))
     else:
@@ -83,18 +83,25 @@ def _report_turns(args: argparse.Namespace, turns: list[Any]) -> None:
               "prefill -> decode over gRPC, warehouse in a kvstore process")
         print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT cold':>10} {'TTFT warm':>10} "
               f"{'speedup':>8} {'warm: lookup':>13} {'fetch':>7} {'compute':>8} "
-              f"{'decode tok/s':>13} {'same':>5}  decision")
+              f"{'decode tok/s':>13} {'same':>5} {'rule':>5} {'met':>4} {'end wait':>9}  "
+              "decision")
         for t in turns:
             print(f"{t.turn:>4} {t.prompt_tokens:>7} {t.cached_tokens:>7} "
                   f"{t.ttft_cold_s:>9.3f}s {t.ttft_warm_s:>9.3f}s {t.speedup:>7.1f}x "
                   f"{t.warm_lookup_s * 1e3:>11.1f}ms {t.warm_fetch_s * 1e3:>5.1f}ms "
                   f"{t.warm_compute_s:>7.3f}s {t.decode_tok_s:>13.1f} "
-                  f"{'yes' if t.identical else 'NO':>5}  {t.fetch_decision}")
+                  f"{'yes' if t.identical else 'NO':>5} {t.rule_tokens:>5} "
+                  f"{'yes' if t.rule_met else 'NO':>4} {t.end_wait_s * 1e3:>7.0f}ms  "
+                  f"{t.fetch_decision}")
         later = turns[1:]
         if later:
             mean = sum(t.speedup for t in later) / len(later)
+            waits = sorted(t.end_wait_s for t in turns)
             print(f"turns 2-{len(turns)}: mean TTFT speedup {mean:.1f}x; "
-                  f"all outputs identical: {all(t.identical for t in turns)}")
+                  f"all outputs identical: {all(t.identical for t in turns)}; zero think "
+                  f"time, hit rule met on every turn: {all(t.rule_met for t in later)}; "
+                  f"end-of-answer wait for the canonical write: median "
+                  f"{waits[len(waits) // 2] * 1e3:.0f} ms, max {waits[-1] * 1e3:.0f} ms")
     if args.png:
         _chart(args.png, [f"turn {t.turn}\n{t.prompt_tokens} tok" for t in turns],
                [t.ttft_cold_s for t in turns], [t.ttft_warm_s for t in turns],

@@ -25,9 +25,11 @@ from kvserve.sweep import (
 )
 from kvserve.traces import Trace, TraceFormatError, load_trace, merge_traces, rebin
 from kvstore.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN
+from kvstore.trace_arrays import CompactTrace, is_compact_dir
 
 
-def _trace_args(p: argparse.ArgumentParser, flag: str = "--trace", grid: bool = True) -> None:
+def _trace_args(p: argparse.ArgumentParser, flag: str = "--trace", grid: bool = True,
+                capacity: bool = True) -> None:
     p.add_argument(flag, dest="traces", action="append", required=True, metavar="FILE",
                    help="trace file (Mooncake/Bailian JSONL, Claude Code traces.tar.xz, a "
                         "directory or one trace_NNNN.json); repeat to merge several into one "
@@ -55,15 +57,27 @@ def _trace_args(p: argparse.ArgumentParser, flag: str = "--trace", grid: bool = 
     if grid:
         p.add_argument("--ttl", required=True,
                        help="TTL list, e.g. 60,5m,1h,3d,inf (inf = none)")
-    p.add_argument("--capacity", required=True,
-                   help="capacity list in tokens, e.g. 1e6,3M,50M,inf")
-    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    if capacity:
+        p.add_argument("--capacity", required=True,
+                       help="capacity list in tokens, e.g. 1e6,3M,50M,inf")
+        p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 
 
-def _load(args: argparse.Namespace, paths: Sequence[str] | None = None) -> Trace:
+def _load(args: argparse.Namespace, paths: Sequence[str] | None = None
+          ) -> Trace | CompactTrace:
+    """The trace(s) named by the arguments; one compact trace directory with no
+    transforming option stays as arrays mapped from disk (streams when large)."""
+    paths = list(args.traces if paths is None else paths)
+    plain = (args.max_requests is None and args.time_scale == 1.0 and args.max_sessions is None
+             and not args.class_of and not args.block_tokens)
+    if len(paths) == 1 and plain and is_compact_dir(paths[0]):
+        try:
+            return CompactTrace.load(paths[0])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
     traces = []
     try:
-        for i, path in enumerate(args.traces if paths is None else paths):
+        for i, path in enumerate(paths):
             traces.append(load_trace(
                 path, max_requests=args.max_requests, seed=args.seed,
                 session_rate_per_s=args.session_rate, time_scale=args.time_scale,
@@ -81,9 +95,12 @@ def _grid(args: argparse.Namespace) -> tuple[list[float], list[float]]:
         raise UsageError(str(exc)) from exc
 
 
-def _note(trace: Trace, args: argparse.Namespace) -> str:
-    n_blocks = sum(len(r.hash_ids) for r in trace.requests)
-    return (f"# {trace.name}: {len(trace.requests)} requests, {n_blocks} block uses of "
+def _note(trace: Trace | CompactTrace, args: argparse.Namespace) -> str:
+    if isinstance(trace, CompactTrace):
+        n_req, n_blocks = trace.n_requests, trace.n_uses
+    else:
+        n_req, n_blocks = len(trace.requests), sum(len(r.hash_ids) for r in trace.requests)
+    return (f"# {trace.name}: {n_req} requests, {n_blocks} block uses of "
             f"{trace.block_tokens} tokens, span {trace.span_s:.0f} s; time scale "
             f"{args.time_scale:g} (TTLs are in scaled seconds); KV {args.kv_bytes_per_token} "
             f"bytes/token\n# arrivals: {trace.arrival_note}")
@@ -98,6 +115,8 @@ def _configure_sweep(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="write hit rate and storage vs TTL here")
     p.add_argument("--all-classes", action="store_true",
                    help="text table: show every class, not only 'all'")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="replays in parallel processes (default: one per CPU)")
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -109,8 +128,11 @@ def _sweep(args: argparse.Namespace) -> int:
     trace = _load(args)
     note = _note(trace, args)
     print(note, file=sys.stderr)
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError("--jobs must be >= 1")
     rows = run_sweep(trace, ttls=ttls, capacities=caps, policies=policies,
-                     kv_bytes_per_token=args.kv_bytes_per_token, time_scale=args.time_scale)
+                     kv_bytes_per_token=args.kv_bytes_per_token, time_scale=args.time_scale,
+                     jobs=args.jobs)
     if args.plot:
         plot_sweep(rows, args.plot, title=f"{trace.name}, time scale {args.time_scale:g}")
         print(f"# plot: {args.plot}", file=sys.stderr)
@@ -145,7 +167,8 @@ def _whatif(args: argparse.Namespace) -> int:
     from kvstore.whatif import WhatIfEstimator, fit_trace
 
     ttls, caps = _grid(args)
-    trace = _load(args)
+    loaded = _load(args)
+    trace = loaded.to_trace() if isinstance(loaded, CompactTrace) else loaded
     note = _note(trace, args)
     print(note, file=sys.stderr)
     fit_on, check_on = split_trace(trace, args.split)
@@ -207,12 +230,18 @@ def _print_whatif(docs: list[dict[str, Any]], as_json: bool, note: str) -> None:
 
 
 def _configure_store_whatif(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", required=True, metavar="HOST:PORT",
-                   help="the kvstore's gRPC address")
+    p.add_argument("--address", default=None, metavar="HOST:PORT",
+                   help="the kvstore's gRPC address (default: the one `kvserve up` runs)")
     p.add_argument("--ttl", required=True, help="TTL list, e.g. 60,5m,1h,3d,inf")
     p.add_argument("--capacity", required=True, help="capacity list in tokens, e.g. 1e6,3M,inf")
-    p.add_argument("--kv-bytes-per-token", type=int, default=LLAMA3_70B_KV_BYTES_PER_TOKEN,
-                   help="KV bytes per token for storage figures")
+    p.add_argument("--kv-bytes-per-token", type=int, default=None,
+                   help="KV bytes per token for storage figures (default: the served "
+                        "model's, from --model)")
+    p.add_argument("--model", default=None,
+                   help="served model whose KV size sizes the bytes (default: the model "
+                        "`kvserve up` runs, else [model].name)")
+    p.add_argument("--dtype", default=None, help="KV dtype (default [model].dtype)")
+    p.add_argument("--config", default=None, help="kvserve TOML config file")
     p.add_argument("--timeout", type=float, default=10.0, help="gRPC deadline, seconds")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 
@@ -220,12 +249,14 @@ def _configure_store_whatif(p: argparse.ArgumentParser) -> None:
 def _store_whatif(args: argparse.Namespace) -> int:
     import grpc
 
+    from kvserve.launcher import stack_security
     from kvstore.whatif import WhatIfEstimator
     from proto import kvstore_pb2, kvstore_pb2_grpc
 
     ttls, caps = _grid(args)
+    _served_model_defaults(args)
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        with stack_security().sync_channel(args.address, "kvstore") as channel:
             reply = kvstore_pb2_grpc.KVStoreStub(channel).Stats(
                 kvstore_pb2.StatsRequest(), timeout=args.timeout)
     except grpc.RpcError as exc:
@@ -240,8 +271,45 @@ def _store_whatif(args: argparse.Namespace) -> int:
     span = (est.t_last - est.t_first) if est.t_first is not None else 0.0
     _print_whatif([r.as_json() for r in rows], args.json,
                   f"# store {reply.node} at {args.address}: {span:.0f} s of traffic, "
-                  f"sampling rate {est.rate:.4g}")
+                  f"sampling rate {est.rate:.4g}; bytes at {args.kv_bytes_per_token:,} KV "
+                  f"bytes/token ({args.kv_source})")
     return 0
+
+
+def _served_model_defaults(args: argparse.Namespace) -> None:
+    """Fill --address and --kv-bytes-per-token from the running stack and its
+    model, so storage figures are in the served model's bytes."""
+    from kvserve.commands.serve_cmds import load_config
+    from kvserve.launcher import UpState
+
+    state = UpState.load()
+    cfg = load_config(args.config or (state.config if state else None))
+    if args.address is None:
+        if state is None:
+            raise UsageError("no kvstore: pass --address HOST:PORT or start `kvserve up`")
+        args.address = state.store
+    if args.kv_bytes_per_token is not None:
+        args.kv_source = "--kv-bytes-per-token"
+        return
+    model = args.model or (state.model if state else cfg.model.name)
+    dtype = args.dtype or cfg.model.dtype
+    args.kv_bytes_per_token = kv_bytes_per_token(model, dtype)
+    args.kv_source = f"{model}, {dtype}"
+
+
+def kv_bytes_per_token(model: str, dtype: str) -> int:
+    """K and V of every layer for one token: layers x 2 x kv_heads x head_dim x dtype size."""
+    from engine.errors import ModelConfigError
+    from router.model_meta import load_model_meta
+
+    try:
+        mc = load_model_meta(model).config
+    except ModelConfigError as exc:
+        raise UsageError(str(exc)) from exc
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    if dtype not in sizes:
+        raise UsageError(f"--dtype {dtype!r}: choose one of {sorted(sizes)}")
+    return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * sizes[dtype]
 
 
 # ------------------------------------------------------------ bench policies
@@ -250,12 +318,19 @@ def _configure_bench(p: argparse.ArgumentParser) -> None:
     _trace_args(p, grid=False)
     p.add_argument("--ttl", default="inf", help="one TTL for every replay (default inf)")
     p.add_argument("--policy", default="all", help="policies to compare (Belady is always run)")
+    p.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
+                   help="replay core: native C where it has the policy (auto), or the "
+                        "Python loop (python: the 'before' figures)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="time each replay N times and report the best (default 1)")
 
 
 def _bench_policies(args: argparse.Namespace) -> int:
+    import time
+
     from tqdm import tqdm
 
-    from kvstore.sim import Future, replay_cache
+    from kvstore.sim import compact_of, replay_cache
 
     try:
         caps = parse_capacities(args.capacity)
@@ -263,29 +338,49 @@ def _bench_policies(args: argparse.Namespace) -> int:
         policies = [p for p in parse_policies(args.policy) if p != "belady"]
     except ValueError as exc:
         raise UsageError(f"{exc} (bench policies takes one --ttl)") from exc
+    if args.repeat < 1:
+        raise UsageError("--repeat must be >= 1")
     rows: list[dict[str, Any]] = []
     for path in args.traces:
-        trace = _load(args, [path])
-        print(_note(trace, args), file=sys.stderr)
-        future = Future.of(trace)
-        for cap in tqdm(caps, desc=trace.name, unit="capacity"):
+        loaded = _load(args, [path])
+        print(_note(loaded, args), file=sys.stderr)
+        # Loading is not timed: the trace is converted to arrays once, up front.
+        trace = loaded if isinstance(loaded, CompactTrace) else compact_of(loaded)
+        py_trace = trace.to_trace() if args.engine == "python" else None
+        uses = trace.n_uses
+        for cap in tqdm(caps, desc=trace.name, unit="capacity", file=sys.stderr):
             c = None if math.isinf(cap) else cap
-            best = replay_cache(trace, policy="belady", capacity_tokens=c, ttl_s=ttl,
-                                kv_bytes_per_token=args.kv_bytes_per_token, future=future)
+            results = {}
             for policy in ["belady", *policies]:
-                st = best if policy == "belady" else replay_cache(
-                    trace, policy=policy, capacity_tokens=c, ttl_s=ttl,
-                    kv_bytes_per_token=args.kv_bytes_per_token)
+                best_s = math.inf
+                for _ in range(args.repeat):
+                    t0 = time.perf_counter()
+                    st = replay_cache(py_trace or trace, policy=policy, capacity_tokens=c,
+                                      ttl_s=ttl, kv_bytes_per_token=args.kv_bytes_per_token,
+                                      engine=args.engine)
+                    best_s = min(best_s, time.perf_counter() - t0)
+                results[policy] = (st, best_s)
+            best = results["belady"][0]
+            for policy, (st, secs) in results.items():
                 rows.append({"trace": trace.name, "capacity_tokens": c, "ttl_s":
                              None if math.isinf(ttl) else ttl, "policy": policy,
                              "hit_rate": st.hit_rate, "token_hit_rate": st.token_hit_rate,
+                             "belady_hit_rate": best.hit_rate,
                              "ratio_to_belady": st.hit_rate / best.hit_rate
-                             if best.hit_rate else 1.0, "evictions": st.evictions})
+                             if best.hit_rate else 1.0, "evictions": st.evictions,
+                             "block_uses_per_s": uses / secs if secs > 0 else math.inf,
+                             "engine": _engine_used(args.engine, policy)})
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(_policy_table(rows, policies))
     return 0
+
+
+def _engine_used(engine: str, policy: str) -> str:
+    from kvstore.replay_core import native_supports
+
+    return "native" if engine != "python" and native_supports(policy, None) else "python"
 
 
 def _policy_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
@@ -295,6 +390,8 @@ def _policy_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
     head = f"{'trace':<26} {'capacity':>9} {'belady':>7} " + " ".join(
         f"{p:>17}" for p in policies) + "  goal"
     out = [head, "-" * len(head)]
+    speed = {p: [r["block_uses_per_s"] for r in rows if r["policy"] == p]
+             for p in ["belady", *policies]}
     for trace, cap in dict.fromkeys((r["trace"], r["capacity_tokens"]) for r in rows):
         bel = cells[(trace, cap, "belady")]["hit_rate"]
         ratios = {p: cells[(trace, cap, p)]["ratio_to_belady"] for p in policies}
@@ -305,10 +402,75 @@ def _policy_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
             "met" if best >= 0.95 else "missed")
         out.append(f"{trace[:26]:<26} {fmt_tokens(math.inf if cap is None else cap):>9} "
                    f"{bel:7.3f} " + " ".join(f"{x:>17}" for x in parts) + f"  {goal}")
+    out.append(f"{'M block uses/s (median)':<36} " + f"{_median(speed['belady']) / 1e6:7.2f} "
+               + " ".join(f"{_median(speed[p]) / 1e6:>17.2f}" for p in policies))
     return "\n".join(out)
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else 0.0
+
+
+# ------------------------------------------------------------ trace files
+
+def _configure_synth(p: argparse.ArgumentParser) -> None:
+    from kvserve.trace_synth import SynthConfig
+
+    p.add_argument("--out", required=True, metavar="DIR", help="compact trace directory to write")
+    for f in dataclasses.fields(SynthConfig):
+        kind = _int_arg if isinstance(f.default, int) else float
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
+                       help=f"(default {f.default:g})")
+
+
+def _int_arg(text: str) -> int:
+    """An integer that may be written 100e6."""
+    v = float(text)
+    if v != int(v):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    return int(v)
+
+
+def _synth(args: argparse.Namespace) -> int:
+    import time
+
+    from kvserve.trace_synth import SynthConfig, synth
+
+    try:
+        cfg = SynthConfig(**{f.name: getattr(args, f.name)
+                             for f in dataclasses.fields(SynthConfig)})
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    t0 = time.monotonic()
+    ct = synth(cfg, args.out)
+    print(f"# wrote {args.out}: {ct.n_requests} requests, {ct.n_uses} block uses of "
+          f"{ct.block_tokens} tokens, {ct.n_keys} block ids, span {ct.span_s:.0f} s, "
+          f"{ct.nbytes() / max(ct.n_uses, 1):.2f} bytes/use, {time.monotonic() - t0:.1f} s")
+    return 0
+
+
+def _configure_compact(p: argparse.ArgumentParser) -> None:
+    _trace_args(p, grid=False, capacity=False)
+    p.add_argument("--out", required=True, metavar="DIR", help="compact trace directory to write")
+
+
+def _compact(args: argparse.Namespace) -> int:
+    loaded = _load(args)
+    ct = loaded if isinstance(loaded, CompactTrace) else CompactTrace.from_trace(loaded)
+    ct.save(args.out)
+    print(f"# wrote {args.out}: {ct.n_requests} requests, {ct.n_uses} block uses, "
+          f"{ct.nbytes() / max(ct.n_uses, 1):.2f} bytes/use")
+    return 0
+
+
 def register(reg: CommandRegistry) -> None:
+    reg.group("trace", help="trace files: synthesise, convert to compact arrays")
+    reg.add("trace synth", help="write a seeded synthetic prefix trace (compact directory) of "
+                                "any size, e.g. --uses 100e6", configure=_configure_synth,
+            run=_synth)
+    reg.add("trace compact", help="convert a trace (any supported format) to a compact "
+                                  "directory that replays map from disk",
+            configure=_configure_compact, run=_compact)
     reg.group("bench", help="benchmarks (tables; --json for machines)")
     reg.add("bench policies", help="eviction policies against Belady's optimum on trace "
                                    "replays (hit rate and ratio per capacity)",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.cli import CommandRegistry, UsageError
 from kvserve.config import ConfigError, KVServeConfig
+from security.flags import add_security_flags, security_from_args
 
 if TYPE_CHECKING:
     from router.serve import RouterConfig
@@ -39,10 +40,14 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-name", default=None,
                    help="model id clients send and /v1/models lists (default: the model name)")
     p.add_argument("--instance-id", default=None, help="registry id (default router-ADDRESS)")
+    p.add_argument("--backend", default="engine", choices=("engine", "vllm"),
+                   help="engines behind the router: kvserve's own (engine) or vLLM OpenAI "
+                   "servers with the kvserve connector (vllm); see docs/vllm.md")
     p.add_argument("--max-attempts", type=int, default=None,
                    help="instances tried per request before the first token (default 3)")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens when a request gives none (default 256)")
+    add_security_flags(p)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -71,7 +76,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         redis_url=args.redis_url or cfg.redis.effective_url(),
         node=args.node or cfg.tiers.node, instance_id=args.instance_id or "",
         api_key_file=args.api_key_file or "", hit_rule=cfg.blocks, classes=cfg.classes,
-        view=view, core=core)
+        view=view, core=core, security=security_from_args(args, "router"),
+        health_port=args.health_port, backend=args.backend)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -81,7 +87,10 @@ def _run(args: argparse.Namespace) -> int:
         cfg = router_config(args)
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as exc:               # a taken port: say so and exit non-zero
+        raise UsageError(str(exc)) from exc
     return 0
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from kvserve.cli import CommandRegistry, UsageError
 from kvserve.config import ConfigError, KVServeConfig
+from security.config import SecurityError
+from security.flags import add_security_flags, security_from_args
 
 
 def load_config(path: str | None) -> KVServeConfig:
@@ -45,6 +47,7 @@ def _configure_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fetch-policy", default=None, choices=("cost", "always", "never"),
                    help="warehouse reads: cost-aware (default), always fetch usable blocks, "
                         "or never")
+    add_security_flags(p)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,7 +55,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             "node": args.node, "model": args.model, "store_address": args.store,
             "device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
             "metrics_port": args.metrics_port, "instance_id": args.instance_id,
-            "advertise_host": args.advertise_host, "fetch_policy": args.fetch_policy}
+            "advertise_host": args.advertise_host, "fetch_policy": args.fetch_policy,
+            "health_port": args.health_port}
 
 
 def _configure_prefill(p: argparse.ArgumentParser) -> None:
@@ -73,8 +77,9 @@ def _run_prefill(args: argparse.Namespace) -> int:
     try:
         cfg = PrefillConfig.from_kvserve(
             load_config(args.config), **_overrides(args), buffer_ttl_s=args.buffer_ttl,
-            local_prefix_cache=False if args.no_local_prefix_cache else None)
-    except ConfigError as exc:
+            local_prefix_cache=False if args.no_local_prefix_cache else None,
+            security=security_from_args(args, "prefill"))
+    except (ConfigError, SecurityError) as exc:
         raise UsageError(str(exc)) from exc
     return serve_engine_service(
         "prefill", SERVICE_NAME, cfg.engine, cfg.endpoint,
@@ -103,8 +108,9 @@ def _run_decode(args: argparse.Namespace) -> int:
     try:
         cfg = DecodeConfig.from_kvserve(
             load_config(args.config), **_overrides(args), max_seqs=args.max_seqs,
-            ep_ranks=args.ep_ranks, expert_plan=args.expert_plan, ep_redundant=args.ep_redundant)
-    except ConfigError as exc:
+            ep_ranks=args.ep_ranks, expert_plan=args.expert_plan, ep_redundant=args.ep_redundant,
+            security=security_from_args(args, "decode"))
+    except (ConfigError, SecurityError) as exc:
         raise UsageError(str(exc)) from exc
     return serve_engine_service(
         "decode", SERVICE_NAME, cfg.engine, cfg.endpoint,

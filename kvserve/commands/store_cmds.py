@@ -9,6 +9,7 @@ import json
 
 from kvserve.cli import CommandRegistry, UsageError
 from kvserve.config import ConfigError, KVServeConfig, parse_size
+from security.flags import add_security_flags, security_from_args
 
 
 def _load(args: argparse.Namespace) -> KVServeConfig:
@@ -54,6 +55,7 @@ def _configure_serve(p: argparse.ArgumentParser) -> None:
                    help="do not touch all of G2 at start (faster start, slower first writes)")
     p.add_argument("--no-fsync", action="store_true",
                    help="skip fsync on G3 writes (benchmarks of page-cache speed only)")
+    add_security_flags(p)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -66,20 +68,35 @@ def _serve(args: argparse.Namespace) -> int:
             port=cfg.ports.kvstore if args.port is None else args.port,
             metrics_port=cfg.ports.metrics if args.metrics_port is None else args.metrics_port,
             redis_url=args.redis_url, grace_s=args.grace, sweep_interval_s=args.sweep_interval,
-            fsync=not args.no_fsync, prefault_g2=not args.no_prefault)
+            fsync=not args.no_fsync, prefault_g2=not args.no_prefault,
+            security=security_from_args(args, "kvstore"), health_port=args.health_port)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     return main(opts)
+
+
+def _running_config(args: argparse.Namespace) -> None:
+    """No --config / --redis-url: use the stack ``kvserve up`` runs (as ``status``
+    finds it), whose effective config names its Redis, disk tier and node."""
+    from kvserve.launcher import UpState
+
+    if args.config or args.redis_url:
+        return
+    state = UpState.load()
+    if state is not None and state.config:
+        args.config = state.config
 
 
 def _reindex(args: argparse.Namespace) -> int:
     from kvstore.serve import StoreOptions, warehouse_config
     from kvstore.warehouse import Warehouse
 
+    _running_config(args)
     cfg = _load(args)
     url = args.redis_url or cfg.redis.effective_url()
     if not url:
-        raise UsageError("reindex needs the store's Redis: pass --redis-url or set REDIS_URL")
+        raise UsageError("reindex needs the store's Redis: start `kvserve up`, pass --config "
+                         "or --redis-url, or set REDIS_URL")
 
     async def run() -> dict[str, object]:
         wh = Warehouse(warehouse_config(StoreOptions(config=cfg, sweep_interval_s=0), url))
@@ -112,11 +129,13 @@ def _configure_stats(p: argparse.ArgumentParser) -> None:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    from kvserve.launcher import stack_security
     from kvstore.client import KVStoreClient
     from kvstore.errors import KVStoreError
 
     async def run() -> object:
-        async with KVStoreClient(args.address, timeout_s=args.timeout, use_shm=False) as c:
+        async with KVStoreClient(args.address, timeout_s=args.timeout, use_shm=False,
+                                 security=stack_security()) as c:
             return await c.stats()
 
     try:

@@ -25,6 +25,7 @@ files from interrupted writes are removed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -65,6 +66,9 @@ _HEAD_READ = 4096   # one read gets the whole header of any normal block
 # 16 parallel write+fdatasync streams commit a batch 2-3x faster than one).
 DEFAULT_WRITERS = 16
 _fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+FULL_WARN_INTERVAL_S = 60.0   # at most one disk-full warning per minute per tier
+REGROW_CHECK_S = 5.0          # how often a shrunk tier looks for returned space
 
 
 def _dir_from_url(url: str) -> Path:
@@ -149,6 +153,13 @@ class DiskTier(Tier):
             raise TierError(f"tier {name}: writers must be an int >= 1, got {writers!r}")
         self.root = _dir_from_url(url)
         self.fsync = fsync
+        # Full disk (see put_many): the capacity asked for, the current target may be less.
+        self.configured_bytes = capacity_bytes
+        self.disk_full_events = 0
+        self.full_warn_interval_s = FULL_WARN_INTERVAL_S
+        self.regrow_check_s = REGROW_CHECK_S
+        self._full_warned_at = -float("inf")
+        self._regrow_at = 0.0
         self.writers = writers
         # 0: this process owns the directory (a store at start), so every temp file
         # is a leftover. Readers opening beside a live store pass e.g. 600.
@@ -207,8 +218,95 @@ class DiskTier(Tier):
     def put_many(self, items: Sequence[PutItem]) -> list[PutOutcome]:
         """Group commit (see the module doc). Outcomes, recency and eviction order
         are those of ``put`` called on each item in turn. A bad item or a failed
-        write removes the batch's temp files and raises before anything is renamed."""
+        write removes the batch's temp files and raises before anything is renamed.
+
+        A full disk (ENOSPC/EDQUOT) is not an error: the tier shrinks its target to
+        the space it finds (one rate-limited warning with the numbers), evicts its
+        oldest blocks to make room and tries the batch once more; blocks that still
+        do not fit are reported not stored. The target grows back, up to the
+        configured capacity, when space returns."""
         batch = list(items)
+        self._maybe_regrow()
+        need = sum(memoryview(p).nbytes + _HEAD_READ for _, p, _ in batch)
+        early = self._make_room(need) if self.capacity_bytes < self.configured_bytes else []
+        try:
+            outs = self._put_many(batch)
+        except OSError as exc:
+            if exc.errno not in _FULL_ERRNOS:
+                raise
+            self._shrink_to_free(exc)
+            early += self._make_room(need)
+            try:
+                outs = self._put_many(batch)
+            except OSError as again:
+                if again.errno not in _FULL_ERRNOS:
+                    raise
+                outs = [PutOutcome(False) for _ in batch]
+        if early and outs:   # blocks evicted ahead of the batch: their index bits go too
+            first = outs[0]
+            outs[0] = PutOutcome(first.stored, [*early, *first.evicted], first.existed)
+        return outs
+
+    # -- full disk ---------------------------------------------------------------
+    def free_bytes(self) -> int:
+        """Bytes this process may still write on the tier's filesystem."""
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    def _set_target(self, target: int) -> None:
+        with self._lock:
+            self.capacity_bytes = self._cache.capacity_bytes = target
+
+    def _shrink_to_free(self, exc: OSError) -> None:
+        free = self.free_bytes()
+        with self._lock:
+            old = self.capacity_bytes
+            target = max(0, min(self.configured_bytes, self._cache.used_bytes + free))
+            self.capacity_bytes = self._cache.capacity_bytes = target
+            used = self._cache.used_bytes
+        self.disk_full_events += 1
+        now = time.monotonic()
+        if now - self._full_warned_at >= self.full_warn_interval_s:
+            self._full_warned_at = now
+            log.warning("G3 %s: disk full at %s (%s): %d bytes free, %d used by this tier; "
+                        "target shrunk from %d to %d bytes (configured %d); the oldest blocks "
+                        "make room for new ones until space returns (%d disk-full events so "
+                        "far; next warning in %.0f s at the earliest)",
+                        self.name, self.root, os.strerror(exc.errno or 0), free, used, old,
+                        target, self.configured_bytes, self.disk_full_events,
+                        self.full_warn_interval_s)
+
+    def _maybe_regrow(self) -> None:
+        if self.capacity_bytes >= self.configured_bytes:
+            return
+        now = time.monotonic()
+        if now < self._regrow_at:
+            return
+        self._regrow_at = now + self.regrow_check_s
+        free = self.free_bytes()
+        with self._lock:
+            target = min(self.configured_bytes, self._cache.used_bytes + free)
+            if target <= self.capacity_bytes:
+                return
+            old = self.capacity_bytes
+            self.capacity_bytes = self._cache.capacity_bytes = target
+        log.info("G3 %s: space returned (%d bytes free): target %d -> %d bytes (configured %d)",
+                 self.name, free, old, target, self.configured_bytes)
+
+    def _make_room(self, need: int) -> list[BlockMeta]:
+        """Evict the oldest blocks until ``need`` more bytes fit the target (a full
+        disk must free space before the temp files of a batch can be written)."""
+        victims: list[tuple[bytes, Path]] = []
+        with self._lock:
+            c = self._cache
+            while c.used_bytes + need > c.capacity_bytes and len(c):
+                victim = c.policy.victim()
+                c.discard(victim)
+                c.evictions += 1
+                victims.append((victim, self._set_aside(victim)))
+        return self._finish_evictions(victims) if victims else []
+
+    def _put_many(self, batch: list[PutItem]) -> list[PutOutcome]:
         for key, _, meta in batch:
             self._check_put(key, meta)
         outcomes: list[PutOutcome] = []

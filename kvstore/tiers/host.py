@@ -9,7 +9,8 @@ copies run at DMA speed.
 
 Segment layout: 64-byte header (u64 reuse generation at offset 0, see
 ``kvstore.tiers.shm``) then the arena. Freed slots wait ``reuse_grace_s``
-before reuse so same-host readers can trust an unhashed copy.
+before reuse so a same-host reader's copy rarely races a rewrite (it is
+verified against the checksum either way).
 
 Each block's xxh3-128 is kept in memory and verified on every ``get`` (any
 same-host process can write the segment; a scribbled block is dropped, never
@@ -198,7 +199,8 @@ class HostTier(Tier):
 
     def locate(self, key: bytes) -> ShmSlot | None:
         """Where a same-host reader finds the block (counts as a hit); read it with
-        ``ShmReader``, which checks the copy is untouched or verifies it."""
+        ``ShmReader`` / ``copy_verified``, which verify every copy against the
+        checksum returned here before it is used."""
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:

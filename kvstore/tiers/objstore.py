@@ -10,15 +10,33 @@ several nodes can share one bucket. Object stores whose single PUT is
 all-or-nothing (s3, gcs, azure, memory) are written directly; any other
 filesystem gets a temp name under ``.tmp/`` then a move. Reads verify the
 checksum; a bad object is deleted, counted and reported as a miss.
+
+Remote stores (S3 through s3fs, docs/warehouse-sizing.md):
+- Credentials and endpoint come from, in order: ``storage_options``, the JSON
+  object in ``KVSERVE_G4_OPTIONS`` (e.g. ``{"endpoint_url": ...}``), then the
+  client's own chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
+  ``AWS_ENDPOINT_URL_S3`` env, ``AWS_SHARED_CREDENTIALS_FILE``, instance roles),
+  which is where a Kubernetes Secret lands (k8s/components/s3-g4).
+- An object larger than ``multipart_bytes`` is uploaded in parts of that size
+  (S3 makes it visible only when the upload completes, so still all-or-nothing).
+- Transient failures are retried with exponential backoff (``retries``); when
+  they persist the store is marked down for ``down_cooldown_s``: calls then
+  fail at once with ``TierUnavailable`` (counted in ``unavailable``) and the
+  warehouse treats the block as a miss (recompute) without clearing the index.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import random
 import secrets
-from collections.abc import Iterator
-from typing import Any
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -46,6 +64,36 @@ log = logging.getLogger(__name__)
 ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
 _FORCE = "fsspec+"
 _HEAD_READ = 4096
+OPTIONS_ENV = "KVSERVE_G4_OPTIONS"
+MULTIPART_BYTES = 16 * 2**20       # S3's parts must be >= 5 MiB (the last excepted)
+# Remote clients retry on their own for a long time by default; we want one fast
+# attempt per try so our backoff and the down-marker decide. Listings are not
+# cached: another node's new object must be seen by the next ``exists``.
+_REMOTE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "s3": {"use_listings_cache": False,
+           "config_kwargs": {"connect_timeout": 2, "read_timeout": 20,
+                             "retries": {"max_attempts": 1}}},
+}
+T = TypeVar("T")
+
+
+class TierUnavailable(OSError):
+    """The object store did not answer (after retries): a miss, not a lost block."""
+
+
+def _options(url_scheme: str, given: dict[str, Any] | None) -> dict[str, Any]:
+    raw = os.environ.get(OPTIONS_ENV, "")
+    try:
+        env = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as exc:
+        raise TierError(f"{OPTIONS_ENV} is not a JSON object: {exc}") from None
+    if not isinstance(env, dict):
+        raise TierError(f"{OPTIONS_ENV} must be a JSON object, got {type(env).__name__}")
+    opts = {**_REMOTE_DEFAULTS.get(url_scheme, {}), **env, **(given or {})}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if url_scheme in ("s3", "s3a") and endpoint and "endpoint_url" not in opts:
+        opts["endpoint_url"] = endpoint
+    return opts
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
@@ -59,26 +107,84 @@ class ObjectTier(Tier):
 
     def __init__(self, url: str, *, name: str, capacity_bytes: int, policy: str = "lru",
                  lz4: bool = False, on_evict: EvictCallback | None = None,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None,
+                 multipart_bytes: int = MULTIPART_BYTES, retries: int = 3,
+                 backoff_s: float = 0.05, down_cooldown_s: float = 2.0) -> None:
         super().__init__(name=name, capacity_bytes=capacity_bytes, policy=policy, lz4=lz4,
                          on_evict=on_evict)
+        if multipart_bytes < 5 * 2**20 or retries < 1 or backoff_s < 0 or down_cooldown_s < 0:
+            raise TierError("multipart_bytes >= 5 MiB, retries >= 1, backoff_s and "
+                            "down_cooldown_s >= 0")
+        self.multipart_bytes = multipart_bytes
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.down_cooldown_s = down_cooldown_s
+        self.unavailable = 0            # calls answered "store down" (after retries)
+        self.retried = 0                # attempts that failed and were retried
+        self.multipart_puts = 0
+        self._down_until = 0.0
+        self._health = threading.Lock()
         target = url[len(_FORCE):] if url.lower().startswith(_FORCE) else url
         scheme = target.partition("://")[0].lower()
         if scheme not in fsspec.available_protocols():
             raise TierError(f"tier URL {url!r}: no fsspec filesystem for {scheme!r} "
                             "(install its package, e.g. s3fs for s3://)")
         try:
-            self.fs, root = url_to_fs(target, **(storage_options or {}))
+            self.fs, root = url_to_fs(target, **_options(scheme, storage_options))
         except ImportError as exc:
             raise TierError(f"tier URL {url!r}: {exc}") from None
         self.url = url
         self.root = root.rstrip("/")
         self.atomic_put = bool(_protocols(self.fs) & ATOMIC_PUT_PROTOCOLS)
-        self.fs.makedirs(self.root, exist_ok=True)
-        self._rebuild()
+        if hasattr(self.fs, "retries"):
+            self.fs.retries = 1  # s3fs's own retry loop: ours (``_call``) replaces it
+        self._call(self.fs.makedirs, self.root, exist_ok=True)
+        self._call(self._rebuild)
 
     def path(self, key: bytes) -> str:
         return f"{self.root}/{key_relpath(key)}"
+
+    # -- remote calls: retries, backoff, down-marker --------------------------------------
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn`` with retries; FileNotFoundError (a miss) and corrupt data are
+        answers, not failures, and pass straight through."""
+        if time.monotonic() < self._down_until:
+            with self._health:
+                self.unavailable += 1
+            raise TierUnavailable(f"G4 {self.name}: store marked down")
+        delay = self.backoff_s
+        for attempt in range(self.retries):
+            try:
+                return fn(*args, **kwargs)
+            except (FileNotFoundError, BlockCorruptError, TierError, PermissionError):
+                raise
+            except Exception as exc:  # s3fs/botocore/aiohttp errors have no common base
+                if attempt + 1 == self.retries:
+                    with self._health:
+                        self.unavailable += 1
+                        self._down_until = time.monotonic() + self.down_cooldown_s
+                    log.warning("G4 %s: %s failed %d times, marked down for %.1fs: %s",
+                                self.name, getattr(fn, "__name__", "call"), self.retries,
+                                self.down_cooldown_s, exc)
+                    raise TierUnavailable(f"G4 {self.name}: {exc}") from exc
+                with self._health:
+                    self.retried += 1
+                time.sleep(delay * (1.0 + random.random()))
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def _write(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        if len(data) <= self.multipart_bytes:
+            self.fs.pipe_file(path, data)
+            return
+        # s3fs uploads a part each time its buffer reaches block_size and completes
+        # the upload on close; an exception aborts it (nothing becomes visible).
+        with self.fs.open(path, "wb", block_size=self.multipart_bytes) as f:
+            view = memoryview(data)
+            for i in range(0, len(view), self.multipart_bytes):
+                f.write(view[i:i + self.multipart_bytes])
+        with self._health:
+            self.multipart_puts += 1
 
     def _rebuild(self) -> None:
         """Account for objects already there (oldest first when the store reports times);
@@ -107,16 +213,16 @@ class ObjectTier(Tier):
         data = encode_block(payload, meta, self.lz4)
         if len(data) > self.capacity_bytes:
             return PutOutcome(False)
-        if self.fs.exists(path):  # written by another node: write-once
+        if self._call(self.fs.exists, path):  # written by another node: write-once
             self._adopt(key, path, meta.traffic_class)
             return PutOutcome(True, existed=True)
         if self.atomic_put:
-            self.fs.pipe_file(path, data)
+            self._call(self._write, path, data)
         else:
             tmp = f"{self.root}/.tmp/{key.hex()}.{secrets.token_hex(6)}"
             self.fs.makedirs(f"{self.root}/.tmp", exist_ok=True)
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.pipe_file(tmp, data)
+            self._call(self._write, tmp, data)
             self.fs.mv(tmp, path)
         with self._lock:
             adm = self._cache.put(key, len(data), self._now(), meta.traffic_class)
@@ -163,7 +269,7 @@ class ObjectTier(Tier):
     def get(self, key: bytes) -> TierHit | None:
         path = self.path(key)
         try:
-            data = self.fs.cat_file(path)
+            data = self._call(self.fs.cat_file, path)
         except FileNotFoundError:
             with self._lock:
                 self._cache.discard(key)
@@ -188,7 +294,12 @@ class ObjectTier(Tier):
 
     def contains(self, key: bytes) -> bool:
         """Content-addressed: a block another node wrote counts too."""
-        return super().contains(key) or bool(self.fs.exists(self.path(key)))
+        if super().contains(key):
+            return True
+        try:
+            return bool(self._call(self.fs.exists, self.path(key)))
+        except TierUnavailable:
+            return False
 
     def delete(self, key: bytes) -> bool:
         with self._lock:

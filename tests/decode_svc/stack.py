@@ -20,6 +20,7 @@ from kvstore.registry import InstanceInfo, InstanceRegistry
 from kvstore.types import RequestCtx
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.prefill_svc import procs
+from tests.tls import channel, secret
 
 TIMEOUT = 60.0
 
@@ -42,7 +43,7 @@ class Stack:
         return decode_pb2_grpc.DecodeStub(self._channel(address or self.decode.address))
 
     def _channel(self, address: str) -> grpc.Channel:
-        ch = grpc.insecure_channel(address)
+        ch = channel(address)
         self._channels.append(ch)
         return ch
 
@@ -117,7 +118,7 @@ def wait_stored(store_address: str, keys: Sequence[bytes], n: int, prompt_tokens
 
 def keys_of(ref: Engine, tokens: Sequence[int], tenant: str = "default") -> list[bytes]:
     return chain_keys(list(tokens), block_tokens=ref.layout.block_tokens, tenant=tenant,
-                      fingerprint=ref.fingerprint)
+                      fingerprint=ref.fingerprint, secret=secret())
 
 
 def prompt(seed: int, n: int) -> list[int]:

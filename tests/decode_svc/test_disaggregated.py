@@ -54,10 +54,11 @@ def test_token_identity_cold_then_warm_and_batched(stack: Stack) -> None:
 
 
 def test_agent_conversation_hits_the_whole_previous_context(stack: Stack) -> None:
-    """Six turns; each resends the whole context (previous prompt + answer +
-    a new user message). From turn 2 on, cached_tokens is the hit rule's value
-    for what the warehouse holds, which after the canonical write of prompt +
-    output is floor_to_block(min(previous context, L - reserve))."""
+    """Six turns with zero think time: each resends the whole context
+    (previous prompt + answer + a new user message) the moment the previous
+    answer's final event arrives. Decode stores the canonical blocks of prompt +
+    output before that event, so from turn 2 on the warehouse already holds
+    them and cached_tokens is floor_to_block(min(previous context, L - reserve))."""
     tenant = "agent-test"
     hit_rule = stack.ref.hit_rule
     context = prompt(7, 40)
@@ -66,7 +67,7 @@ def test_agent_conversation_hits_the_whole_previous_context(stack: Stack) -> Non
         L = len(context)
         keys = keys_of(stack.ref, context, tenant)
         if turn:
-            held = wait_stored(stack.store.address, keys, prev_kv // B, L)
+            held = stored_blocks(stack.store.address, keys, L)     # no waiting
             assert held == prev_kv // B, f"turn {turn}: warehouse holds {held} blocks"
         h, out = generate(stack, context, max_tokens=12, tenant=tenant, ignore_eos=True)
         want = reference(stack.ref, context, max_tokens=12, ignore_eos=True)

@@ -20,6 +20,7 @@ from prefill_svc.hosting import ServiceSpec, run_service
 from prefill_svc.server import SERVICE_NAME as PREFILL
 from prefill_svc.server import PrefillService
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.tls import aio_channel
 
 
 def test_imbalance_is_max_over_mean_rank_load_under_the_placement() -> None:
@@ -71,10 +72,8 @@ async def _moe(redis_url: str) -> None:
 
 
 async def _check(ready: dict[str, str], dec: DecodeService, redis_url: str) -> None:
-    import grpc
-
-    async with grpc.aio.insecure_channel(ready["prefill"]) as pch, \
-            grpc.aio.insecure_channel(ready["decode"]) as dch:
+    async with aio_channel(ready["prefill"]) as pch, \
+            aio_channel(ready["decode"]) as dch:
         sampling = {"max_tokens": 20, "ignore_eos": True}
         h = await prefill_pb2_grpc.PrefillStub(pch).Prefill(
             prefill_pb2.PrefillRequest(token_ids=list(range(1, 40)), sampling=sampling),

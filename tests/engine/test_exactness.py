@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
+from engine import Engine, SamplingParams, bik
 from tests.engine.conftest import TINY, make_engine, random_prompts
 
 GREEDY32 = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -88,9 +88,10 @@ def test_lossless_restore_20_prompts(model: str) -> None:
 
 @pytest.mark.parametrize("model", ["tiny-dense", "tiny-hybrid"])
 def test_bigger_prefill_chunks_stay_exact(model: str) -> None:
-    """Chunks of 3 blocks: reuse snaps down to a chunk boundary, so a restored
-    run still repeats the cold run's chunks exactly."""
-    cold_eng, fresh = (make_engine(model, prefill_chunk=48) for _ in range(2))
+    """torch kernels, chunks of 3 blocks: reuse snaps down to a chunk boundary, so
+    a restored run still repeats the cold run's chunks exactly."""
+    cold_eng, fresh = (make_engine(model, prefill_chunk=48, kernels="torch")
+                       for _ in range(2))
     rule = cold_eng.hit_rule
     prompts = random_prompts(20, 20, 150, 256, seed=17)
     cold = generate_batch(cold_eng, prompts)
@@ -290,3 +291,59 @@ def test_prefill_here_decode_there(temperature: float) -> None:
         dec.free("d")
     with pytest.raises(ValueError, match="adopted KV has shape"):
         dec.adopt("d", [1, 2, 3], torch.zeros(4, 2, 2, 2, 16), 5)
+
+
+@pytest.mark.skipif(not bik.available(), reason="native._bik not built")
+@pytest.mark.parametrize("model", TINY)
+def test_invariant_kernels_restore_at_any_block_and_decode_kv_is_canonical(model: str) -> None:
+    """Batch-invariant kernels: a cold run in 48-token chunks and a restored run
+    in 16-token chunks agree bit for bit with reuse at every block the hit rule
+    allows (no chunk cut); KV written by decode equals a cold prefill's."""
+    cold_eng = make_engine(model, prefill_chunk=48)
+    fresh = make_engine(model, prefill_chunk=16)
+    assert cold_eng.invariant and fresh.fingerprint == cold_eng.fingerprint
+    rule = cold_eng.hit_rule
+    prompts = random_prompts(20, 20, 150, 256, seed=19)
+    cold = generate_batch(cold_eng, prompts)
+    warm = generate_batch(fresh, prompts, cold.prompt_blocks)
+    for i, p in enumerate(prompts):
+        usable = rule.usable_tokens(cold.prompt_blocks[i].shape[0] * 16, len(p))
+        assert warm.reused[i] == usable
+        assert warm.tokens[i] == cold.tokens[i] and torch.equal(warm.kv[i], cold.kv[i])
+    # Decode's own blocks are canonical: no recompute, equal to a cold prefill.
+    eng = make_engine(model)
+    eng.prefill("s", prompts[1], sampling=GREEDY32)
+    for _ in range(40):
+        eng.decode_step(["s"])
+    first, canon = eng.canonical_blocks("s")
+    toks = eng.seq_tokens("s")[:-1]
+    assert first == len(prompts[1]) // 16 and first + canon.shape[0] == len(toks) // 16
+    eng.prefill("c", toks)
+    assert torch.equal(canon, eng.export_blocks("c", first, canon.shape[0]))
+
+
+@pytest.mark.skipif(not bik.available(), reason="native._bik not built")
+def test_invariant_kernels_agree_on_every_simd_path() -> None:
+    """AVX-512, AVX2 and scalar paths give the same bits (nodes of different CPUs
+    share blocks), and a row's result does not depend on the rows beside it."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 96, generator=g)
+    w = bik.pack(torch.randn(96, 200, generator=g))
+    norm_w = torch.randn(96, generator=g)
+    gu = torch.randn(13, 2 * 70, generator=g) * 4
+    q = torch.randn(13, 4, 32, generator=g)
+    kv = torch.randn(2, 2, 64, 32, generator=g)
+    results = []
+    for path in bik.paths():
+        bik.use_path(path)
+        att = torch.empty(13, 4 * 32)
+        bik.attend(q, [bik.AttnSegment(0, 13, 40, kv)], 2, 0, att)
+        results.append((bik.linear(x, w), bik.rms_norm(x, norm_w, 1e-5), bik.silu_mul(gu), att))
+        rows = torch.cat([bik.linear(x[i:i + 1], w) for i in range(13)])
+        assert torch.equal(rows, results[-1][0])
+        one = torch.empty(1, 4 * 32)
+        bik.attend(q[5:6], [bik.AttnSegment(0, 1, 45, kv)], 2, 0, one)
+        assert torch.equal(one, att[5:6])
+    bik.use_path(bik.paths()[-1])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))

@@ -45,12 +45,33 @@ def test_every_long_running_container_has_three_probes(manifest: Manifest) -> No
 @pytest.mark.parametrize("component", GRPC_COMPONENTS)
 def test_grpc_services_use_native_grpc_health_probes(manifest: Manifest, component: str) -> None:
     c = manifest.main_container(component)
+    args = c.spec["args"]
+    # The kubelet cannot present a client certificate: probes go to the plain-text
+    # health-only port the server opens with --health-port, never the mTLS one.
+    assert int(args[args.index("--health-port") + 1]) == c.port("health") != c.port("grpc")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         grpc = c.spec[probe].get("grpc")
         assert grpc is not None, f"{c.where}: {probe} is not a native gRPC probe"
-        assert grpc["port"] == c.port("grpc")
+        assert grpc["port"] == c.port("health")
         # The standard health service's overall status ("" service name).
         assert grpc.get("service", "") == ""
+
+
+@pytest.mark.parametrize("component", (*GRPC_COMPONENTS, "router"))
+def test_services_mount_their_mtls_identity_from_a_secret(manifest: Manifest,
+                                                          component: str) -> None:
+    c = manifest.main_container(component)
+    args = c.spec["args"]
+    assert "--insecure" not in args, f"{c.where} serves plain text"
+    vols = {v["name"]: v for v in pod_spec(c.workload)["volumes"]}
+    tls = vols["tls"]["secret"]
+    # cert-manager's Secret of a Certificate holds tls.crt, tls.key and ca.crt.
+    assert tls["secretName"] == f"kvserve-tls-{component}"
+    assert args[args.index("--tls-dir") + 1] == c.mount("tls")
+    if component != "kvstore":      # services that compute block keys need the secret
+        secret_file = args[args.index("--secret-file") + 1]
+        assert vols["deployment-secret"]["secret"]["secretName"] == "kvserve-secret"
+        assert secret_file == f"{c.mount('deployment-secret')}/secret"
 
 
 def test_router_probes_http(manifest: Manifest) -> None:

@@ -48,6 +48,8 @@ def test_services_bench_runs_a_short_conversation(tmp_path: Path) -> None:
     assert [t["turn"] for t in turns] == [1, 2]
     assert turns[0]["cached_tokens"] == 0
     assert all(t["identical"] for t in turns)
+    # Zero think time: turn 2 still gets the hit rule on turn 1's prompt + output.
+    assert turns[1]["rule_tokens"] > 0 and turns[1]["rule_met"], turns[1]
 
 
 @pytest.mark.gpu

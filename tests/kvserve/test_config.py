@@ -63,3 +63,26 @@ def test_config_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     bad.write_text('[classes]\ndefault = "bulk"\n')
     assert main(["config", "check", str(bad)]) == 2
     assert "classes.default 'bulk' is not a class" in capsys.readouterr().err
+
+
+def test_config_check_lists_every_bad_field_with_path_and_type(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[blocks]\nblock_tokens = "64"\n[tiers]\ng2_bytes = [1]\nnode = 5\n'
+                   '[ports]\nhttp = "x"\n[model]\ndtype = "fp8"\n[bogus]\n')
+    with pytest.raises(ConfigError) as err:
+        KVServeConfig.load(bad)
+    assert err.value.problems == (
+        "unknown config section(s) ['bogus']; known: ['blocks', 'classes', 'model', 'ports', "
+        "'redis', 'router', 'tiers']",
+        "model.dtype must be float32, bfloat16 or float16, got 'fp8'",
+        "blocks.block_tokens: expected an integer, got str '64'",
+        "tiers.g2_bytes: expected an integer or a size such as 4GiB, got list [1]",
+        "tiers.node: expected a string, got int 5",
+        "ports.http: expected an integer, got str 'x'")
+    res = subprocess.run([sys.executable, "-m", "kvserve.cli", "config", "check", str(bad)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "6 problems in the config" in res.stderr
+    assert "not supported between" not in res.stderr and "Traceback" not in res.stderr

@@ -195,3 +195,64 @@ def test_real_traces_load() -> None:
     agent = load_trace(SHARED / "weka-claude-code/traces.tar.xz", max_sessions=2, seed=3)
     assert agent.block_tokens == 64 and {r.traffic_class for r in agent.requests} == {"agent"}
     assert all(len(r.hash_ids) == r.input_length // 64 for r in agent.requests)
+
+
+def test_csv_table_form(tmp_path: Path) -> None:
+    p = tmp_path / "ops.csv"
+    p.write_text("# block_tokens=16\n"
+                 "time,session,hashes,input_length,class\n"
+                 "1.5,u1,aa bb cc,40,agent\n"
+                 "0.5,u2,aa dd,,\n"
+                 "2.0,u1,aa bb cc ee,64,agent\n")
+    tr = load_trace(p, namespace=3)
+    assert tr.block_tokens == 16 and [r.t for r in tr.requests] == [0.5, 1.5, 2.0]
+    first, second, third = tr.requests
+    assert first.session == "u2" and first.input_length == 32 and first.traffic_class == "chat"
+    assert second.traffic_class == "agent" and second.input_length == 40
+    # the same hash text is the same id within the file, namespaced by the file tag
+    assert first.hash_ids[0] == second.hash_ids[0] == third.hash_ids[0]
+    assert third.hash_ids[:3] == second.hash_ids and all(h >> FILE_SHIFT == 3
+                                                         for h in third.hash_ids)
+    # --class-of still overrides, and a bad row names its line
+    assert load_trace(p, class_of="chat").requests[1].traffic_class == "chat"
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,session,hashes\nsoon,u1,aa\n")
+    with pytest.raises(TraceFormatError, match=r"bad.csv:2: bad row"):
+        load_trace(bad)
+    missing = tmp_path / "missing.csv"
+    missing.write_text("time,hashes\n1,aa\n")
+    with pytest.raises(TraceFormatError, match="columns are time, session, hashes"):
+        load_trace(missing)
+
+
+def test_parquet_needs_pyarrow_or_loads(tmp_path: Path) -> None:
+    p = tmp_path / "ops.parquet"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        p.write_bytes(b"PAR1")
+        with pytest.raises(TraceFormatError, match="needs pyarrow"):
+            load_trace(p)
+        return
+    table = pa.table({"time": [0.0, 1.0], "session": ["a", "a"],
+                      "hashes": [["x"], ["x", "y"]]}).replace_schema_metadata(
+        {"block_tokens": "32"})
+    pq.write_table(table, p)
+    tr = load_trace(p)
+    assert tr.block_tokens == 32 and tr.requests[1].hash_ids[0] == tr.requests[0].hash_ids[0]
+
+
+def test_compact_directory_loads_as_a_trace(tmp_path: Path) -> None:
+    from kvstore.trace_arrays import CompactTrace
+
+    src = _jsonl(tmp_path / "m.jsonl", [
+        {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},
+        {"timestamp": 1000, "input_length": 1536, "output_length": 1, "hash_ids": [1, 2, 3]}])
+    tr = load_trace(src)
+    d = CompactTrace.from_trace(tr).save(tmp_path / "c")
+    back = load_trace(d, time_scale=2.0)
+    assert [r.t for r in back.requests] == [0.0, 2.0]
+    assert [len(r.hash_ids) for r in back.requests] == [2, 3]
+    assert back.requests[1].hash_ids[:2] == back.requests[0].hash_ids
+    assert back.block_tokens == 512

@@ -17,7 +17,7 @@ ONLINE = [p for p in policy_names() if p != "belady"]
 
 
 def test_registry_names_every_policy() -> None:
-    assert {"lru", "prefix_lru", "s3fifo", "hit_density", "belady"} <= set(policy_names())
+    assert {"lru", "fifo", "prefix_lru", "s3fifo", "hit_density", "belady"} <= set(policy_names())
     with pytest.raises(ValueError, match="choose one of"):
         make_policy("fifo-ish")
 
@@ -58,6 +58,14 @@ def test_s3fifo_drops_one_hit_wonders_before_reused_keys() -> None:
     c.put(evicted[0], 10, 50)
     wave = [k for j in range(5) for k in c.put(200 + j, 10, 60 + j).evicted]
     assert evicted[0] not in wave
+
+
+def test_fifo_ignores_uses() -> None:
+    c = _cache("fifo", 2)
+    c.put("a", 10, 0)
+    c.put("b", 10, 1)
+    c.hit("a", 2)                              # LRU would now evict b
+    assert c.put("c", 10, 3).evicted == ["a"]
 
 
 def _agent_vs_chat(policy: str) -> tuple[int, int]:
@@ -108,14 +116,18 @@ def test_capacity_invariant_under_random_use(policy: str) -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10**6), cap_blocks=st.integers(1, 30),
-       ttl=st.sampled_from([math.inf, 15.0, 60.0]), two_classes=st.booleans())
+       ttl=st.sampled_from([math.inf, 15.0, 60.0]), two_classes=st.booleans(),
+       engine=st.sampled_from(["auto", "python"]))
 def test_belady_is_at_least_every_policy(seed: int, cap_blocks: int, ttl: float,
-                                         two_classes: bool) -> None:
+                                         two_classes: bool, engine: str) -> None:
     tr = random_prefix_trace(seed, sessions=10, think_s=20.0,
                              classes=("chat", "agent") if two_classes else ("chat",))
     fut = Future.of(tr)
     cap = cap_blocks * tr.block_tokens
-    best = replay_cache(tr, policy="belady", capacity_tokens=cap, ttl_s=ttl, future=fut)
+    best = replay_cache(tr, policy="belady", capacity_tokens=cap, ttl_s=ttl, future=fut,
+                        engine=engine)
     for policy in ONLINE:
-        other = replay_cache(tr, policy=policy, capacity_tokens=cap, ttl_s=ttl)
+        other = replay_cache(tr, policy=policy, capacity_tokens=cap, ttl_s=ttl, engine=engine)
         assert other.hit_rate <= best.hit_rate + 1e-12, policy
+        assert other.per_class == {} or sum(c.hit_blocks for c in other.per_class.values()) <= \
+            sum(c.hit_blocks for c in best.per_class.values()), policy

@@ -280,8 +280,8 @@ def test_lookup_checks_wide_node_ids_stale_stamps_and_late_gaps(redis_url: str) 
         # Age one entry's stamp past the amortization window: the hit rewrites it.
         old = (await a.entries(ks[5:6]))[0]
         assert old is not None
-        stale = struct.pack("<BBHII", old.tiers, old.class_id, old.node_id, old.size,
-                            old.stamp - 86_400)
+        stale = struct.pack("<BBHIII", old.tiers, old.class_id, old.node_id, old.size,
+                            old.stamp - 86_400, old.tenant_id)
         r.set(index_key(ks[5]), stale, ex=1000)
         m = await a.match_chain(ks[:40], traffic_class="agent")
         fresh = m.entries[5]

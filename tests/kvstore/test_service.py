@@ -26,6 +26,7 @@ from kvstore.types import RequestCtx
 from kvstore.warehouse import Warehouse, WarehouseConfig
 from proto import common_pb2, kvstore_pb2
 from tests.kvstore.storeproc import LAYOUT, blocks, keys, wh_config
+from tests.tls import aio_channel
 
 CTX = RequestCtx(tenant="acme")
 
@@ -46,7 +47,7 @@ async def serving(cfg: WarehouseConfig, limits: ServiceLimits | None = None,
                   ) -> AsyncIterator[Served]:
     wh = await Warehouse(cfg).start()
     srv = await start_server(wh, limits=limits)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    channel = aio_channel(f"127.0.0.1:{srv.port}")
     try:
         yield Served(wh, srv, channel)
     finally:

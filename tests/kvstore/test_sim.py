@@ -3,13 +3,23 @@ Mooncake conversation trace against its published and computed figures."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvserve.traces import load_trace
-from kvstore.sim import Future, SimWarehouse, replay_cache
+from kvserve.traces import Trace, load_trace, merge_traces
+from kvstore.replay_core import HAVE_NATIVE, NATIVE_POLICIES
+from kvstore.sim import Future, ReplayStats, SimWarehouse, replay_cache
+from kvstore.trace_arrays import CompactTrace
 from tests.kvstore.simtrace import MOONCAKE_CONV, make_trace, random_prefix_trace
 
 KVB = 2  # bytes per token in these tests: a 4-token block is 8 bytes
@@ -157,3 +167,98 @@ def test_mooncake_lru_at_3m_tokens_matches_published_and_computed() -> None:
 def test_future_next_indices() -> None:
     tr = make_trace([(0, [1, 2]), (1, [1]), (2, [2, 1])])
     assert Future.of(tr).next_index == ((1, 2), (2,), (-1, -1))
+
+
+# ------------------------------------------------------------ native core == Python loop
+
+NATIVE = [p for p in NATIVE_POLICIES]
+needs_native = pytest.mark.skipif(not HAVE_NATIVE, reason="native._replaycore not built")
+MOONCAKE_SYN = str(Path(MOONCAKE_CONV).with_name("synthetic_trace.jsonl"))
+WEKA = str(Path(MOONCAKE_CONV).parents[1] / "weka-claude-code/traces.tar.xz")
+
+
+def _agree(tr: Trace, policy: str, cap: int | None, ttl: float | dict[str, float],
+           partial: bool = False) -> ReplayStats:
+    py = replay_cache(tr, policy=policy, capacity_tokens=cap, ttl_s=ttl, engine="python",
+                      cache_partial=partial)
+    c = replay_cache(tr, policy=policy, capacity_tokens=cap, ttl_s=ttl, engine="native",
+                     cache_partial=partial)
+    # ReplayStats equality is field by field: hit counts per class, bytes, evictions.
+    assert c == py, (policy, cap, ttl)
+    return c
+
+
+def _shared_traces() -> list[Trace]:
+    out = []
+    if Path(MOONCAKE_CONV).exists():
+        out.append(load_trace(MOONCAKE_CONV, max_requests=3000))
+        out.append(load_trace(MOONCAKE_SYN, max_requests=1500))
+    if Path(WEKA).exists():
+        # Two classes with different TTLs on one timeline: agent sessions + chat.
+        agent = load_trace(WEKA, max_sessions=3, seed=1, namespace=1)
+        chat = load_trace(MOONCAKE_SYN, max_requests=800, namespace=2)
+        out.append(merge_traces([agent, chat]))
+    return out
+
+
+@needs_native
+@pytest.mark.skipif(not Path(MOONCAKE_CONV).exists(), reason="traces not present")
+def test_native_core_matches_python_on_shared_traces() -> None:
+    t0 = time.monotonic()
+    for tr in _shared_traces():
+        blocks = len({h for r in tr.requests for h in r.hash_ids})
+        ttls: list[float | dict[str, float]] = [math.inf, 120.0, {"agent": 30.0, "*": 600.0}]
+        for policy in NATIVE:
+            for cap in (blocks * tr.block_tokens // 40, blocks * tr.block_tokens // 8):
+                for ttl in ttls:
+                    st = _agree(tr, policy, cap, ttl)
+                    assert st.evictions > 0 or policy == "belady", (tr.name, policy, cap)
+        _agree(tr, "lru", None, 60.0, partial=True)
+    assert time.monotonic() - t0 < 120
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), cap_blocks=st.integers(0, 25),
+       ttl=st.sampled_from([math.inf, 5.0, 40.0]), two_classes=st.booleans(),
+       policy=st.sampled_from(NATIVE), dup=st.booleans())
+def test_native_core_matches_python_on_random_traces(seed: int, cap_blocks: int, ttl: float,
+                                                     two_classes: bool, policy: str,
+                                                     dup: bool) -> None:
+    tr = random_prefix_trace(seed, sessions=8, think_s=10.0,
+                             classes=("chat", "agent") if two_classes else ("chat",))
+    if dup:   # a block twice in one request, and requests at one instant
+        reqs = [dataclasses.replace(r, hash_ids=r.hash_ids + r.hash_ids[:1], t=float(int(r.t)))
+                for r in tr.requests]
+        tr = dataclasses.replace(tr, requests=tuple(sorted(reqs, key=lambda r: r.t)))
+    ttls = {"agent": ttl, "chat": 2 * ttl} if two_classes else ttl
+    _agree(tr, policy, cap_blocks * tr.block_tokens, ttls)
+
+
+@needs_native
+def test_native_core_errors_and_fallback_switch() -> None:
+    tr = make_trace([(5, [1]), (4, [2])])
+    with pytest.raises(ValueError, match="arrives before"):
+        replay_cache(tr, engine="native")
+    with pytest.raises(ValueError, match="cannot run policy 'hit_density'"):
+        replay_cache(make_trace([(0, [1])]), policy="hit_density", engine="native")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        replay_cache(make_trace([(0, [1])]), engine="fast")
+    out = subprocess.run([sys.executable, "-c", "import kvstore.replay_core as r; "
+                          "print(r.HAVE_NATIVE)"], env={**os.environ, "KVSERVE_NO_NATIVE": "1"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_compact_trace_roundtrip_and_size(tmp_path: Path) -> None:
+    tr = random_prefix_trace(3, classes=("chat", "agent"))
+    ct = CompactTrace.from_trace(tr)
+    assert ct.n_uses == sum(len(r.hash_ids) for r in tr.requests)
+    assert ct.nbytes() <= 16 * ct.n_uses + 40 * ct.n_requests
+    back = CompactTrace.load(ct.save(tmp_path / "c"))
+    assert isinstance(back.ids, np.memmap) and back.n_keys == ct.n_keys
+    for engine in ("python", "auto"):
+        for policy in ("lru", "hit_density"):
+            a = replay_cache(tr, policy=policy, capacity_tokens=40, ttl_s=50.0, engine=engine)
+            assert replay_cache(back, policy=policy, capacity_tokens=40, ttl_s=50.0,
+                                engine=engine) == a

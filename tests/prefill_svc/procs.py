@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.redis_server import free_port
+from tests.tls import channel
 
 BLOCK = 16
 
@@ -94,7 +95,7 @@ class Proc:
 
 
 def healthy(address: str) -> bool:
-    with grpc.insecure_channel(address) as ch:
+    with channel(address) as ch:
         try:
             res = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                        timeout=1.0)

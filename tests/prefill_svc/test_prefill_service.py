@@ -19,6 +19,7 @@ from prefill_svc.hosting import ServiceSpec, run_service
 from prefill_svc.kv_buffer import KVAssembler, KVPiece, KVShape
 from prefill_svc.server import SERVICE_NAME, PrefillService
 from proto import prefill_pb2, prefill_pb2_grpc
+from tests.tls import aio_channel, secret
 
 SPEC = EngineSpec(model="tiny-dense", block_tokens=16, num_blocks=256)
 
@@ -37,7 +38,7 @@ async def serving(**cfg: object) -> AsyncIterator[prefill_pb2_grpc.PrefillStub]:
     try:
         while not ready:
             await asyncio.sleep(0.01)
-        async with grpc.aio.insecure_channel(ready[0]) as ch:
+        async with aio_channel(ready[0]) as ch:
             yield prefill_pb2_grpc.PrefillStub(ch)
     finally:
         stop.set()
@@ -63,7 +64,8 @@ def test_handle_and_local_prefix_cache() -> None:
             h = await stub.Prefill(req, timeout=30)
             assert list(h.prompt_ids) == toks
             assert list(h.block_keys) == chain_keys(toks, block_tokens=16, tenant="t1",
-                                                    fingerprint=ref.fingerprint)
+                                                    fingerprint=ref.fingerprint,
+                                                    secret=secret())
             assert h.first_token == ref.generate(toks, SamplingParams(max_tokens=1)).tokens[0]
             assert h.ctx.tenant == "t1" and h.ctx.traffic_class == "chat"
             assert h.ctx.model_fingerprint == ref.fingerprint_hex and h.ctx.request_id

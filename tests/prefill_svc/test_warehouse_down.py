@@ -7,11 +7,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import grpc
-
 from engine import Engine, EngineConfig, SamplingParams
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.prefill_svc import procs
+from tests.tls import channel
 
 B = procs.BLOCK
 
@@ -37,7 +36,7 @@ def test_prefill_degrades_to_recompute_and_recovers(redis_url: str, tmp_path: Pa
     tokens = [(i * 13) % 250 + 1 for i in range(90)]
     want = ref.generate(tokens, SamplingParams(max_tokens=6)).tokens
     try:
-        with grpc.insecure_channel(pre.address) as pch, grpc.insecure_channel(dec.address) as dch:
+        with channel(pre.address) as pch, channel(dec.address) as dch:
             p_stub, d_stub = prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch)
             h, out = _generate(p_stub, d_stub, tokens)
             assert (h.cached_tokens, out) == (0, want)

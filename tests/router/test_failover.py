@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from kvstore.redis_server import EmbeddedRedis, free_port
@@ -46,6 +45,7 @@ from tests.router.front_stack import (
     router_proc,
     wait_until,
 )
+from tests.tls import channel
 
 MODEL = "tiny-dense"
 NODES = ("node-a", "node-b")
@@ -118,7 +118,7 @@ def test_prefix_holder_is_chosen_from_kv_events(cluster: Cluster) -> None:
     holder = sorted(cluster.prefill)[1]
     tokens = [ord(c) for c in uuid.uuid4().hex * 3]            # 96 tokens = 6 blocks
     stored_before = metric_sum(cluster.http, "kvserve_router_kv_events_total", kind="stored")
-    with grpc.insecure_channel(cluster.prefill[holder].address) as ch:
+    with channel(cluster.prefill[holder].address) as ch:
         handle = prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
             ctx=common_pb2.RequestContext(request_id="seed-" + uuid.uuid4().hex),
             token_ids=tokens, sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=30)

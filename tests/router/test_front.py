@@ -28,6 +28,7 @@ from tests.router.front_stack import (
     router_proc,
     wait_until,
 )
+from tests.tls import channel
 
 MODEL = "tiny-dense"          # byte-level tokenizer, 1024-token context
 BLOCK = 16
@@ -301,6 +302,11 @@ def test_streaming_completion_without_usage_and_token_prompt(stack: Stack) -> No
 def test_models_health_metrics(stack: Stack) -> None:
     models = http("GET", stack.http + "/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    one = http("GET", stack.http + f"/v1/models/{MODEL}")
+    assert one.status == 200 and one.json() == models["data"][0]
+    missing = http("GET", stack.http + "/v1/models/no-such-model")
+    assert missing.status == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
     health = http("GET", stack.http + "/health")
     assert health.status == 200 and health.json()["instances"] == {"prefill": 1, "decode": 1}
     http("POST", stack.http + CHAT, _chat("count me"))
@@ -363,7 +369,7 @@ def test_api_keys_gate_requests_and_pick_the_tenant(keyed_router: RouterProc) ->
 
 
 def test_grpc_router_generate(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.grpc) as ch:
+    with channel(stack.grpc) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         req = router_pb2.GenerateRequest(
             ctx=common_pb2.RequestContext(request_id="grpc-1", traffic_class="chat"),

@@ -40,6 +40,9 @@ def _ask(question: str) -> list[dict[str, str]]:
 
 def test_models(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_chat_then_cached_repeat(client: openai.OpenAI) -> None:

@@ -1,0 +1,167 @@
+"""Batch-invariant kernels: the CPU fp32 path of the model's matmuls, RMSNorm,
+SwiGLU and attention (native/bik.c).
+
+A row's result is one fixed sequence of IEEE operations on that row's inputs:
+it does not depend on how many rows share the call (decode batch size, prefill
+chunk length) or on the thread split. So with these kernels
+
+- decode KV is bit-identical to prefill KV of the same tokens (no recompute
+  before storing a turn's output blocks: they are canonical as computed);
+- a restore may start at any block boundary, not only a chunk boundary;
+- decode needs no fixed padded bucket (the old price of batch invariance: an
+  8-row MKL GEMM streamed weights at about half the speed of a 1-row one).
+
+The AVX-512, AVX2 and scalar paths give the same bytes, so blocks computed on
+different CPUs of one deployment are interchangeable. ``KVSERVE_NO_NATIVE=1``
+or a missing extension leaves the engine on its torch path (exactness then
+comes from the fixed decode bucket and chunk-aligned restores, as before).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+_ext: ModuleType | None = None
+if os.environ.get("KVSERVE_NO_NATIVE", "") not in ("1", "true", "yes"):
+    try:
+        from native import _bik as _ext
+    except ImportError:  # not built (no compiler at install time)
+        _ext = None
+
+# Part of the model fingerprint: blocks from another kernel family never mix.
+KERNEL_ID = "bik1"
+
+
+def available() -> bool:
+    return _ext is not None
+
+
+def paths() -> tuple[str, ...]:
+    """SIMD paths this CPU runs, slowest first (all give identical bits)."""
+    return tuple(_ext.isas()) if _ext is not None else ()
+
+
+def use_path(name: str) -> None:
+    """Force a SIMD path (tests and benchmarks)."""
+    _lib().set_isa(name)
+
+
+def current_path() -> str:
+    return str(_lib().isa())
+
+
+def set_threads(n: int) -> None:
+    _lib().set_threads(max(1, int(n)))
+
+
+def _lib() -> ModuleType:
+    if _ext is None:
+        raise RuntimeError("the batch-invariant kernels (native._bik) are not built")
+    return _ext
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A [K, N] fp32 weight in 16-column panels (what the GEMM streams)."""
+
+    data: torch.Tensor          # [ceil(N / 16) * K * 16] fp32
+    k: int
+    n: int
+
+
+def pack(w_t: torch.Tensor) -> PackedWeight:
+    # w_t: [K, N] (x @ w_t), any row stride, unit column stride
+    if w_t.dtype != torch.float32 or w_t.device.type != "cpu" or w_t.dim() != 2:
+        raise ValueError(f"pack needs a 2-D fp32 CPU tensor, got {w_t.dtype} {w_t.device}")
+    if w_t.stride(1) != 1:
+        w_t = w_t.contiguous()
+    k, n = w_t.shape
+    out = torch.empty(-(-n // 16) * k * 16, dtype=torch.float32)
+    _lib().pack(w_t.data_ptr(), k, n, w_t.stride(0), out.data_ptr())
+    return PackedWeight(out, k, n)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"expected a 2-D fp32 tensor, got {x.dim()}-D {x.dtype}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [M, K] -> [M, N]
+    x = _rows(x)
+    m, k = x.shape
+    if k != w.k:
+        raise ValueError(f"linear: x has {k} columns, weight expects {w.k}")
+    out = torch.empty(m, w.n, dtype=torch.float32)
+    if m:
+        b = 0 if bias is None else bias.contiguous().data_ptr()
+        _lib().gemm(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.n, b,
+                    out.data_ptr(), w.n)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = _rows(x)
+    m, n = x.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        _lib().rmsnorm(x.data_ptr(), x.stride(0), m, n, weight.contiguous().data_ptr(),
+                       float(eps), out.data_ptr(), n)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up: [M, 2I] (gate columns, then up) -> silu(gate) * up: [M, I]
+    gu = _rows(gate_up)
+    m, two_i = gu.shape
+    inter = two_i // 2
+    out = torch.empty(m, inter, dtype=torch.float32)
+    if m:
+        _lib().silu_mul(gu.data_ptr(), gu.stride(0), m, inter, out.data_ptr(), inter)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class AttnSegment:
+    row0: int                  # first query row of this sequence in the call
+    rows: int
+    q_start: int               # absolute position of its first row
+    kv: torch.Tensor           # this layer's [2, Hkv, capacity, D] (the sequence's mirror)
+
+
+def attend(q: torch.Tensor, segments: list[AttnSegment], kv_heads: int, window: int,
+           out: torch.Tensor) -> None:
+    """Causal (optionally sliding-window) attention of each segment's rows over
+    its own keys [lo, p]; q: [M, H, D] (unit stride in D), out: [M, H * D]."""
+    if not segments:
+        return
+    _, heads, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    meta, item0, max_keys, acc = [], [0], 1, 0
+    for s in segments:
+        kv = s.kv
+        cap = kv.shape[2]
+        if (kv.dtype != torch.float32 or not kv.is_contiguous() or kv.dim() != 4
+                or kv.shape[1] != kv_heads or kv.shape[3] != d):
+            raise ValueError("attend: every segment's KV must be a contiguous "
+                             f"[2, {kv_heads}, capacity, {d}] fp32 tensor")
+        end = s.q_start + s.rows
+        if end > cap:
+            raise ValueError(f"attend: keys up to {end} exceed the KV capacity {cap}")
+        meta += [s.row0, s.rows, s.q_start, kv[0].data_ptr(), kv[1].data_ptr(),
+                 cap * d]
+        acc += s.rows * heads
+        item0.append(acc)
+        max_keys = max(max_keys, min(end, window) if window else end)
+    seg_t = torch.tensor(meta, dtype=torch.int64)
+    item_t = torch.tensor(item0, dtype=torch.int64)
+    _lib().attend(q.data_ptr(), q.stride(0), heads, kv_heads, d, seg_t.data_ptr(),
+                  item_t.data_ptr(), len(segments), window, 1.0 / math.sqrt(d),
+                  out.data_ptr(), out.stride(0), max_keys)

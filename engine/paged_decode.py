@@ -1,0 +1,231 @@
+"""GPU decode: one paged-attention kernel for every sequence of a step, and CUDA
+graphs of the whole decode forward per batch bucket.
+
+The kernel (Triton) reads K/V straight from the paged pool through each
+sequence's block table, so decode needs neither the per-sequence contiguous
+mirror nor a Python loop of SDPA calls. One program handles one (sequence, KV
+head, split): the g query heads of that KV head become the rows of one small
+matrix product (GQA without repeating K/V); sliding-window layers start at
+``pos - window + 1``. Long contexts at small batch split the keys into
+``splits`` ranges (flash-decoding) that a second pass merges.
+
+Graphs: every per-step input (tokens, positions, write slots, block tables,
+lengths) lives in static device buffers, so one ``CUDAGraph.replay`` runs the
+32-layer forward with no launch gaps. Padding rows of a bucket point at a
+reserved scratch block, never at a live sequence's KV.
+
+Only imported on CUDA (Triton is not a CPU dependency).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from engine.kv_pool import KVStorage
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@triton.jit
+def _paged_decode_kernel(Q, K, V, TBL, LENS, ACC, ML,
+                         s_qb, s_qh, s_kh, s_kb, s_kt, s_tb,
+                         s_ab, s_as, s_ah, s_mb, s_ms, s_mh,
+                         window, scale,
+                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                         BT: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    sp = tl.program_id(2)
+    n_keys = tl.load(LENS + b)                          # keys [lo, n_keys) of this row
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(n_keys - window, 0)
+    first = lo // BT
+    last = tl.cdiv(n_keys, BT)
+    per = tl.cdiv(last - first, SPLITS)
+    p0 = first + sp * per
+    p1 = tl.minimum(last, p0 + per)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    t = tl.arange(0, BT)
+    heads = hk * G + g
+    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :],
+                mask=(g < G)[:, None], other=0.0)                    # [GP, D]
+    m = tl.full([GP], float("-inf"), tl.float32)
+    lsum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for p in range(p0, p1):
+        blk = tl.load(TBL + b * s_tb + p).to(tl.int64)
+        base = hk * s_kh + blk * s_kb + t[:, None] * s_kt + d[None, :]
+        k = tl.load(K + base)                                        # [BT, D]
+        s = tl.dot(q, tl.trans(k)) * scale                           # [GP, BT] fp32
+        pos = p * BT + t
+        valid = (pos < n_keys) & (pos >= lo)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(e, 1)
+        v = tl.load(V + base)
+        acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v)
+        m = m_new
+    row = g < G
+    tl.store(ACC + b * s_ab + sp * s_as + heads[:, None] * s_ah + d[None, :], acc,
+             mask=row[:, None])
+    tl.store(ML + b * s_mb + sp * s_ms + heads * s_mh, m, mask=row)
+    tl.store(ML + b * s_mb + sp * s_ms + heads * s_mh + 1, lsum, mask=row)
+
+
+def splits_for(batch: int, kv_heads: int, sms: int) -> int:
+    """Key splits so the grid fills the GPU about twice; 1 at large batch."""
+    return max(1, min(32, (2 * sms) // max(1, batch * kv_heads)))
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 tables: torch.Tensor, lens: torch.Tensor, window: int, splits: int,
+                 acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
+    """q: [B, H, D]; k_pool, v_pool: [Hkv, num_blocks, BT, D] (one layer of the pool);
+    tables: [B, max_blocks] int32; lens: [B] int32 keys per row (position + 1);
+    acc: [B, splits, H, D] fp32 and ml: [B, splits, H, 2] fp32 scratch.
+    Returns [B, H * D] in q's dtype."""
+    bsz, heads, dim = q.shape
+    kv_heads, _, bt, _ = k_pool.shape
+    group = heads // kv_heads
+    _paged_decode_kernel[(bsz, kv_heads, splits)](
+        q, k_pool, v_pool, tables, lens, acc, ml,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
+        ml.stride(0), ml.stride(1), ml.stride(2), window, 1.0 / dim ** 0.5,
+        G=group, GP=max(16, triton.next_power_of_2(group)), D=dim, BT=bt, SPLITS=splits,
+        num_warps=4)
+    if splits == 1:
+        out = acc[:, 0] / ml[:, 0, :, 1:2]
+    else:
+        mx = ml[..., 0].amax(1, keepdim=True)                     # [B, 1, H]
+        w = torch.exp(ml[..., 0] - mx)                            # [B, S, H]
+        out = (acc * w[..., None]).sum(1) / (ml[..., 1] * w).sum(1)[..., None]
+    return out.to(q.dtype).reshape(bsz, heads * dim)
+
+
+@dataclass(slots=True)
+class StepBuffers:
+    """Static device inputs of one decode bucket (what a captured graph reads)."""
+
+    tokens: torch.Tensor        # [b] int64
+    positions: torch.Tensor     # [b] int64
+    slots: torch.Tensor         # [b] int64 pool slot of each row's new K/V
+    tables: torch.Tensor        # [b, max_blocks] int32
+    lens: torch.Tensor          # [b] int32
+    acc: torch.Tensor           # [b, splits, H, D] fp32
+    ml: torch.Tensor            # [b, splits, H, 2] fp32
+    splits: int
+
+
+class PagedDecodeAttention:
+    """The ``attend`` callback of a decode forward over StepBuffers."""
+
+    def __init__(self, storage: KVStorage, windows: tuple[int, ...], num_heads: int,
+                 buf: StepBuffers) -> None:
+        self.storage, self.windows, self.buf = storage, windows, buf
+        self.heads = num_heads
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        # q: [b, H, D]; k, v: [b, Hkv, D] -> [b, H * D]
+        b = self.buf
+        self.storage.write(layer, b.slots, k, v)
+        data = self.storage.data                     # [L, 2, Hkv, nb, BT, D]
+        return paged_decode(q, data[layer, 0], data[layer, 1], b.tables, b.lens,
+                            self.windows[layer], b.splits, b.acc, b.ml)
+
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, PagedDecodeAttention], torch.Tensor]
+
+
+class DecodeRunner:
+    """Batched paged decode with a CUDA graph per bucket (captured on first use)."""
+
+    def __init__(self, storage: KVStorage, windows: tuple[int, ...], num_heads: int,
+                 max_blocks: int, scratch_block: int, forward: ForwardFn,
+                 use_graphs: bool) -> None:
+        self.storage, self.windows, self.heads = storage, windows, num_heads
+        self.max_blocks, self.scratch = max_blocks, scratch_block
+        self.forward, self.use_graphs = forward, use_graphs
+        self.device = storage.device
+        lay = storage.layout
+        self.block_tokens, self.head_dim = lay.block_tokens, lay.head_dim
+        self.kv_heads = lay.kv_heads
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._bufs: dict[int, StepBuffers] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+
+    def bucket(self, n: int) -> int:
+        for b in BUCKETS:
+            if n <= b:
+                return b
+        return BUCKETS[-1]
+
+    def _buffers(self, b: int) -> StepBuffers:
+        if b not in self._bufs:
+            dev, sp = self.device, splits_for(b, self.kv_heads, self.sms)
+            self._bufs[b] = StepBuffers(
+                torch.zeros(b, dtype=torch.int64, device=dev),
+                torch.zeros(b, dtype=torch.int64, device=dev),
+                torch.full((b,), self.scratch * self.block_tokens, dtype=torch.int64, device=dev),
+                torch.full((b, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
+                torch.ones(b, dtype=torch.int32, device=dev),
+                torch.empty(b, sp, self.heads, self.head_dim, dtype=torch.float32, device=dev),
+                torch.empty(b, sp, self.heads, 2, dtype=torch.float32, device=dev), sp)
+        return self._bufs[b]
+
+    def _graph(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if b not in self._graphs:
+            buf = self._buffers(b)
+            attn = PagedDecodeAttention(self.storage, self.windows, self.heads, buf)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):          # warm-up: Triton compiles, cuBLAS plans
+                for _ in range(2):
+                    self.forward(buf.tokens, buf.positions, attn)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self.forward(buf.tokens, buf.positions, attn)
+            self._graphs[b] = (graph, logits)
+        return self._graphs[b]
+
+    def step(self, pending: list[int], positions: list[int],
+             blocks: list[list[int]]) -> torch.Tensor:
+        """Logits [n, V] of one decode step for n <= 64 sequences."""
+        n, bt = len(pending), self.block_tokens
+        b = self.bucket(n)
+        buf = self._buffers(b)
+        host = np.zeros((4, b), dtype=np.int64)
+        host[2, :] = self.scratch * bt
+        host[3, :] = 1
+        table = np.full((b, self.max_blocks), self.scratch, dtype=np.int32)
+        for i, (tok, pos, blk) in enumerate(zip(pending, positions, blocks, strict=True)):
+            host[0, i], host[1, i] = tok, pos
+            host[2, i] = blk[pos // bt] * bt + pos % bt
+            host[3, i] = pos + 1
+            table[i, :len(blk)] = blk
+        h = torch.from_numpy(host).to(self.device, non_blocking=True)
+        buf.tokens.copy_(h[0])
+        buf.positions.copy_(h[1])
+        buf.slots.copy_(h[2])
+        buf.lens.copy_(h[3])
+        buf.tables.copy_(torch.from_numpy(table).to(self.device, non_blocking=True))
+        if self.use_graphs:
+            graph, logits = self._graph(b)
+            graph.replay()
+        else:
+            attn = PagedDecodeAttention(self.storage, self.windows, self.heads, buf)
+            logits = self.forward(buf.tokens, buf.positions, attn)
+        return logits[:n]

@@ -1,0 +1,194 @@
+"""vLLM OpenAI servers with kvserve's connector, as child processes.
+
+``VLLMSpec`` is one server's whole command line and environment (the connector's
+``--kv-transfer-config`` included); ``VLLMProcess`` starts it, waits for its
+``/health`` and stops it. ``run_up`` is ``kvserve up --engine vllm``: Redis,
+one kvstore, ``--vllm-instances`` vLLM servers (``kv_both``, or with ``--pd``
+one ``kv_producer`` + one ``kv_consumer``) and the router with its vLLM backend.
+Tests and ``kvserve bench vllm`` start servers through the same spec.
+
+vLLM is started as ``python -m connectors.vllm_cli serve`` (the ``vllm``
+console script of the CPU build fails on its distribution name; docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+# What vLLM's CPU build wants on these machines (docs/vllm.md): no usage reports,
+# offline, threads on every core, and the dev endpoints tests use (/reset_prefix_cache).
+BASE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_SERVER_DEV_MODE": "1"}
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMSpec:
+    model_dir: str
+    port: int
+    store: str                                  # kvstore gRPC address
+    redis_url: str
+    instance_id: str
+    served_name: str = "smollm2"
+    host: str = "127.0.0.1"
+    kv_role: str = "kv_both"
+    block_tokens: int = 64
+    node: str = "node-0"
+    kvcache_gib: int = 1                        # VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    max_model_len: int = 4096
+    enforce_eager: bool = True                  # ~40 s start instead of ~2-3 min
+    connector: bool = True                      # False: plain vLLM (its own cache only)
+    tls_dir: str = ""
+    insecure: bool = False
+    secret_file: str = ""
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role {self.kv_role!r} is not one of {KV_ROLES}")
+        if self.block_tokens % 32:
+            raise ValueError(f"block_tokens {self.block_tokens}: vLLM's CPU build needs a "
+                             "multiple of 32")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"store": self.store, "redis_url": self.redis_url,
+                                 "instance_id": self.instance_id, "advertise": self.base_url,
+                                 "node": self.node, "block_tokens": self.block_tokens,
+                                 **self.extra_config}
+        if self.tls_dir:
+            extra["tls_dir"] = self.tls_dir
+        if self.insecure:
+            extra["insecure"] = True
+        if self.secret_file:
+            extra["secret_file"] = self.secret_file
+        return {"kv_connector": "KVServeConnector", "kv_connector_module_path": "connectors.vllm",
+                "kv_role": self.kv_role, "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": extra}
+
+    def argv(self) -> list[str]:
+        cmd = [sys.executable, "-m", "connectors.vllm_cli", "serve", self.model_dir,
+               "--host", self.host, "--port", str(self.port),
+               "--served-model-name", self.served_name, "--dtype", "float32",
+               "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_tokens),
+               "--enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--disable-log-stats"]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.connector:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, **BASE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib)}
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+        root = str(Path(__file__).resolve().parent.parent)   # connectors/ importable in spawns
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+        return env
+
+
+class VLLMError(RuntimeError):
+    """A vLLM server did not start (the message carries its log's tail)."""
+
+
+class VLLMProcess:
+    def __init__(self, spec: VLLMSpec, log: Path) -> None:
+        self.spec = spec
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self.ready_s = 0.0
+
+    def start(self) -> VLLMProcess:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.monotonic()
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.env(), stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float = 900.0) -> VLLMProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise VLLMError(f"vLLM {self.spec.instance_id} exited while starting; "
+                                f"log {self.log}:\n{tail(self.log)}")
+            if http_ok(self.spec.base_url + "/health"):
+                self.ready_s = time.monotonic() - self.started_at
+                return self
+            time.sleep(0.5)
+        raise VLLMError(f"vLLM {self.spec.instance_id} not ready after {timeout_s:.0f}s; "
+                        f"log {self.log}:\n{tail(self.log)}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to its process group (the API server, engine core and workers)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def security_args(tls_dir: str, insecure: bool) -> list[str]:
+    return ["--insecure"] if insecure else ["--tls-dir", tls_dir] if tls_dir else []
+
+
+# --------------------------------------------------------------------- kvserve up
+
+
+def configure_up(p: argparse.ArgumentParser) -> None:
+    """Flags only ``kvserve up --engine vllm`` reads (the launcher adds them)."""
+    p.add_argument("--vllm-instances", type=int, default=2,
+                   help="vLLM servers (kv_both) with --engine vllm (default 2)")
+    p.add_argument("--pd", action="store_true",
+                   help="with --engine vllm: one kv_producer (prefill) + one kv_consumer "
+                   "(decode) that loads the prefill's KV through the warehouse")
+    p.add_argument("--vllm-kvcache-gib", type=int, default=2,
+                   help="VLLM_CPU_KVCACHE_SPACE of each vLLM server (GiB)")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from kvserve.launch_vllm_up import run
+
+    return run(args)

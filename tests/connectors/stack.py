@@ -1,0 +1,156 @@
+"""The real parts the vLLM connector tests run against: a kvstore process (on a
+fixed free port, so it can be killed and restarted in place), vLLM OpenAI
+servers with the connector (kvserve.launch_vllm), and small HTTP helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from connectors.vllm_presence import stats_key
+from kvstore.redis_server import free_port
+
+BLOCK = 64
+
+
+def security() -> tuple[str, bool]:
+    """(tls_dir, insecure) for the stack: mTLS when the suite has a deployment
+    (KVSERVE_TLS_DIR) and the kvstore client speaks it, else plain text."""
+    from connectors.vllm import _client_takes_security
+
+    tls = os.environ.get("KVSERVE_TLS_DIR", "")
+    if tls and _client_takes_security():
+        return tls, False
+    return "", True
+
+
+@dataclass
+class Store:
+    port: int
+    redis_url: str
+    g3: Path
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> Store:
+        tls, insecure = security()
+        argv = [sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
+                "--port", str(self.port), "--metrics-port", "-1", "--redis-url", self.redis_url,
+                "--g2-bytes", "256MiB", "--g3-path", str(self.g3), "--no-prefault",
+                "--no-fsync", "--grace", "2", *(["--insecure"] if insecure else
+                                                ["--tls-dir", tls])]
+        start = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if b"kvstore ready" in self.log.read_bytes()[start:]:
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"kvstore did not start: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def new_store(redis_url: str, root: Path) -> Store:
+    root.mkdir(parents=True, exist_ok=True)
+    return Store(free_port(), redis_url, root / "g3", root / "kvstore.log")
+
+
+# ----------------------------------------------------------------- HTTP
+
+
+def post(base: str, path: str, body: dict[str, Any] | None = None,
+         timeout_s: float = 300.0) -> dict[str, Any]:
+    req = urllib.request.Request(base + path, data=json.dumps(body or {}).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def complete(base: str, prompt: list[int], *, salt: str, max_tokens: int = 32,
+             kv_class: str = "") -> Completion:
+    """Greedy completion of token ids on a vLLM server."""
+    body: dict[str, Any] = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                            "cache_salt": salt}
+    if kv_class:
+        body["kv_transfer_params"] = {"kv_class": kv_class}
+    out = post(base, "/v1/completions", body)
+    choice, usage = out["choices"][0], out["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    return Completion(tuple(choice["token_ids"]), choice["text"], usage["prompt_tokens"],
+                      int(details.get("cached_tokens") or 0))
+
+
+def reset_local_cache(base: str) -> None:
+    """Empty vLLM's own prefix cache (VLLM_SERVER_DEV_MODE), so what follows can
+    only hit the warehouse."""
+    post(base, "/reset_prefix_cache")
+
+
+def hit_rule(prompt_tokens: int, stored_blocks: int, reserve: int = 1) -> int:
+    limit = min(stored_blocks * BLOCK, prompt_tokens - reserve)
+    return max(0, limit - limit % BLOCK)
+
+
+def stats(redis_url: str, instance_id: str) -> dict[str, int]:
+    r = redis.Redis.from_url(redis_url)
+    try:
+        return {k.decode(): int(v) for k, v in r.hgetall(stats_key(instance_id)).items()}
+    finally:
+        r.close()
+
+
+def wait_for(cond: Any, timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def prompts(n: int, *, seed: int, lo: int = 130, hi: int = 700,
+            vocab: int = 49152) -> list[list[int]]:
+    """``n`` distinct token-id prompts of varied lengths (not all block-aligned)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]

@@ -1,0 +1,45 @@
+"""Issue 11: token identity through the warehouse, across vLLM processes.
+
+Server A computes 20 prompts cold (greedy, 32 tokens) and its connector writes
+their blocks to the kvstore; server B, a fresh vLLM process that never saw
+them, answers the same prompts restoring the prefix from the warehouse: same
+tokens, and the cached tokens it reports are exactly the hit rule's
+floor_to_block(min(stored, L - 1)).
+"""
+
+from __future__ import annotations
+
+from tests.connectors.stack import (
+    BLOCK,
+    complete,
+    hit_rule,
+    prompts,
+    stats,
+    wait_for,
+)
+
+N_PROMPTS = 20
+
+
+def test_fresh_process_restores_from_the_warehouse_token_for_token(vllm_stack, vllm_a, vllm_b):
+    salt = f"ident-{vllm_stack.run}"
+    ps = prompts(N_PROMPTS, seed=11)
+    want_blocks = sum(len(p) // BLOCK for p in ps)
+    before_a = stats(vllm_stack.redis_url, "vllm-a")
+    cold = [complete(vllm_a.spec.base_url, p, salt=salt) for p in ps]
+    assert all(c.cached_tokens == 0 for c in cold), "A must compute these prompts cold"
+    # A's Puts run off the critical path: wait until every full prompt block is stored.
+    wait_for(lambda: stats(vllm_stack.redis_url, "vllm-a").get("saved_blocks", 0)
+             - before_a.get("saved_blocks", 0) >= want_blocks, what="A's saves")
+
+    before_b = stats(vllm_stack.redis_url, "vllm-b")
+    warm = [complete(vllm_b.spec.base_url, p, salt=salt) for p in ps]
+    for i, (c, w, p) in enumerate(zip(cold, warm, ps, strict=True)):
+        assert w.token_ids == c.token_ids, f"prompt {i} ({len(p)} tokens) diverged"
+        assert len(w.token_ids) == 32
+        assert w.cached_tokens == hit_rule(len(p), len(p) // BLOCK), f"prompt {i}"
+    after_b = stats(vllm_stack.redis_url, "vllm-b")
+    hit = sum(hit_rule(len(p), len(p) // BLOCK) for p in ps)
+    assert after_b.get("hit_tokens", 0) - before_b.get("hit_tokens", 0) == hit
+    assert after_b.get("load_errors", 0) == before_b.get("load_errors", 0)
+    assert sum(w.cached_tokens for w in warm) == hit > 0

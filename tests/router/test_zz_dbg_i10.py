@@ -1,0 +1,4 @@
+from tests.router.test_front_input import router  # noqa
+
+def test_x(router):
+    print("URL", router.http)
