@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvstore.client import KVStoreClient
-from kvstore.errors import KVStoreError, StoreUnavailable
+from kvstore.errors import StoreUnavailable
 
 T = TypeVar("T")
 
@@ -40,8 +40,10 @@ class StoreBridge:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvserve-bridge",
                                         daemon=True)
         self._thread.start()
-        self.client: KVStoreClient = self._run(
-            self._make(address, use_shm, timeout_s, security), 10.0)
+        self._stale = False
+        self._closing: set[asyncio.Task[None]] = set()
+        self._args = (address, use_shm, timeout_s, security)
+        self.client: KVStoreClient = self._run(self._make(*self._args), 10.0)
 
     @staticmethod
     async def _make(address: str, use_shm: bool, timeout_s: float,
@@ -74,14 +76,29 @@ class StoreBridge:
 
     async def _guarded(self, make: Callable[[KVStoreClient], Coroutine[Any, Any, T]],
                        timeout_s: float) -> T:
+        if self._stale:
+            await self._reconnect()
         try:
             return await asyncio.wait_for(make(self.client), timeout_s)
         except (StoreUnavailable, TimeoutError) as exc:
             self._open_until = time.monotonic() + self.retry_after_s
+            self._stale = True
             self._on_degraded(type(exc).__name__)
             raise StoreUnavailable(f"kvstore {self.address}: {exc}") from exc
-        except KVStoreError:
-            raise
+
+    async def _reconnect(self) -> None:
+        """A fresh channel after a failure: gRPC's own reconnect back-off grows while
+        the store is down (to minutes), which would keep a restarted store unused."""
+        self._stale = False
+        old, self.client = self.client, await self._make(*self._args)
+
+        async def close_later() -> None:     # calls still running on it may finish
+            await asyncio.sleep(30.0)
+            with contextlib.suppress(Exception):
+                await old.close()
+
+        self._closing.add(task := asyncio.get_running_loop().create_task(close_later()))
+        task.add_done_callback(self._closing.discard)
 
     def close(self) -> None:
         if not self._loop.is_running():

@@ -9,7 +9,7 @@ engine thread, so a join or a free never interleaves with a step. A
 cancelled sequence is out of the active set at once (it is never stepped
 again) and freed right after the step in flight, if any.
 
-Batch invariance (INTERFACES §0) is the engine's: it pads every step to a
+Batch invariance (docs/architecture.md#batch-invariance) is the engine's: it pads every step to a
 fixed bucket, so a sequence's tokens do not depend on who else is here.
 """
 

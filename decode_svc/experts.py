@@ -3,7 +3,7 @@
 A decode step waits for the slowest expert-parallel rank, so the figure that
 matters is, per MoE layer, max rank load / mean rank load under the
 instance's expert placement, averaged over the layers that routed tokens
-(DESIGN §7; the same definition and runtime dispatch rule as the router's
+(docs/architecture.md#router; the same definition and runtime dispatch rule as the router's
 planner, router.eplb_eval, which this module uses). Counts are kept over a
 sliding window of recent steps (the "current" imbalance) and in total.
 

@@ -294,8 +294,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     async def _await_canonical(self, written: asyncio.Event, ctx: RequestCtx) -> None:
         """Hold the final event until the canonical blocks are stored: the
         next turn, sent the moment this one ends, must find them in the index."""
-        if not self.cfg.canonical_wait_s:
-            return
+        if not self.cfg.canonical_wait_s or not self.store.stats.available:
+            return                      # a store that is down cannot serve the next turn
         try:
             await asyncio.wait_for(written.wait(), self.cfg.canonical_wait_s)
         except TimeoutError:

@@ -1,4 +1,5 @@
-"""The model runner shared by prefill and decode (DESIGN §6, INTERFACES §1).
+"""The model runner shared by prefill and decode (docs/engine.md; the contract:
+docs/architecture.md#engine-contract).
 
 Block tensor shape: ``[n_blocks, layers, 2, kv_heads, block_tokens, head_dim]``
 (2 = K then V), engine dtype, contiguous.

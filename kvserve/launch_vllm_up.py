@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir=model_dir, port=free_port(host), store=store_addr, redis_url=redis_url,
         instance_id=f"vllm-{i}-{role.removeprefix('kv_')}", host=host, kv_role=role,
         block_tokens=cfg.blocks.block_tokens, node=cfg.tiers.node,
-        kvcache_gib=args.vllm_kvcache_gib, tls_dir=tls_dir, insecure=insecure,
+        kv_cache_mib=args.vllm_kv_cache_mib, tls_dir=tls_dir, insecure=insecure,
         extra_config={"window": cfg.blocks.window, "backtrack": cfg.blocks.backtrack,
                       "classes": sorted(cfg.classes.ttl_s),
                       "default_class": cfg.classes.default}),

@@ -191,6 +191,9 @@ def _security(args: argparse.Namespace) -> SecurityConfig:
     """mTLS for every child unless --insecure: the deployment directory (secret,
     CA, one certificate per role, keys 0600) is made on first start and kept."""
     if args.insecure:
+        print("WARNING: kvserve up --insecure: every service listens in PLAIN TEXT with NO "
+              "authentication; anyone who reaches a port can read and overwrite every "
+              "tenant's KV (docs/security.md)", file=sys.stderr, flush=True)
         return SecurityConfig(insecure=True)
     from security.pki import ensure_deployment
 

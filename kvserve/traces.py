@@ -1,6 +1,7 @@
 """Request traces with prefix block hashes, loaded into one typed form.
 
-Formats (detected from the file, see ``shared/traces/*/README.md`` beside the checkout):
+Formats (detected from the file; where each public trace comes from: README.md,
+"Public traces and expert-load recordings"):
 
 - **Mooncake** JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``,
   ``hash_ids`` (512-token prefix blocks, ids global to the file, last block may

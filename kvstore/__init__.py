@@ -1,1 +1,1 @@
-"""The tiered KV-cache warehouse (DESIGN §2-5)."""
+"""The tiered KV-cache warehouse (docs/architecture.md#block-identity)."""

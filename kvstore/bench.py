@@ -43,7 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Mooncake Store over TCP on loopback, measured on these CPU machines (DESIGN §10):
+# Mooncake Store over TCP on loopback, measured on these CPU machines
+# (docs/architecture.md#reference-figures):
 # put 1.0-1.5 GB/s, get 1.1-1.8 GB/s, 2,048-key existence check 2.65 ms p99.
 MOONCAKE = {"put_gbps": (1.0, 1.5), "get_gbps": (1.1, 1.8), "lookup_p99_ms": 2.65}
 # (goal, metric, at least this multiple of a reference row, or None = at most `bound`)
@@ -250,9 +251,9 @@ def bench_disk(d: _Data, repeats: int, root: Path) -> dict[str, float]:
 
 
 def bench_redis(d: _Data, repeats: int, url: str) -> dict[str, float]:
-    import redis
+    from kvstore.redis_conn import connect_sync
 
-    r = redis.Redis.from_url(url)
+    r = connect_sync(url)       # one server or a redis+cluster:// URL
     ks = d.keys(7)
 
     def put(_: int) -> None:
@@ -341,35 +342,46 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
     dst = np.empty_like(d.arr)
     dst.fill(0)
     try:
-        for mode, shm, at, sec, tag in (("grpc", False, port, secure, 200),
-                                        ("shm", True, port, secure, 300),
-                                        ("plain", False, plain_port, plain, 400)):
-            async with KVStoreClient(f"127.0.0.1:{at}", timeout_s=120, use_shm=shm,
-                                     security=sec) as c:
-                await c.stats()
-                warm = d.keys(tag + 99)
-                await c.put(warm, d.arr, layout=layout, token_count=1, ctx=ctx)
-                await c.get(warm, ctx=ctx, out=dst)
-                put_times, get_times, copy_times = [], [], []
+        # TLS and plain text take turns inside every round (same moments of a shared
+        # machine), so tls_*_ratio compares like with like; shm runs on its own.
+        tls_vs_plain = (("grpc", False, port, secure, 200),
+                        ("plain", False, plain_port, plain, 400))
+        for group in (tls_vs_plain, (("shm", True, port, secure, 300),)):
+            clients = [KVStoreClient(f"127.0.0.1:{at}", timeout_s=120, use_shm=shm, security=sec)
+                       for _, shm, at, sec, _ in group]
+            try:
+                runs: dict[str, list[list[float]]] = {m[0]: [[], [], []] for m in group}
+                for c, (_, _, _, _, tag) in zip(clients, group, strict=True):
+                    await c.stats()
+                    warm = d.keys(tag + 99)
+                    await c.put(warm, d.arr, layout=layout, token_count=1, ctx=ctx)
+                    await c.get(warm, ctx=ctx, out=dst)
                 for r in range(repeats):
-                    ks = d.keys(tag + r)
-                    t0 = time.perf_counter()
-                    await c.put(ks, d.arr, layout=layout, token_count=1, ctx=ctx)
-                    put_times.append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    got = await c.get(ks, ctx=ctx, out=dst)
-                    get_times.append(time.perf_counter() - t0)
-                    if got.hit_prefix != d.n:
-                        raise RuntimeError(f"{mode}: {d.n - got.hit_prefix} blocks missing")
-                    t0 = time.perf_counter()             # the same bytes, same moment
-                    for i in range(d.n):
-                        np.copyto(dst[i], d.arr[i])
-                    copy_times.append(time.perf_counter() - t0)
-                out[f"{mode}_memcpy_gbps"] = d.total / min(copy_times) / 1e9
-                if not np.array_equal(dst, d.arr):
-                    raise RuntimeError(f"{mode}: bytes differ after a round trip")
-                out[f"{mode}_put_gbps"] = d.total / min(put_times) / 1e9
-                out[f"{mode}_gbps"] = d.total / min(get_times) / 1e9
+                    for c, (mode, _, _, _, tag) in zip(clients, group, strict=True):
+                        put_t, get_t, copy_t = runs[mode]
+                        ks = d.keys(tag + r)
+                        t0 = time.perf_counter()
+                        await c.put(ks, d.arr, layout=layout, token_count=1, ctx=ctx)
+                        put_t.append(time.perf_counter() - t0)
+                        dst.fill(0)
+                        t0 = time.perf_counter()
+                        got = await c.get(ks, ctx=ctx, out=dst)
+                        get_t.append(time.perf_counter() - t0)
+                        if got.hit_prefix != d.n:
+                            raise RuntimeError(f"{mode}: {d.n - got.hit_prefix} blocks missing")
+                        if not np.array_equal(dst, d.arr):
+                            raise RuntimeError(f"{mode}: bytes differ after a round trip")
+                        t0 = time.perf_counter()             # the same bytes, same moment
+                        for i in range(d.n):
+                            np.copyto(dst[i], d.arr[i])
+                        copy_t.append(time.perf_counter() - t0)
+                for mode, (put_t, get_t, copy_t) in runs.items():
+                    out[f"{mode}_memcpy_gbps"] = d.total / min(copy_t) / 1e9
+                    out[f"{mode}_put_gbps"] = d.total / min(put_t) / 1e9
+                    out[f"{mode}_gbps"] = d.total / min(get_t) / 1e9
+            finally:
+                for c in clients:
+                    await c.close()
         ks = [b"G" + i.to_bytes(4, "little") + b"\0" * 11 for i in range(chain)]
         ix = await BlockIndex(url, node="bench-svc", classes=TrafficClasses(),
                               publish_events=False).start()

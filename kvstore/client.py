@@ -1,4 +1,4 @@
-"""``KVStoreClient``: the async client of the KVStore service (INTERFACES §4).
+"""``KVStoreClient``: the async client of the KVStore service (proto/kvstore.proto).
 
 Every call carries a deadline. Status codes come back as the warehouse's own
 errors (one table, ``_ERRORS``): INVALID_ARGUMENT -> InvalidRequest,

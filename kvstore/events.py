@@ -1,4 +1,4 @@
-"""KV events on the Redis stream ``kvserve:events`` (DESIGN §5).
+"""KV events on the Redis stream ``kvserve:events`` (docs/architecture.md#redis-control-plane).
 
 The index writes them inside its own Lua scripts, so an index change and its
 event are one atomic step: a reader never sees a block the stream did not

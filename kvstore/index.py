@@ -1,4 +1,5 @@
-"""The block index in Redis (DESIGN §5): one key per block, EXPIRE = TTL.
+"""The block index in Redis (docs/architecture.md#redis-control-plane): one key per
+block, EXPIRE = TTL.
 
 Key:   b"B" + the 16-byte block key (17 bytes; our other keys start "kvserve:").
 Value: 16 packed bytes ``<BBHIII`` = tier mask, class id, node id, payload
@@ -74,8 +75,8 @@ def index_key(key: bytes) -> bytes:
 # namespace id (4 packed bytes, compared with each entry's last 4), then the TTL per
 # class id. Keys travel as one blob: declaring 2,048 KEYS halves the
 # server's time but triples the client's (redis-py packs each argument in Python);
-# one blob is the cheaper total (a Redis Cluster version must declare them, see
-# docs/warehouse-sizing.md). The blob carries the "B" prefix so each key is one
+# one blob is the cheaper total (on a Redis Cluster each master gets one blob of its
+# keys, kvstore/index_cluster.py). The blob carries the "B" prefix so each key is one
 # string.sub, not a sub plus a concat.
 # Per entry the hot path reads only the bytes it tests (string.byte: mask and
 # node, the stamp only when the class could need a refresh) and keeps MGET's own

@@ -114,14 +114,15 @@ class ClusterScripts:
         self._auth = {"username": unquote(parts.username) if parts.username else None,
                       "password": unquote(parts.password) if parts.password else None}
         self._ssl = parts.scheme == "rediss"
-        self._kw = client_kwargs
+        # A master that vanished without a reset (host down) must fail fast, not hang.
+        self._kw = {"socket_connect_timeout": 2.0, **client_kwargs}
         self._clients: dict[tuple[str, int], aioredis.Redis] = {}
         self._masters: list[tuple[str, int]] = []
         self._slot_master = np.zeros(SLOTS, dtype=np.int16)
         self._stale = True
         self._lock = asyncio.Lock()
         self._shas: dict[str, str] = {}
-        self.errors = 0          # failed fan-out calls (failover, unreachable master)
+        self.errors = 0          # failed calls or slot-map reads (failover, unreachable master)
         self.refreshes = 0       # slot map re-reads
 
     def _client(self, addr: tuple[str, int]) -> aioredis.Redis:
@@ -164,7 +165,11 @@ class ClusterScripts:
     async def split(self, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """Per master: the row numbers (in order) of the keys it holds."""
         if self._stale:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except RedisError:
+                self.errors += 1
+                raise
         owner = self._slot_master[key_slots(rows)]
         order = np.argsort(owner, kind="stable")
         bounds = np.searchsorted(owner[order], np.arange(len(self._masters) + 1))
@@ -183,12 +188,17 @@ class ClusterScripts:
 
     async def run(self, script: str, calls: Sequence[tuple[int, Sequence[Any]]]) -> list[Any]:
         """One script call per (master, args), concurrently; results in order."""
-        try:
-            return list(await asyncio.gather(*[self._eval(m, script, a) for m, a in calls]))
-        except (RedisError, OSError) as exc:
-            self._stale = True
-            self.errors += 1
-            raise RedisError(f"cluster script failed: {exc}") from exc
+        # Every call is awaited to its end (no orphaned task) before one failure is raised.
+        out = await asyncio.gather(*[self._eval(m, script, a) for m, a in calls],
+                                   return_exceptions=True)
+        failed = next((r for r in out if isinstance(r, BaseException)), None)
+        if failed is None:
+            return out
+        self._stale = True
+        self.errors += 1
+        if isinstance(failed, RedisError | OSError):
+            raise RedisError(f"cluster script failed: {failed}") from failed
+        raise failed
 
     async def aclose(self) -> None:
         for c in self._clients.values():

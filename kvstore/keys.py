@@ -1,4 +1,5 @@
-"""Block keys: the 128-bit keyed chain everything in kvserve is indexed by (DESIGN §2).
+"""Block keys: the 128-bit keyed chain everything in kvserve is indexed by
+(docs/architecture.md#block-identity).
 
 Definition (docs/block-keys.md has the reasoning)::
 

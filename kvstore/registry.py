@@ -1,6 +1,6 @@
-"""Instance registry in Redis (DESIGN §5): every kvstore, prefill, decode and
-router instance keeps a hash ``kvserve:inst:<id>`` alive by heartbeats; the
-hash expires ``ttl_s`` after the last one, so a crashed instance drops out
+"""Instance registry in Redis (docs/architecture.md#redis-control-plane): every
+kvstore, prefill, decode and router instance keeps a hash ``kvserve:inst:<id>``
+alive by heartbeats; the hash expires ``ttl_s`` after the last one, so a crashed instance drops out
 without anyone deleting it.
 
 The set ``kvserve:instances`` lists ids for discovery; ids whose hash has

@@ -8,7 +8,7 @@ pays tens of milliseconds), so each side attaches a peer's segment once and
 reuses the mapping: the store for its own G2 arena, a client for the store's
 G2 arena and its staging segment.
 
-Trust (DESIGN §11): any process of the store's user can write the G2 arena,
+Trust (docs/architecture.md#trust-model): any process of the store's user can write the G2 arena,
 and a slot can be reused while a reader copies it, so no copy out of shared
 memory is used before its xxh3-128 matches the checksum taken at put. The
 hash runs over the *private copy* (never the shared source, which could change
@@ -99,39 +99,41 @@ class _Staged:
 
 
 class StagingSegments:
-    """Put staging segments this store created and handed out (DESIGN §11).
+    """Put staging segments this store created and handed out (docs/architecture.md#trust-model).
 
     A same-host client asks for one (``open``) and gets an unguessable name bound
     to its connection (the gRPC peer); a shared-memory Put is served only from a
     segment found here under the same owner (``resolve``), never from a name the
     request merely states, so a Put can never make the store read another
-    process's memory. One segment per owner (a larger request replaces it);
-    at most ``max_bytes`` in all, least recently used first out; a segment idle
-    for ``idle_s`` goes at the next ``open``. Thread-safe."""
+    process's memory. At most ``per_owner`` segments per owner and ``max_bytes``
+    in all, least recently used first out; a segment idle for ``idle_s`` goes at
+    the next ``open``. A client whose segment went asks again. Thread-safe."""
 
     def __init__(self, *, max_bytes: int, idle_s: float = 600.0, min_bytes: int = 64 * 2**20,
-                 ) -> None:
+                 per_owner: int = 8) -> None:
         self.max_bytes = max_bytes
+        self.per_owner = per_owner
         self.idle_s = idle_s
         self.min_bytes = min_bytes
         self._by_name: OrderedDict[str, _Staged] = OrderedDict()
         self._lock = threading.Lock()
 
     def open(self, owner: str, nbytes: int) -> shared_memory.SharedMemory:
-        """The owner's staging segment of at least ``nbytes`` (created if needed)."""
+        """A new staging segment of at least ``nbytes`` for ``owner``. Never one handed
+        out before: two clients behind one connection (one process) must not write
+        the same memory."""
         if nbytes > self.max_bytes:   # the client streams this put instead
             raise ShmUnavailable(f"a staging segment of {nbytes} bytes exceeds the "
                                  f"{self.max_bytes}-byte limit")
         now = time.monotonic()
+        size = min(self.max_bytes, max(nbytes, self.min_bytes))
         with self._lock:
             for name, st in list(self._by_name.items()):
-                if st.owner == owner and st.seg.size >= nbytes:
-                    st.used_at = now
-                    self._by_name.move_to_end(name)
-                    return st.seg
-                if st.owner == owner or now - st.used_at > self.idle_s:
+                if now - st.used_at > self.idle_s:
                     self._drop(name)
-            size = min(self.max_bytes, max(nbytes, self.min_bytes))
+            mine = [n for n, st in self._by_name.items() if st.owner == owner]
+            for name in mine[:max(0, len(mine) + 1 - self.per_owner)]:
+                self._drop(name)                 # the owner's least recently used first
             while self._by_name and self._total() + size > self.max_bytes:
                 self._drop(next(iter(self._by_name)))
             seg = shared_memory.SharedMemory(name=STAGING_PREFIX + secrets.token_hex(16),

@@ -1,7 +1,7 @@
 """The warehouse's accounting with no tensors: replays traces through the same
 ``CapacityCache``, eviction policies and per-class TTLs as the live store.
 
-Semantics (those of the store, DESIGN §2-4):
+Semantics (those of the store, docs/architecture.md#block-identity):
 - a request's blocks are its ``hash_ids``; only full blocks are stored
   (``input_length // block_tokens`` of them; ``cache_partial=True`` also
   stores a trailing partial block, as some published simulations do);
@@ -214,6 +214,7 @@ class SimWarehouse:
         evicted_before = self.evictions
         ttl = self.ttl(cls) if self._expiring else math.inf
         top = self.tiers[0].policy
+        top.begin_request(request.session, ids[:n_store], now, cls)
         for j in range(n_store):
             h = ids[j]
             tier = where.get(h)

@@ -1,8 +1,8 @@
 """Typed values that cross the warehouse's boundaries (client, service,
 warehouse, index). Nothing here talks to Redis, disk or the network.
 
-Tiers are named "G1".."G4" (DESIGN §4) and each has one bit in the index's
-tier mask; a block's *best* tier is the lowest-numbered tier holding it.
+Tiers are named "G1".."G4" (docs/architecture.md#tiers-ttls-and-eviction) and each
+has one bit in the index's tier mask; a block's *best* tier is the lowest-numbered tier holding it.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class LookupResult:
     """Longest stored prefix of a key chain.
 
     ``matched_blocks`` leading blocks are fetchable from this warehouse;
-    ``usable_tokens`` is what the hit rule (DESIGN §3) lets the caller
+    ``usable_tokens`` is what the hit rule (docs/architecture.md#the-hit-rule) lets the caller
     restore; ``block_tiers[i]`` is the best tier of matched block i.
     """
 

@@ -1,5 +1,5 @@
 """The warehouse of one node: tiers G2 (host DRAM), G3 (local disk), G4
-(fsspec) under the Redis block index (DESIGN §4-5).
+(fsspec) under the Redis block index (docs/architecture.md#tiers-ttls-and-eviction).
 
 Write path: a put copies each block into G2 and indexes it there at once
 (G2 holds complete, checksummed copies), then queues it for G3 and G4; each

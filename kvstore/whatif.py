@@ -74,15 +74,24 @@ class WhatIfRow:
     token_hit_rate: float
     bytes_peak: float
     bytes_mean: float
+    # Estimator error bound on hit_rate, for the traffic seen (0 for replays):
+    # the mass in the histogram cells the (TTL, capacity) point cuts through
+    # (interpolated, so the truth lies between the cells' edges) plus two
+    # standard errors of the SHARDS sample. It does not cover drift: future
+    # traffic unlike the past (docs/operators.md, "The live what-if").
+    hit_rate_bound: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
         # JSON has no infinity: an unlimited TTL or capacity is null.
-        return {"class": self.cls, "ttl_s": None if math.isinf(self.ttl_s) else self.ttl_s,
-                "capacity_tokens": (None if math.isinf(self.capacity_tokens)
-                                    else self.capacity_tokens),
-                "policy": self.policy, "hit_rate": self.hit_rate,
-                "token_hit_rate": self.token_hit_rate, "bytes_peak": self.bytes_peak,
-                "bytes_mean": self.bytes_mean}
+        doc = {"class": self.cls, "ttl_s": None if math.isinf(self.ttl_s) else self.ttl_s,
+               "capacity_tokens": (None if math.isinf(self.capacity_tokens)
+                                   else self.capacity_tokens),
+               "policy": self.policy, "hit_rate": self.hit_rate,
+               "token_hit_rate": self.token_hit_rate, "bytes_peak": self.bytes_peak,
+               "bytes_mean": self.bytes_mean}
+        if self.policy == "lru" and type(self) is WhatIfRow:
+            doc["hit_rate_bound"] = self.hit_rate_bound
+        return doc
 
 
 class _ClassHist:
@@ -352,14 +361,32 @@ class WhatIfEstimator:
                 mean = min(mean_b, cap_bytes)
                 peak = min(peak_b, cap_bytes)
                 tot = [0.0, 0.0, 0.0, 0.0]
+                spread = var = 0.0
                 for c in names:
                     hb, ht, nb, nt = self._class_totals(c, cdfs, tp, cp)
                     tot = [tot[0] + hb, tot[1] + ht, tot[2] + nb, tot[3] + nt]
+                    cs, cv = self._cell_error(c, cdfs, tp, cp, _ratio(hb, nb))
+                    spread += cs
+                    var += cv
                     rows.append(WhatIfRow(c, ttl, cap, "lru", _ratio(hb, nb), _ratio(ht, nt),
-                                          peak, mean))
+                                          peak, mean, _bound(cs, cv, nb)))
                 rows.append(WhatIfRow("all", ttl, cap, "lru", _ratio(tot[0], tot[2]),
-                                      _ratio(tot[1], tot[3]), peak, mean))
+                                      _ratio(tot[1], tot[3]), peak, mean,
+                                      _bound(spread, var, tot[2])))
         return rows
+
+    def _cell_error(self, c: str, cdfs: Mapping[str, tuple[Any, Any]], tp: float,
+                    cp: float, p: float) -> tuple[float, float]:
+        """(hit blocks the interpolation could misplace, sampling variance in
+        blocks^2) for class ``c`` at bin position (tp, cp)."""
+        st = self.classes.get(c)
+        if st is None:
+            return 0.0, 0.0
+        f = cdfs[c][0]
+        lo = interp2d(f, math.floor(tp), math.floor(cp))
+        hi = interp2d(f, math.ceil(tp), math.ceil(cp))
+        n_eff = max(st.blocks * min(self.rate, 1.0), 1.0)
+        return max(hi - lo, 0.0), p * (1 - p) / n_eff * st.blocks ** 2
 
     def _class_totals(self, c: str, cdfs: Mapping[str, tuple[Any, Any]], tp: float,
                       cp: float) -> tuple[float, float, float, float]:
@@ -439,6 +466,13 @@ class WhatIfEstimator:
         except (KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a what-if estimator state: {exc!r}") from None
         return est
+
+
+def _bound(spread: float, var: float, n: float) -> float:
+    """Cell spread plus two standard errors, as a fraction of ``n`` blocks."""
+    if n <= 0:
+        return 0.0
+    return min(1.0, (spread + 2.0 * math.sqrt(var)) / n)
 
 
 def _ratio(a: float, b: float) -> float:

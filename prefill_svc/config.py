@@ -33,7 +33,9 @@ class EngineSpec:
     num_blocks: int = 2048
     decode_bucket: int = 8
     seed: int = 0
-    prefill_chunk: int = 0              # 0: block_tokens (exact on CPU); GPUs want bigger chunks
+    prefill_chunk: int = 0              # 0: the engine's default (docs/engine.md)
+    kernels: str = "auto"               # engine/kernels.py: auto | torch | bik | triton
+    threads: int = 0                    # CPU threads of the engine; 0 = all cores
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -45,6 +47,12 @@ class EngineSpec:
         for name in ("block_tokens", "num_blocks", "decode_bucket"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        from engine.config import KERNEL_NAMES
+
+        if self.kernels not in KERNEL_NAMES:
+            raise ConfigError(f"engine.kernels must be one of {KERNEL_NAMES}, got {self.kernels!r}")
+        if self.threads < 0 or self.prefill_chunk < 0:
+            raise ConfigError("engine.threads and engine.prefill_chunk must be >= 0")
 
     def engine_config(self) -> Any:
         from engine import EngineConfig
@@ -52,7 +60,8 @@ class EngineSpec:
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device,
                             block_tokens=self.block_tokens, num_blocks=self.num_blocks,
                             decode_bucket=self.decode_bucket, seed=self.seed,
-                            prefill_chunk=self.prefill_chunk)
+                            prefill_chunk=self.prefill_chunk, kernels=self.kernels,
+                            threads=self.threads)
 
 
 @dataclass(frozen=True, slots=True)

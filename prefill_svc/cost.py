@@ -1,4 +1,4 @@
-"""The cost-aware fetch rule (DESIGN §4).
+"""The cost-aware fetch rule (docs/architecture.md#tiers-ttls-and-eviction).
 
 The hit rule says which leading blocks *may* be restored; this decides which
 of them are *worth* fetching. Restores must be a prefix, so the choice is a

@@ -4,7 +4,7 @@ After prefill the whole prompt's KV (the partial last block included) is
 copied out of the engine once and kept here until decode pulls and releases
 it, or until it expires. The wire format of a piece is the raw bytes of
 ``[layers, 2, kv_heads, token_count, head_dim]`` in the engine dtype
-(INTERFACES §1): pieces are cut along the token axis so a reader can place
+(docs/engine.md): pieces are cut along the token axis so a reader can place
 them into one preallocated tensor.
 
 Same-host pulls skip the byte stream: the buffer writes the tensor once into

@@ -104,7 +104,8 @@ class KVStoreServicer:
 
     def Stage(self, request, context):
         """Same-host Put: a staging segment the store creates and binds to this
-        connection; a shared-memory Put names only such a segment (DESIGN §11).
+        connection; a shared-memory Put names only such a segment
+        (docs/architecture.md#trust-model).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -24,12 +24,14 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from aiohttp import web
 
-from router.body_decode import DECODERS, BodyProblem, DecodeLimits, decode_body
+from router.body_decode import DECODERS, BodyProblem, DecodeLimits, decode_body, worker_init
 from router.errors import (
     InvalidRequestError,
     NoInstanceError,
@@ -39,6 +41,8 @@ from router.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _JSON_TYPES = frozenset({"application/json"})
 _IDENTITY = frozenset({"", "identity"})
@@ -139,21 +143,35 @@ class BodyReader:
     def __init__(self, limits: BodyLimits) -> None:
         self.limits = limits
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._warming: asyncio.Task[None] | None = None
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
             # spawn: a forked child would inherit gRPC's threads and sockets.
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=self.limits.workers, mp_context=multiprocessing.get_context("spawn"))
+                max_workers=self.limits.workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=worker_init)
         return self._pool
 
-    async def start(self) -> None:
-        """Start the workers now, so the first big body does not wait for them."""
+    def start(self) -> None:
+        """Start the workers in the background, so the first big body does not wait
+        for them and the front does not wait to listen (a spawn takes seconds)."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor(), decode_body, b"{}", (),
-                                   self.limits.decode)
+        self._warming = loop.create_task(self._warm(), name="body-decoder-warmup")
+
+    async def _warm(self) -> None:
+        loop = asyncio.get_running_loop()
+        futs = [loop.run_in_executor(self._executor(), decode_body, b"{}", (),
+                                     self.limits.decode) for _ in range(self.limits.workers)]
+        try:
+            await asyncio.gather(*futs)
+        except Exception:  # the first real use retries and reports
+            log.warning("body decoding workers did not start", exc_info=True)
 
     def close(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+            self._warming = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -189,13 +207,31 @@ async def read_json_body(request: web.Request) -> object:
     return await request.app[BODY_READER_KEY].read_json(request)
 
 
+async def parse_json_body(request: web.Request, parse: Callable[..., T], **kwargs: Any) -> T:
+    """``parse(body, **kwargs)`` of the decoded body, on a thread (a big body's
+    walk is Python work: a thread yields the GIL every few ms, unlike one C call).
+
+    Whatever ``parse`` raises besides a ``RouterError`` is a parser bug met by
+    client input: logged with its traceback, answered 400 (never a 500)."""
+    body = await read_json_body(request)
+    try:
+        return await asyncio.to_thread(parse, body, **kwargs)
+    except RouterError:
+        raise
+    except Exception as exc:
+        log.exception("parsing a %s body raised %s (a parser bug; answered 400)",
+                      request.path, type(exc).__name__)
+        raise InvalidRequestError(f"the request body could not be parsed ({type(exc).__name__})",
+                                  param="body", code="invalid_body") from exc
+
+
 def install(app: web.Application, limits: BodyLimits) -> BodyReader:
     """Give ``app`` its reader, started with the app and stopped with it."""
     reader = BodyReader(limits)
     app[BODY_READER_KEY] = reader
 
     async def on_startup(_: web.Application) -> None:
-        await reader.start()
+        reader.start()
 
     async def on_cleanup(_: web.Application) -> None:
         reader.close()

@@ -23,9 +23,15 @@ handlers as a 500 or a stall:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import os
 import re
+import signal
+import sys
+import threading
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,8 +99,15 @@ def _gunzip(data: bytes, limit: int) -> bytes:
 
 def _deflate(data: bytes, limit: int) -> bytes:
     # RFC 9110 deflate is the zlib format; some clients send raw deflate.
-    wbits = zlib.MAX_WBITS if data[:1] and (data[0] & 0x0F) == 8 else -zlib.MAX_WBITS
-    return _inflate(data, wbits, limit, "deflate")
+    try:
+        return _inflate(data, zlib.MAX_WBITS, limit, "deflate")
+    except _Refused as zlib_format:
+        if zlib_format.problem.kind != "invalid":
+            raise
+        try:
+            return _inflate(data, -zlib.MAX_WBITS, limit, "deflate")
+        except _Refused:
+            raise zlib_format from None
 
 
 # Content-Encoding name -> decoder. "identity" never reaches here.
@@ -129,6 +142,22 @@ def _decoder(limits: DecodeLimits) -> json.JSONDecoder:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _precount(data: bytes, limits: DecodeLimits) -> None:
+    """Refuse, at memchr speed, a body that surely holds too many values, before
+    ``json.loads`` spends seconds on it (16 MiB of ``[],`` takes ~1.8 s). Lower
+    bounds only, so nothing valid is refused: every string literal has two real
+    quotes (``\\"`` may or may not be one) and pairs with at least one value; with
+    no string at all, every ``,`` adds a value and every ``[``/``{`` opens one. A
+    crafted body can still cost a worker its parse time, never the event loop."""
+    quotes = data.count(b'"')
+    at_least = (quotes - data.count(b'\\"')) // 4
+    if not quotes:
+        at_least = max(data.count(b","), data.count(b"[") + data.count(b"{"))
+    if at_least >= limits.max_values:
+        raise _invalid(f"the body holds more than {limits.max_values} JSON values",
+                       "too_many_values")
 
 
 def _path(parent: str, key: object) -> str:
@@ -183,6 +212,7 @@ def decode_body(raw: bytes, encodings: tuple[str, ...], limits: DecodeLimits) ->
                            "invalid_encoding") from exc
         if not text.strip():
             raise _invalid("the request body is empty; send a JSON object", "empty_body")
+        _precount(data, limits)
         try:
             value = _decoder(limits).decode(text)
         except json.JSONDecodeError as exc:
@@ -197,3 +227,22 @@ def decode_body(raw: bytes, encodings: tuple[str, ...], limits: DecodeLimits) ->
     except _Refused as r:
         return Decoded(problem=r.problem)
     return Decoded(value=value)
+
+
+def worker_init() -> None:
+    """In a decoding worker process: die with the router. A SIGKILLed router
+    cannot shut its pool down, and an idle worker would wait forever on its queue."""
+    parent = os.getppid()
+    if sys.platform == "linux":
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:                       # elsewhere, or if prctl was refused
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

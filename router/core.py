@@ -3,7 +3,8 @@
 ``RouterCore.generate`` is the one generation call both fronts use. It
 
 1. tokenizes (the chat template for messages) and checks the context length;
-2. computes the prompt's block keys (tenant + model fingerprint, DESIGN §2);
+2. computes the prompt's block keys (tenant + model fingerprint,
+   docs/architecture.md#block-identity);
 3. asks the live view for a prefill instance (affinity and queue) and runs
    Prefill, then for a decode instance (load x expert imbalance) and opens
    the Decode stream;

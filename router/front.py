@@ -28,7 +28,7 @@ from aiohttp import web
 
 from kvserve.config import TrafficClasses
 from router.auth import ApiKeys, Caller, identify
-from router.body import BodyLimits, install, read_json_body
+from router.body import BodyLimits, install, parse_json_body
 from router.chat_plan import chat_shapes, plan_chat
 from router.errors import (
     MethodNotAllowedError,
@@ -126,11 +126,10 @@ class Front:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
-        # Off the loop: a big body's walk is Python work (threads share the GIL
-        # with the loop but yield it every few ms, unlike one C call).
-        parsed = await asyncio.to_thread(parse_chat_request, await read_json_body(request),
-                                         served_model=self.cfg.model_name,
-                                         max_context=self.cfg.max_context)
+        # Decoded under limits, parsed on a thread; a parser bug is a 400 (router.body).
+        parsed = await parse_json_body(request, parse_chat_request,
+                                       served_model=self.cfg.model_name,
+                                       max_context=self.cfg.max_context)
         # Tools rendered in, the grammar of a forced call or response_format set.
         plan = plan_chat(parsed.messages, parsed.sampling, parsed.tools, parsed.response_format)
         route = RouteRequest(request_id=self._request_id(request), tenant=caller.tenant,
@@ -142,10 +141,10 @@ class Front:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
-        parsed = await asyncio.to_thread(parse_completion_request, await read_json_body(request),
-                                         served_model=self.cfg.model_name,
-                                         max_context=self.cfg.max_context,
-                                         vocab_size=self.cfg.vocab_size)
+        parsed = await parse_json_body(request, parse_completion_request,
+                                       served_model=self.cfg.model_name,
+                                       max_context=self.cfg.max_context,
+                                       vocab_size=self.cfg.vocab_size)
         prompt, token_ids = ((parsed.prompt, ()) if isinstance(parsed.prompt, str)
                              else ("", parsed.prompt))
         route = RouteRequest(request_id=self._request_id(request), tenant=caller.tenant,
@@ -265,14 +264,6 @@ class Front:
         return out
 
 
-def _client_id(request: web.Request) -> str:
-    """The client's request id, if it sent a printable one (cut to 128 characters)."""
-    for name in CLIENT_ID_HEADERS:
-        given = request.headers.get(name, "")
-        if given and given.isprintable() and given.isascii():
-            return given[:128]
-    return ""
-
     def _finish(self, last: GenEvent) -> Usage:
         if not last.finished or last.usage is None:
             raise RouterError("the generation stream ended without its usage")
@@ -281,6 +272,15 @@ def _client_id(request: web.Request) -> str:
         self.metrics.tokens.labels(kind="cached").inc(usage.cached_tokens)
         self.metrics.tokens.labels(kind="completion").inc(usage.completion_tokens)
         return usage
+
+
+def _client_id(request: web.Request) -> str:
+    """The client's request id, if it sent a printable one (cut to 128 characters)."""
+    for name in CLIENT_ID_HEADERS:
+        given = request.headers.get(name, "")
+        if given and given.isprintable() and given.isascii():
+            return given[:128]
+    return ""
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -20,7 +20,7 @@ from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from router.errors import HeaderError, HeaderTooLargeError, RouterError, http_error
+from router.errors import HeaderError, HeaderTooLargeError, RouterError, error_body, http_error
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,18 @@ class _JsonErrorHandler(RequestHandler):
         resp = web.Response(status=err.status, text=err.json(), content_type="application/json")
         resp.force_close()
         return resp
+
+
+    async def finish_response(self, request: BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        # An aiohttp HTTPException raised outside the app's middleware (a failed
+        # ``Expect:`` check) would go out as aiohttp's plain text: make it ours.
+        if isinstance(resp, web.HTTPException) and resp.status >= 400 and not resp.prepared:
+            body = error_body(resp.text or resp.reason or "malformed HTTP request",
+                              error_type="invalid_request_error", param="headers",
+                              code="invalid_http_request")
+            resp = web.json_response(body, status=resp.status)
+        return await super().finish_response(request, resp, start_time)
 
 
 class _JsonErrorServer(web.Server):

@@ -71,7 +71,8 @@ class RouterMetrics:
         self.kv_events = Counter("kvserve_router_kv_events", "KV events applied to the view",
                                  ["kind"], registry=r)
         self.hit_rule = Gauge("kvserve_router_hit_rule",
-                              "Hit-rule configuration (DESIGN §3)", ["field"], registry=r)
+                              "Hit-rule configuration (docs/architecture.md#the-hit-rule)",
+                              ["field"], registry=r)
 
     def begin_request(self) -> None:
         self.in_flight_now += 1

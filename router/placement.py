@@ -137,7 +137,8 @@ class Decision:
 def restorable_tokens(hit_blocks: np.ndarray, block_tokens: int, prompt_tokens: int,
                       hit_rule: HitRule | None = None) -> np.ndarray:
     """[C, 4] matched blocks -> [C, 4] usable tokens under the hit rule
-    (DESIGN §3); the excess over the rule's cap is taken from the slowest tier."""
+    (docs/architecture.md#the-hit-rule); the excess over the rule's cap is taken from
+    the slowest tier."""
     rule = hit_rule or HitRule(block_tokens=block_tokens)
     tokens = hit_blocks * block_tokens
     # HitRule.usable_tokens = floor_to_block(min(matched, L - reserve)): with

@@ -7,11 +7,12 @@ Compute time of a prompt of ``L`` tokens whose first ``h`` tokens are restored:
 the linear-plus-quadratic shape of a transformer prefill (per-token MLP and
 projections, attention over everything before each token), with the tokens
 after the restore point still attending to the restored prefix. The default
-coefficients fit DESIGN §9's measured Llama-8B-shaped prefill on one H200
-(4k / 16k / 32k tokens: 0.087 / 0.43 / 1.09 s). Restoring ``n`` tokens from a
-tier takes ``n * kv_bytes_per_token / bandwidth`` (pinned host -> GPU 55 GB/s
-for G2, local disk 1.25 GB/s for G3, DESIGN §9); a tier slower than
-recomputing is not used (the cost-aware fetch rule, DESIGN §4).
+coefficients fit the measured Llama-8B-shaped prefill on one H200 (4k / 16k /
+32k tokens: 0.087 / 0.43 / 1.09 s; docs/architecture.md#reference-figures).
+Restoring ``n`` tokens from a tier takes ``n * kv_bytes_per_token / bandwidth``
+(pinned host -> GPU 55 GB/s for G2, local disk 1.25 GB/s for G3, same page); a
+tier slower than recomputing is not used (the cost-aware fetch rule,
+docs/architecture.md#tiers-ttls-and-eviction).
 
 ``CostModel.from_json`` accepts the coefficients themselves, a list of
 measured ``points`` ``[[tokens, seconds], ...]``, or any JSON (such as the
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-# DESIGN §9: Llama-8B-shaped prefill on one H200 (bf16, SDPA).
+# docs/architecture.md#reference-figures: Llama-8B-shaped prefill on one H200 (bf16, SDPA).
 DESIGN_POINTS: tuple[tuple[int, float], ...] = ((4096, 0.087), (16384, 0.43), (32768, 1.09))
 # Llama-3-8B: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
 LLAMA3_8B_KV_BYTES_PER_TOKEN = 131_072
@@ -70,7 +71,7 @@ class CostModel:
     c_s_per_token2: float
     kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN
     tier_gbps: tuple[float, ...] = TIER_GBPS
-    source: str = "DESIGN §9 (Llama-8B shape, H200)"
+    source: str = "docs/architecture.md#reference-figures (Llama-8B shape, H200)"
 
     def __post_init__(self) -> None:
         if min(self.a_s, self.b_s_per_token, self.c_s_per_token2) < 0:

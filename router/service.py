@@ -21,7 +21,7 @@ from proto import common_pb2, decode_pb2, router_pb2, router_pb2_grpc
 from router.auth import DEFAULT_TENANT, ApiKeys, traffic_class
 from router.core import RouterCore
 from router.errors import InvalidRequestError, grpc_status
-from router.generation import GenEvent, RouteRequest
+from router.generation import GenEvent, RouteRequest, Usage
 from router.openai_schema import MAX_STOP, Message, Sampling
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except KeyInputError as exc:
             raise InvalidRequestError(str(exc), param="ctx.tenant") from exc
 
+    def _count(self, usage: Usage) -> None:
+        """The same token counters as the HTTP front, so /metrics covers both APIs."""
+        tokens = self.core.metrics.tokens
+        tokens.labels(kind="prompt").inc(usage.prompt_tokens)
+        tokens.labels(kind="cached").inc(usage.cached_tokens)
+        tokens.labels(kind="completion").inc(usage.completion_tokens)
+
     async def Generate(self, request: router_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.GenerateEvent]:
@@ -105,6 +112,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             route = route_request(request, tenant=self._tenant(request, context),
                                   classes=self.classes, max_context=self.core.meta.max_context)
             async for ev in self.core.generate(route):
+                if ev.finished and ev.usage is not None:
+                    self._count(ev.usage)
                 yield _event(ev)
         except Exception as exc:  # every failure leaves as a status code
             status = grpc_status(exc)

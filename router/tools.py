@@ -328,9 +328,11 @@ class ToolStream:
                     out.append(call)
 
     def finish(self) -> list[Piece]:
-        """The rest at the end of the output (an unfinished block stays text)."""
+        """The rest at the end of the output. An unfinished block (cut by max_tokens)
+        stays text when it is all there is, and is dropped after complete calls."""
         out: list[Piece] = []
-        self._emit(out, (OPEN if self._inside else "") + self._buf)
+        if not (self._inside and self.calls):
+            self._emit(out, (OPEN if self._inside else "") + self._buf)
         self._buf, self._inside = "", False
         return out
 

@@ -96,7 +96,7 @@ class SecurityConfig:
             candidates += [str(identity_dir / SECRET_FILE), str(identity_dir.parent / SECRET_FILE)]
         for path in filter(None, candidates):
             p = Path(path)
-            if p.exists() or path == candidates[0]:
+            if p.is_file() or path == candidates[0]:
                 object.__setattr__(self, "_secret", read_secret(p))
                 return
 

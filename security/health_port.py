@@ -13,6 +13,8 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from security.grpc_input import InputGuard
+
 
 async def start_health_port(health: health_aio.HealthServicer, host: str,
                             port: int) -> tuple[grpc.aio.Server, int] | None:
@@ -20,7 +22,8 @@ async def start_health_port(health: health_aio.HealthServicer, host: str,
     ``port`` is negative (no health port)."""
     if port < 0:
         return None
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])   # taken port: fail the bind
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],  # taken port: fail the bind
+                             interceptors=[InputGuard()])       # garbage: INVALID_ARGUMENT
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -41,6 +41,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
     services.add_argument("--max-tokens", type=int, default=32, help="answer length per turn")
     services.add_argument("--tool-lines", type=int, default=6, help="lines of each tool result")
     services.add_argument("--ready-timeout", type=float, default=600.0)
+    services.add_argument("--canonical-wait", type=float, default=10.0,
+                          help="decode's --canonical-wait (0: the old write after the answer, "
+                               "to see the next turn miss)")
     inproc = p.add_argument_group("in-process mode (--device cuda or --inproc)")
     inproc.add_argument("--lengths", default="4096,16384,32768",
                         help="prompt lengths, capped below the model's context")
@@ -113,7 +116,12 @@ def _report_restore(args: argparse.Namespace, restores: list[Any], disks: list[A
         print(json.dumps({"mode": "inproc", "model": args.model, "device": args.device,
                           "lengths": [{**asdict(r), "speedup": r.speedup,
                                        "restore_GBps": r.restore_GBps,
-                                       "restore_vs_peak": r.restore_vs_peak} for r in restores],
+                                       "restore_vs_peak": r.restore_vs_peak,
+                                       "ttft_cold_vs_limit": r.ttft_cold_vs_limit,
+                                       "ttft_hit_vs_limit": r.ttft_hit_vs_limit,
+                                       f"ttft_hit{round(r.hit_fraction * 100)}_"
+                                       f"{r.tokens // 1024}k_vs_limit": r.ttft_hit_vs_limit}
+                                      for r in restores],
                           "disk_only": [{**asdict(d), "correct": d.correct} for d in disks]},
                          indent=1))
     else:

@@ -216,7 +216,7 @@ def _print_whatif(docs: list[dict[str, Any]], as_json: bool, note: str) -> None:
         print(json.dumps(docs, indent=1))
         return
     print(note)
-    head = (f"{'capacity':>10} {'ttl':>8} {'class':<7} {'hit':>6} {'tok_hit':>7} "
+    head = (f"{'capacity':>10} {'ttl':>8} {'class':<7} {'hit':>6} {'+-':>6} {'tok_hit':>7} "
             f"{'GB_peak':>9} {'GB_mean':>9} {'replay':>7}")
     print(head)
     print("-" * len(head))
@@ -225,7 +225,8 @@ def _print_whatif(docs: list[dict[str, Any]], as_json: bool, note: str) -> None:
         ttl = math.inf if d["ttl_s"] is None else d["ttl_s"]
         rep = f"{d['replay_hit_rate']:7.3f}" if "replay_hit_rate" in d else ""
         print(f"{fmt_tokens(cap):>10} {fmt_seconds(ttl):>8} {d['class']:<7} "
-              f"{d['hit_rate']:6.3f} {d['token_hit_rate']:7.3f} {d['bytes_peak'] / 1e9:9.1f} "
+              f"{d['hit_rate']:6.3f} {d.get('hit_rate_bound', 0.0):6.3f} "
+              f"{d['token_hit_rate']:7.3f} {d['bytes_peak'] / 1e9:9.1f} "
               f"{d['bytes_mean'] / 1e9:9.1f} {rep}")
 
 
@@ -323,6 +324,8 @@ def _configure_bench(p: argparse.ArgumentParser) -> None:
                         "Python loop (python: the 'before' figures)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="time each replay N times and report the best (default 1)")
+    p.add_argument("--plot", metavar="PNG",
+                   help="write each policy's ratio to Belady vs capacity here")
 
 
 def _bench_policies(args: argparse.Namespace) -> int:
@@ -346,22 +349,26 @@ def _bench_policies(args: argparse.Namespace) -> int:
         print(_note(loaded, args), file=sys.stderr)
         # Loading is not timed: the trace is converted to arrays once, up front.
         trace = loaded if isinstance(loaded, CompactTrace) else compact_of(loaded)
-        py_trace = trace.to_trace() if args.engine == "python" else None
+        py_trace = None          # request objects, built once if a Python policy runs
         uses = trace.n_uses
         for cap in tqdm(caps, desc=trace.name, unit="capacity", file=sys.stderr):
             c = None if math.isinf(cap) else cap
             results = {}
             for policy in ["belady", *policies]:
-                best_s = math.inf
+                if _engine_used(args.engine, policy) == "python" and py_trace is None:
+                    py_trace = trace.to_trace()
+                src = py_trace if _engine_used(args.engine, policy) == "python" else trace
+                best_s = best_cpu = math.inf
                 for _ in range(args.repeat):
-                    t0 = time.perf_counter()
-                    st = replay_cache(py_trace or trace, policy=policy, capacity_tokens=c,
-                                      ttl_s=ttl, kv_bytes_per_token=args.kv_bytes_per_token,
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    st = replay_cache(src, policy=policy, capacity_tokens=c, ttl_s=ttl,
+                                      kv_bytes_per_token=args.kv_bytes_per_token,
                                       engine=args.engine)
                     best_s = min(best_s, time.perf_counter() - t0)
-                results[policy] = (st, best_s)
+                    best_cpu = min(best_cpu, time.process_time() - c0)
+                results[policy] = (st, best_s, best_cpu)
             best = results["belady"][0]
-            for policy, (st, secs) in results.items():
+            for policy, (st, secs, cpu) in results.items():
                 rows.append({"trace": trace.name, "capacity_tokens": c, "ttl_s":
                              None if math.isinf(ttl) else ttl, "policy": policy,
                              "hit_rate": st.hit_rate, "token_hit_rate": st.token_hit_rate,
@@ -369,7 +376,14 @@ def _bench_policies(args: argparse.Namespace) -> int:
                              "ratio_to_belady": st.hit_rate / best.hit_rate
                              if best.hit_rate else 1.0, "evictions": st.evictions,
                              "block_uses_per_s": uses / secs if secs > 0 else math.inf,
+                             # CPU time of this process: one core's rate on a loaded machine
+                             "block_uses_per_cpu_s": uses / cpu if cpu > 0 else math.inf,
                              "engine": _engine_used(args.engine, policy)})
+    if args.plot:
+        from kvserve.sweep import plot_policies
+
+        plot_policies(rows, args.plot)
+        print(f"# plot: {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -463,7 +477,33 @@ def _compact(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_reuse(p: argparse.ArgumentParser) -> None:
+    _trace_args(p, grid=False, capacity=False)
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+
+
+def _reuse(args: argparse.Namespace) -> int:
+    from kvstore.reuse_study import reuse_features
+
+    loaded = _load(args)
+    ct = loaded if isinstance(loaded, CompactTrace) else CompactTrace.from_trace(loaded)
+    print(_note(loaded, args), file=sys.stderr)
+    rows = reuse_features(ct)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+        return 0
+    print(f"{'feature':<13} {'bucket':<10} {'share':>6} {'p_reuse':>7} {'p<60s':>6} "
+          f"{'med_gap_s':>9} {'same_sess':>9}")
+    for r in rows:
+        print(f"{r.feature:<13} {r.bucket:<10} {r.share:6.3f} {r.p_reuse:7.3f} "
+              f"{r.p_reuse_60s:6.3f} {r.median_gap_s:9.0f} {r.same_session:9.3f}")
+    return 0
+
+
 def register(reg: CommandRegistry) -> None:
+    reg.add("trace reuse", help="what predicts reuse: per feature bucket (turn, depth, "
+                                "position, chain size, first use, class) the chance a block "
+                                "is used again", configure=_configure_reuse, run=_reuse)
     reg.group("trace", help="trace files: synthesise, convert to compact arrays")
     reg.add("trace synth", help="write a seeded synthetic prefix trace (compact directory) of "
                                 "any size, e.g. --uses 100e6", configure=_configure_synth,

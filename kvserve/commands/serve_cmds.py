@@ -97,6 +97,10 @@ def _configure_decode(p: argparse.ArgumentParser) -> None:
                         "instance's own expert counts), default contiguous")
     p.add_argument("--ep-redundant", type=int, default=None,
                    help="MoE with --expert-plan auto: redundant expert slots (default 0)")
+    p.add_argument("--canonical-wait", type=float, default=None, metavar="S",
+                   help="hold a finished answer's final event up to S seconds until its "
+                        "prompt+output blocks are stored, so the next turn hits them "
+                        "(default 10; 0 = store them after answering)")
 
 
 def _run_decode(args: argparse.Namespace) -> int:
@@ -109,6 +113,7 @@ def _run_decode(args: argparse.Namespace) -> int:
         cfg = DecodeConfig.from_kvserve(
             load_config(args.config), **_overrides(args), max_seqs=args.max_seqs,
             ep_ranks=args.ep_ranks, expert_plan=args.expert_plan, ep_redundant=args.ep_redundant,
+            canonical_wait_s=args.canonical_wait,
             security=security_from_args(args, "decode"))
     except (ConfigError, SecurityError) as exc:
         raise UsageError(str(exc)) from exc

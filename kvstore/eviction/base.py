@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -38,6 +38,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def victim(self) -> Any:
         """The key to evict next; the caller then calls ``remove``."""
+
+    def begin_request(self, session: str, keys: Sequence[Any], now: float,  # noqa: B027
+                      cls: str = "") -> None:
+        """Optional hook: a request of ``session`` will now use ``keys`` (root
+        first). Replays call it; the live tiers, which see no sessions, do not."""
 
     def next_use(self, key: Any, t: float | None) -> None:  # noqa: B027 - optional hook
         """Offline policies (Belady) learn each access's next use; others ignore it."""

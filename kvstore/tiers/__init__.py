@@ -1,4 +1,5 @@
-"""Storage tiers behind one small interface, opened by URL scheme (DESIGN §4).
+"""Storage tiers behind one small interface, opened by URL scheme
+(docs/architecture.md#tiers-ttls-and-eviction).
 
 ``mem://`` G2 host DRAM (shared memory), ``file:///dir`` or a plain path G3
 local disk, any other fsspec URL G4 (``fsspec+file:///dir`` for G4 on a local

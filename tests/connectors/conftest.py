@@ -1,13 +1,14 @@
 """One real stack per test session for the vLLM connector tests: an embedded
 Redis of its own (other tests flush theirs), one kvstore process, and vLLM
 OpenAI servers (SmolLM2 fp32 from our GGUF importer, ``--enforce-eager``, a
-small KV cache) with ``connectors.vllm.KVServeConnector``. Server A starts
-first; B (a second, fresh process) only when a test asks for it. Skipped as a
+small KV cache) with ``connectors.vllm.KVServeConnector``, started by name
+when a test asks (``vllm_servers``), one at a time except for the router test. Skipped as a
 whole when vLLM (the ``[vllm]`` extra) is not installed."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,8 +37,8 @@ class VLLMStack:
 
         tls, insecure = security()
         spec = VLLMSpec(model_dir=self.model_dir, port=free_port(), store=self.store.address,
-                        redis_url=self.redis_url, instance_id=name, kvcache_gib=1,
-                        max_model_len=2048, tls_dir=tls, insecure=insecure,
+                        redis_url=self.redis_url, instance_id=name, kv_cache_mib=320,
+                        max_model_len=2048, max_num_seqs=16, tls_dir=tls, insecure=insecure,
                         extra_config={"retry_after_s": 0.5}, **kw)  # type: ignore[arg-type]
         return VLLMProcess(spec, self.root / f"{name}.log").start()
 
@@ -47,7 +48,9 @@ def vllm_stack(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory,
                ) -> Iterator[VLLMStack]:
     if VLLM_MISSING:
         pytest.skip("vLLM not installed")
-    root = tmp_path_factory.mktemp("vllm-stack")
+    logs = os.environ.get("KVSERVE_VLLM_TEST_LOGS")       # keep the servers' logs there
+    root = Path(logs) if logs else tmp_path_factory.mktemp("vllm-stack")
+    root.mkdir(parents=True, exist_ok=True)
     with EmbeddedRedis() as redis:
         store = new_store(redis.url, root).start()
         try:
@@ -56,20 +59,42 @@ def vllm_stack(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory,
             store.stop()
 
 
-@pytest.fixture(scope="session")
-def vllm_a(vllm_stack: VLLMStack):  # type: ignore[no-untyped-def]
-    proc = vllm_stack.server("vllm-a")
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+class Servers:
+    """vLLM servers by name, at most one alive unless a test asks for two: a vLLM
+    CPU server holds ~1.5-2 GB, and a shared CI box runs out of memory with more."""
+
+    def __init__(self, stack: VLLMStack) -> None:
+        self.stack = stack
+        self.live: dict[str, object] = {}
+
+    def only(self, name: str):  # type: ignore[no-untyped-def]
+        for other in [n for n in self.live if n != name]:
+            self.live.pop(other).stop()  # type: ignore[attr-defined]
+        return self.get(name)
+
+    def get(self, name: str):  # type: ignore[no-untyped-def]
+        proc = self.live.get(name)
+        if proc is None or not proc.alive():  # type: ignore[attr-defined]
+            proc = self.live[name] = self.stack.server(name).wait_ready()
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.live.values():
+            proc.stop()  # type: ignore[attr-defined]
+        self.live.clear()
 
 
 @pytest.fixture(scope="session")
-def vllm_b(vllm_stack: VLLMStack, vllm_a):  # type: ignore[no-untyped-def]
-    """A second server, started after A is up (one vLLM start at a time on 2 cores)."""
-    proc = vllm_stack.server("vllm-b")
+def vllm_servers(vllm_stack: VLLMStack) -> Iterator[Servers]:
+    servers = Servers(vllm_stack)
     try:
-        yield proc.wait_ready()
+        yield servers
     finally:
-        proc.stop()
+        servers.stop_all()
+
+
+def two_servers_fit() -> bool:
+    """Whether this machine has memory for two vLLM servers at once."""
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    return info.get("MemAvailable", 0) >= 5 * 2**20           # KiB

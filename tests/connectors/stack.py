@@ -34,6 +34,28 @@ def security() -> tuple[str, bool]:
     return "", True
 
 
+def operator_security():  # type: ignore[no-untyped-def]
+    """The tests' own credentials toward the kvstore (security.config.SecurityConfig)."""
+    from security.config import SecurityConfig
+
+    tls, insecure = security()
+    return SecurityConfig(insecure=True) if insecure else SecurityConfig(cert_dir=tls,
+                                                                        role="operator")
+
+
+def store_client(address: str):  # type: ignore[no-untyped-def]
+    from connectors.vllm import _client_takes_security
+    from kvstore.client import KVStoreClient
+
+    kw = {"security": operator_security()} if _client_takes_security() else {}
+    return KVStoreClient(address, timeout_s=10, **kw)
+
+
+def deployment_secret() -> bytes:
+    """The secret the connectors key tenant salts with (none in plain text)."""
+    return operator_security().require_secret()
+
+
 @dataclass
 class Store:
     port: int

@@ -92,14 +92,16 @@ def reference(ref: Engine, tokens: Sequence[int], max_tokens: int = 8,
     return ref.generate(list(tokens), SamplingParams(max_tokens=max_tokens, **kw)).tokens  # type: ignore[arg-type]
 
 
-def stored_blocks(store_address: str, keys: Sequence[bytes], prompt_tokens: int) -> int:
-    """Leading blocks of ``keys`` the warehouse holds (a real Lookup)."""
+def stored_blocks(store_address: str, keys: Sequence[bytes], prompt_tokens: int,
+                  tenant: str = "") -> int:
+    """Leading blocks of ``keys`` the warehouse holds for ``tenant`` (a real Lookup:
+    blocks are bound to their tenant's namespace, docs/security.md)."""
     from kvstore.client import KVStoreClient
 
     async def look() -> int:
         async with KVStoreClient(store_address, timeout_s=5.0, use_shm=False) as c:
-            res = await c.lookup(list(keys), prompt_tokens=prompt_tokens, ctx=RequestCtx(),
-                                 touch=False)
+            res = await c.lookup(list(keys), prompt_tokens=prompt_tokens,
+                                 ctx=RequestCtx(tenant=tenant), touch=False)
             return res.matched_blocks
 
     return asyncio.run(look())

@@ -1,4 +1,4 @@
-"""Must show 1 and 2: disaggregated generation (prefill process -> decode
+"""Disaggregated generation (prefill process -> decode
 process over real gRPC, warehouse in a third) is token-identical to the
 engine's monolithic greedy generation, cold and warm, alone and batched; and
 the agent pattern hits the whole previous context from turn 2 on."""
@@ -67,7 +67,7 @@ def test_agent_conversation_hits_the_whole_previous_context(stack: Stack) -> Non
         L = len(context)
         keys = keys_of(stack.ref, context, tenant)
         if turn:
-            held = stored_blocks(stack.store.address, keys, L)     # no waiting
+            held = stored_blocks(stack.store.address, keys, L, tenant)     # no waiting
             assert held == prev_kv // B, f"turn {turn}: warehouse holds {held} blocks"
         h, out = generate(stack, context, max_tokens=12, tenant=tenant, ignore_eos=True)
         want = reference(stack.ref, context, max_tokens=12, ignore_eos=True)

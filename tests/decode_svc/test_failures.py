@@ -1,4 +1,4 @@
-"""Must show 4 and 5, and the other ways a request can go wrong: bad input,
+"""The ways a request can go wrong: bad input,
 an expired or released handle, a client that goes away, a decode process
 killed mid-stream or asked to drain."""
 

@@ -1,4 +1,4 @@
-"""Bad input gives a clear error naming the problem (issue "Must show" 5)."""
+"""Bad input gives a clear error naming the problem."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Lossless restore, canonical blocks, G1 reuse and batch invariance on the
-random-weight configs (INTERFACES §0, issue "Must show" 3 and 4)."""
+random-weight configs (docs/architecture.md#batch-invariance)."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ TARGETS = (
     Target("cpu-demo+prometheus+keda", "overlays/cpu-demo", ("prometheus", "keda")),
     Target("gpu+prometheus+keda", "overlays/gpu", ("prometheus", "keda")),
     Target("cpu-demo+external-redis", "overlays/cpu-demo", ("external-redis",)),
+    Target("gpu+redis-cluster+s3-g4", "overlays/gpu", ("redis-cluster", "s3-g4")),
 )
 OVERLAYS = tuple(t.name for t in TARGETS if t.name != "base")
 

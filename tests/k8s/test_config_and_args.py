@@ -1,4 +1,4 @@
-"""Must show 2: the ConfigMap's kvserve config is loaded by kvserve's own
+"""The ConfigMap's kvserve config is loaded by kvserve's own
 loader and `kvserve config check`, and every kvserve container's args parse
 as a real subcommand with real flags. Manifests and code cannot drift."""
 
@@ -150,7 +150,7 @@ def test_model_fetch_init_containers_fetch_the_configured_model(manifest: Manife
         assert main_c.mount("models") == fetch.mount("models")
 
 
-# SmolLM2-135M's KV layout (INTERFACES §1: L30xH3xT64xD64): bytes of one block.
+# SmolLM2-135M's KV layout (docs/engine.md: L30xH3xT64xD64): bytes of one block.
 SMOLLM2_BLOCK_ELEMS = 30 * 2 * 3 * 64 * 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RUNTIME_BYTES = 1536 * 2**20        # weights (0.5 GB fp32) + torch + the service

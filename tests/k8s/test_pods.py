@@ -1,4 +1,4 @@
-"""Must show 3 (pods): every container has requests and limits, probes, and a
+"""Pods: every container has requests and limits, probes, and a
 locked-down security context; every pod runs under its own ServiceAccount
 with no API token mounted."""
 

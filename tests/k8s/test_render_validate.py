@@ -1,4 +1,4 @@
-"""Must show 1: every overlay renders with a real kustomize, and every object
+"""Every overlay renders with a real kustomize, and every object
 validates strictly against the schemas of a current Kubernetes release
 (custom resources against their operators' CRD schemas)."""
 

@@ -1,4 +1,4 @@
-"""Must show 3 (wiring): Services reach the containers' ports, only the router
+"""Wiring: Services reach the containers' ports, only the router
 is reachable from outside, the store only from the engines, disruption
 budgets and autoscalers cover the right workloads, and the tiers fit the
 volumes and memory that back them."""

@@ -7,12 +7,29 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.prefill_svc.procs import healthy
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from security.config import SecurityConfig
+
+
+def healthy(address: str, tls_dir: str) -> bool:
+    """Health check with the stack's own credentials (``up`` made them)."""
+    sec = SecurityConfig(tls_dir, role="operator") if tls_dir else SecurityConfig(insecure=True)
+    with sec.sync_channel(address, "") as ch:
+        try:
+            res = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                       timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return res.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _kvserve(*args: str, env: dict[str, str],
@@ -24,6 +41,7 @@ def _kvserve(*args: str, env: dict[str, str],
 def test_up_chat_status_and_clean_stop(tmp_path: Path) -> None:
     env = {**os.environ, "KVSERVE_STATE": str(tmp_path / "up.json")}
     env.pop("REDIS_URL", None)
+    env.pop("KVSERVE_TLS_DIR", None)          # as a user gets: up makes its own credentials
     up = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "up", "--model", "tiny-dense",
                            "--free-ports", "--grace", "5", "--g3-path", str(tmp_path / "g3")],
                           env=env, text=True,
@@ -46,6 +64,20 @@ def test_up_chat_status_and_clean_stop(tmp_path: Path) -> None:
         for role in ("kvstore", "prefill", "decode"):
             assert f"  {role}" in banner
         assert state["redis_url"] in banner and "G2 host" in banner
+        # First start made the stack's own CA and certificates under its state dir,
+        # every file 0600, and every child serves mTLS with them.
+        tls = Path(state["tls_dir"])
+        assert tls == (tmp_path / "tls").resolve()
+        files = [p for p in tls.rglob("*") if p.is_file()]
+        assert {"secret", "ca.key", "tls.key"} <= {p.name for p in files}
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+        for role in ("store", "prefill", "decode"):
+            assert healthy(state[role], state["tls_dir"]), role
+            with grpc.insecure_channel(state[role]) as plain:       # no credentials
+                with pytest.raises(grpc.RpcError) as refused:
+                    health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(),
+                                                            timeout=2.0)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
         chat = _kvserve("chat", "--prompt", "Hello, warehouse!", "--max-tokens", "6",
                         "--stats", env=env)
@@ -82,8 +114,9 @@ def test_up_chat_status_and_clean_stop(tmp_path: Path) -> None:
         assert up.returncode == 0, err
         assert "kvserve up: stopped" in out
         assert not (tmp_path / "up.json").exists()
-        assert not healthy(state["prefill"]) and not healthy(state["decode"])
-        assert not healthy(state["store"])
+        assert not healthy(state["prefill"], state["tls_dir"])
+        assert not healthy(state["decode"], state["tls_dir"])
+        assert not healthy(state["store"], state["tls_dir"])
     finally:
         if up.poll() is None:
             up.kill()

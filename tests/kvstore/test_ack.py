@@ -1,6 +1,6 @@
-"""Issue 10, item 7: Put acknowledgement per traffic class. ``ack = "g2"`` (the
+"""Put acknowledgement per traffic class. ``ack = "g2"`` (the
 default) answers once blocks are in host memory; ``ack = "durable"`` once they
-are fsynced in G3 and indexed there. Must show: with ``durable``, after 20 kill -9
+are fsynced in G3 and indexed there. Checked: with ``durable``, after 20 kill -9
 during writes, every acknowledged block is served intact."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Must show 5: kill -9 the store during a stream of writes, 20 times; after each
+"""Kill -9 the store during a stream of writes, 20 times; after each
 restart no index entry points at a torn or missing block file."""
 
 from __future__ import annotations

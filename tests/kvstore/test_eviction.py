@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.traces import Trace, TraceRequest
 from kvstore.eviction import CapacityCache, make_policy, policy_names
 from kvstore.sim import Future, replay_cache
 from tests.kvstore.simtrace import random_prefix_trace
@@ -131,3 +132,33 @@ def test_belady_is_at_least_every_policy(seed: int, cap_blocks: int, ttl: float,
         assert other.hit_rate <= best.hit_rate + 1e-12, policy
         assert other.per_class == {} or sum(c.hit_blocks for c in other.per_class.values()) <= \
             sum(c.hit_blocks for c in best.per_class.values()), policy
+
+
+def _hot_and_one_offs() -> Trace:
+    """A session returning every 10 s with the same 4-block chain, and between
+    its turns a new one-off session of 4 blocks; room for 4 blocks."""
+    reqs = []
+    for k in range(100):
+        reqs.append(TraceRequest(t=10.0 * k, session="hot", hash_ids=(1, 2, 3, 4),
+                                 input_length=16, output_length=1, traffic_class="chat"))
+        reqs.append(TraceRequest(t=10.0 * k + 5, session=f"once{k}",
+                                 hash_ids=tuple(range(100 + 4 * k, 104 + 4 * k)),
+                                 input_length=16, output_length=1, traffic_class="chat"))
+    return Trace(name="hot", block_tokens=4, requests=tuple(reqs), arrival_note="hand-built")
+
+
+def test_session_density_keeps_the_returning_session() -> None:
+    tr = _hot_and_one_offs()
+    lru = replay_cache(tr, policy="lru", capacity_tokens=16, kv_bytes_per_token=1)
+    sd = replay_cache(tr, policy="session_density", capacity_tokens=16, kv_bytes_per_token=1)
+    best = replay_cache(tr, policy="belady", capacity_tokens=16, kv_bytes_per_token=1)
+    assert lru.per_class["chat"].hit_blocks == 0          # each one-off evicts the hot chain
+    assert sd.per_class["chat"].hit_blocks >= 4 * 80      # of 4 * 99 possible
+    assert sd.hit_rate <= best.hit_rate
+
+
+def test_session_density_without_sessions_still_evicts() -> None:
+    c = _cache("session_density", 3)
+    for k in range(10):                        # no begin_request: each key its own session
+        c.put(k, 10, float(k))
+    assert len(c) == 3 and c.used_bytes == 30

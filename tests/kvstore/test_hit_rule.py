@@ -1,4 +1,4 @@
-"""Must show 7: the hit rule's boundaries, alone and through a warehouse lookup.
+"""The hit rule's boundaries, alone and through a warehouse lookup.
 
 usable = floor_to_block(min(matched, L - reserve)); reserve = window + backtrack
 (134 for DeepSeek-V4-style hybrid models), at least 1 for full attention.

@@ -1,6 +1,6 @@
 """The store as a real process (``kvserve store serve``): engine blocks survive a
-restart and restore token-identically (must show 1), ``kvserve store reindex``
-after FLUSHALL (must show 6), graceful drain, ``kvserve store stats``."""
+restart and restore token-identically, ``kvserve store reindex``
+after FLUSHALL, graceful drain, ``kvserve store stats``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ CTX = RequestCtx(tenant="acme", traffic_class="agent")
 
 def test_engine_blocks_survive_a_store_restart_token_identically(redis_url: str,
                                                                   tmp_path: Path) -> None:
-    """Must show 1."""
+    """Blocks an engine wrote survive a store restart and restore token-identically."""
     from engine import Engine, EngineConfig, SamplingParams
 
     torch.set_num_threads(1)
@@ -83,7 +83,7 @@ def _reindex_cli(redis_url: str, g3: Path, node: str) -> dict[str, object]:
 
 def test_flushall_then_reindex_restores_every_block_on_disk(redis_url: str,
                                                             tmp_path: Path) -> None:
-    """Must show 6."""
+    """After FLUSHALL, ``store reindex`` indexes every block on disk again."""
     ks = keys(30)
     g3 = tmp_path / "g3"
 

@@ -1,6 +1,5 @@
 """The gRPC service over real sockets: both transfer paths, health/reflection,
-bad input (must show 8), tenant isolation in every tier (must show 3),
-integrity over gRPC (must show 4), metrics."""
+bad input, tenant isolation in every tier, integrity over gRPC, metrics."""
 
 from __future__ import annotations
 
@@ -169,7 +168,7 @@ def _header(ks: list[bytes], *, size: int = 1024, layout: str = LAYOUT, tenant: 
 
 
 def test_bad_input_is_invalid_argument_and_loses_nothing(redis_url: str) -> None:
-    """Must show 8."""
+    """Malformed or oversized requests are INVALID_ARGUMENT and leave the store intact."""
     limits = ServiceLimits(max_message_bytes=256 * 1024, max_put_bytes=1 << 20,
                            get_chunk_bytes=64 * 1024)
 
@@ -246,7 +245,7 @@ def test_bad_input_is_invalid_argument_and_loses_nothing(redis_url: str) -> None
 
 
 def test_tenant_isolation_in_every_tier(redis_url: str, tmp_path: Path) -> None:
-    """Must show 3: the same prompt under two tenants shares no key and never hits
+    """The same prompt under two tenants shares no key and never hits
     across tenants, whichever tier holds the blocks."""
     fp = bytes(range(16))
     tokens = list(range(1000, 1000 + 4 * 12))
@@ -282,7 +281,7 @@ def test_tenant_isolation_in_every_tier(redis_url: str, tmp_path: Path) -> None:
 
 def test_corrupt_files_after_restart_are_reported_missing(redis_url: str,
                                                          tmp_path: Path) -> None:
-    """Must show 4 over gRPC: flipped bytes in stored files are detected, counted,
+    """Over gRPC: flipped bytes in stored files are detected, counted,
     reported missing and never served."""
     async def body() -> None:
         ks, data = keys(8), blocks(8)

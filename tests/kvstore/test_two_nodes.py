@@ -70,6 +70,7 @@ async def _events(url: str) -> list[object]:
         await reader.close()
 
 
+@pytest.mark.slow
 def test_node_b_restores_node_a_prefix_and_router_prefers_the_g2_holder(
         cluster_url: str, moto_s3: MotoS3, s3_bucket: str, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,7 +88,16 @@ def test_node_b_restores_node_a_prefix_and_router_prefers_the_g2_holder(
         for node in ("na", "nb")}
     dec = procs.engine_service("decode", config, cluster_url, tmp_path,
                                store_address=stores["nb"].address, extra=("--node", "nb"))
-    procs.start_all(*stores.values(), *pres.values(), dec)
+    everyone = (*stores.values(), *pres.values(), dec)
+    for p in everyone:                          # in parallel: model loads overlap
+        p.start()
+    try:
+        for p in everyone:                      # five processes on a shared CI box: patience
+            p.wait_ready(timeout_s=240)
+    except BaseException:
+        for p in everyone:
+            p.kill()
+        raise
     ref = Engine(EngineConfig(model="tiny-dense", block_tokens=B, num_blocks=256))
     tokens = [(i * 11) % 250 + 1 for i in range(100)]
     want = ref.generate(tokens, SamplingParams(max_tokens=6)).tokens

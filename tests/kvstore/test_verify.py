@@ -165,3 +165,29 @@ def test_the_client_puts_through_a_store_handed_segment(store: StoreProc) -> Non
             got = await c.get(ks, ctx=CTX)
             assert [bytes(p or b"") for p in got.payloads] == [bytes(d) for d in data]
     asyncio.run(body())
+
+
+def test_staging_segments_are_fresh_owned_and_bounded() -> None:
+    from kvstore.errors import ShmUnavailable
+    from kvstore.segments import StagingSegments
+
+    st = StagingSegments(max_bytes=6 << 20, min_bytes=1 << 20, per_owner=2)
+    try:
+        a1, a2 = st.open("peer-a", 4096), st.open("peer-a", 4096)
+        assert a1.name != a2.name          # two clients of one process never share one
+        assert st.resolve("peer-a", a1.name) is a1
+        with pytest.raises(ShmUnavailable):
+            st.resolve("peer-b", a1.name)  # bound to the connection it was handed to
+        a3 = st.open("peer-a", 4096)       # per-owner cap: the owner's least recently
+        with pytest.raises(ShmUnavailable):  # used goes (a1 was just used)
+            st.resolve("peer-a", a2.name)
+        assert st.resolve("peer-a", a3.name) is a3
+        b = st.open("peer-b", 5 << 20)     # byte cap: least recently used first out
+        assert st.resolve("peer-b", b.name) is b and len(st) == 2
+        with pytest.raises(ShmUnavailable):
+            st.resolve("peer-a", a1.name)  # 1 + 1 + 5 MiB > 6: a1 went, a3 stays
+        with pytest.raises(ShmUnavailable):
+            st.open("peer-b", 7 << 20)     # larger than all staging: the client streams
+    finally:
+        st.close()
+    assert len(st) == 0

@@ -1,5 +1,5 @@
-"""The warehouse: write-through, promotion/demotion, TTL sweeps (must show 2),
-integrity (must show 4), self-healing of a lost index."""
+"""The warehouse: write-through, promotion/demotion, TTL sweeps,
+integrity, self-healing of a lost index."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def test_g4_hits_promote_to_g2_and_land_in_g3(redis_url: str, tmp_path: Path) ->
 
 
 def test_ttl_expiry_sweep_and_refresh_on_hit(redis_url: str, tmp_path: Path) -> None:
-    """Must show 2: a 2-second class misses after expiry, its files are gone after a
+    """A 2-second class misses after expiry, its files are gone after a
     sweep, and a hit refreshes the TTL."""
     async def body(wh: Warehouse) -> None:
         kept, dropped = keys(2, seed=1), keys(2, seed=2)
@@ -149,7 +149,7 @@ def test_ttl_expiry_sweep_and_refresh_on_hit(redis_url: str, tmp_path: Path) -> 
 
 def test_corrupt_blocks_are_detected_counted_and_never_served(redis_url: str,
                                                              tmp_path: Path) -> None:
-    """Must show 4 (in-process; test_service covers it over gRPC after a restart)."""
+    """Integrity in-process (test_service covers it over gRPC after a restart)."""
     async def body(wh: Warehouse) -> None:
         ks, data = keys(6), blocks(6)
         await wh.put(ks, data, layout=LAYOUT, token_counts=[4] * 6, ctx=CTX)
@@ -275,3 +275,26 @@ def test_stats_count_hits_and_misses_per_class(redis_url: str) -> None:
         assert doc["classes"]["chat"]["blocks"] == 3
         assert doc["uncacheable"]["chat"] == [1.0, 2.0]         # the 2-token tail
     with_wh({}, body, redis_url)
+
+
+def test_blocks_per_class_survive_a_restart_on_a_fresh_redis(redis_url: str,
+                                                              tmp_path: Path) -> None:
+    """`kvserve up` restarts its embedded Redis empty: the store reindexes G3
+    at start, and its per-class block counts show what G3 holds, not 0."""
+    async def main() -> None:
+        cfg = wh_config(redis_url, g3=tmp_path)
+        wh = await Warehouse(cfg).start()
+        await put(wh, keys(3))
+        await put(wh, keys(2, seed=7), ctx=RequestCtx(tenant="t1", traffic_class="agent"))
+        await wh.flush()
+        await wh.close()
+        r = redis.Redis.from_url(redis_url)
+        r.flushall()                                          # the new, empty Redis
+        r.close()
+        wh2 = await Warehouse(cfg).start()
+        try:
+            counts = {c.traffic_class: c.blocks for c in (await wh2.stats()).classes}
+            assert counts["chat"] == 3 and counts["agent"] == 2
+        finally:
+            await wh2.close()
+    asyncio.run(main())

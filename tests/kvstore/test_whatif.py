@@ -76,7 +76,7 @@ def test_json_round_trip_predicts_the_same() -> None:
     assert [r.as_json() for r in a] == [r.as_json() for r in b]
     assert {r.cls for r in a} == {"agent", "chat", "all"}
     keys = {"class", "ttl_s", "capacity_tokens", "policy", "hit_rate", "token_hit_rate",
-            "bytes_peak", "bytes_mean"}
+            "bytes_peak", "bytes_mean", "hit_rate_bound"}
     assert set(a[0].as_json()) == keys
     assert json.loads(json.dumps(a[-1].as_json()))["ttl_s"] is None     # inf -> null
     with pytest.raises(ValueError, match="not a what-if estimator state"):
@@ -110,3 +110,14 @@ def test_sampling_bounds_memory_and_stays_close() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="max_tracked"):
         WhatIfEstimator(max_tracked=1)
+
+
+def test_prediction_reports_a_bound_that_covers_the_replay() -> None:
+    tr = random_prefix_trace(11, sessions=60, think_s=20.0)
+    est = fit_trace(tr)
+    for ttl in (5.0, 20.0, 60.0, float("inf")):
+        (row,) = [r for r in est.predict([ttl], [None]) if r.cls == "all"]
+        assert 0.0 <= row.hit_rate_bound < 0.2
+        assert "hit_rate_bound" in row.as_json()
+        truth = replay_cache(tr, ttl_s=ttl).hit_rate
+        assert abs(row.hit_rate - truth) <= row.hit_rate_bound + 1e-9, (ttl, row, truth)

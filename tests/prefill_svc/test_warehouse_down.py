@@ -1,4 +1,4 @@
-"""Must show 3: with the kvstore process killed, prefill still answers by
+"""With the kvstore process killed, prefill still answers by
 recomputing and counts the degradation; when the store returns (same port,
 same disk tier, same Redis) the hits come back without restarting prefill."""
 

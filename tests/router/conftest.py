@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +15,11 @@ from tests.router.front_stack import RouterProc
 @pytest.fixture(scope="session")
 def agent_stack(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str
                 ) -> Iterator[RouterProc]:
-    """The SmolLM2 stack the tools/structured-output and Messages API tests share."""
+    """The SmolLM2 stack the tools/structured-output and Messages API tests share
+    (KVSERVE_TEST_AGENT_URL=http://host:port points them at a running router instead)."""
+    url = os.environ.get("KVSERVE_TEST_AGENT_URL")
+    if url:
+        yield SimpleNamespace(http=url)  # type: ignore[misc]
+        return
     with _agent_stack(tmp_path_factory.mktemp("agent")) as router:
         yield router

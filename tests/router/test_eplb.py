@@ -1,5 +1,5 @@
 """EPLB planner: capacity, replicas, the dispatch rule, and out-of-sample
-imbalance on the shared DeepSeek-V3 recordings (issue 5, "Must show" 5)."""
+imbalance on the shared DeepSeek-V3 recordings."""
 
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ OK_MSG = [{"role": "user", "content": "hi"}]
 BAD_INPUTS: list[tuple[str, str, bytes | dict, int, str | None, str | None]] = [  # type: ignore[type-arg]
     # (id, path, body, status, param, code)
     ("invalid-json", CHAT, b'{"model": "tiny-dense", "messages": [', 400, "body", "invalid_json"),
-    ("not-utf8", CHAT, b"\xff\xfe{}", 400, "body", "invalid_json"),
+    ("not-utf8", CHAT, b"\xff\xfe{}", 400, "body", "invalid_encoding"),
     ("empty-body", CHAT, b"", 400, "body", None),
     ("array-body", CHAT, b"[1, 2]", 400, "body", None),
     ("missing-messages", CHAT, {"model": MODEL}, 400, "messages", None),
@@ -204,11 +204,11 @@ def test_bad_input_is_4xx_with_openai_error(stack: Stack, path: str, body: bytes
 
 
 def test_nan_and_routing_errors_are_4xx(stack: Stack) -> None:
-    # Python's json accepts NaN; the API must not.
+    # Python's json accepts NaN; the API must not (strict JSON: refused while parsing).
     r = http("POST", stack.http + CHAT,
              b'{"model": "tiny-dense", "messages": [{"role": "user", "content": "a"}], '
              b'"temperature": NaN}')
-    assert r.status == 400 and _assert_openai_error(r.body, "temperature", None)
+    assert r.status == 400 and _assert_openai_error(r.body, "body", "invalid_json")
     r = http("GET", stack.http + "/v1/nothing")
     assert r.status == 404 and _assert_openai_error(r.body, None, None)
     r = http("GET", stack.http + CHAT)

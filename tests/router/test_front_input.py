@@ -38,6 +38,13 @@ OK_BYTES = json.dumps(OK).encode()
 MIB = 2**20
 
 
+def _live(r: RouterProc) -> dict[str, int]:
+    try:
+        return live_counts(r.http)
+    except OSError:                   # the HTTP port a moment after gRPC health
+        return {}
+
+
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
     d = tmp_path_factory.mktemp("front_input")
@@ -50,11 +57,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
         procs = [st, *engines, r.proc]
         try:
             start_all(*procs)
-            print("DBG", r.http, r.proc.popen.poll(), flush=True)
-            import subprocess; print([l for l in subprocess.run(["ss","-ltnp"],capture_output=True,text=True).stdout.splitlines() if f"pid={r.proc.popen.pid}," in l], flush=True)
-            time.sleep(5)
-            print([l for l in subprocess.run(["ss","-ltnp"],capture_output=True,text=True).stdout.splitlines() if f"pid={r.proc.popen.pid}," in l], flush=True)
-            wait_until(lambda: live_counts(r.http) == {"prefill": 1, "decode": 1}, 30,
+            wait_until(lambda: _live(r) == {"prefill": 1, "decode": 1}, 30,
                        "router sees prefill and decode")
             yield r
         finally:
@@ -200,6 +203,12 @@ MALFORMED: list[tuple[str, bytes, int | None, str | None]] = [
     ("url-20k", b"GET /v1/models?" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", None,
      None),
     ("bad-request-line", b"GARBAGE\r\n\r\n", 400, None),
+    ("expect-bogus", _post(OK_BYTES, {"Expect": "bogus"}), 417, "headers"),
+    ("nul-in-header", _post(OK_BYTES, {"X-A": "a\x00b"}), 400, "headers"),
+    ("binary-request-id", _post(OK_BYTES, {"X-Request-Id": "\x7f\x01"}), 400, "headers"),
+    ("two-content-lengths", _post(OK_BYTES, {"content-length": "5"}), 400, "headers"),
+    ("chunked-and-length", _post(OK_BYTES, {"Transfer-Encoding": "chunked"}), 400, "headers"),
+    ("binary-traffic-class", _post(OK_BYTES, {"X-KV-Class": "\xff"}), 400, "X-KV-Class"),
     ("bad-http-version", b"GET / HTTP/9.9\r\nHost: x\r\n\r\n", None, None),
     ("wrong-method", b"DELETE /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
      b"Connection: close\r\n\r\n", 405, None),
@@ -344,7 +353,7 @@ def test_health_p99_under_100ms_during_8_concurrent_16mib_bodies(
         headers = {"Content-Encoding": "gzip"} if name.startswith("gzip") else {}
         path = COMPL if "prompt" in name else CHAT
         try:
-            status, hdrs, reply = _raw(base, _post(body, headers, path=path), timeout=120)
+            status, hdrs, reply = _raw(base, _post(body, headers, path=path), timeout=300)
             _assert_error(status, hdrs, reply, None)
             results[name] = status
         except Exception as exc:  # recorded; asserted below
@@ -374,17 +383,20 @@ def test_health_p99_under_100ms_during_8_concurrent_16mib_bodies(
     for t in senders:
         t.start()
     for t in senders:
-        t.join(timeout=180)
+        t.join(timeout=320)
     elapsed = time.monotonic() - t0
     done.set()
     prober.join(timeout=10)
-    want = {n: s for n, _, s in bodies}
-    assert results == want, results
     latencies.sort()
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    # The figure docs/BENCHMARKS.md records (pytest -s shows it).
+    print(f"\n/health under 8 concurrent ~16 MiB bodies: {len(latencies)} probes over "
+          f"{elapsed:.1f} s, p50 {latencies[len(latencies) // 2] * 1000:.1f} ms, "
+          f"p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
     assert len(latencies) > 20, (len(latencies), elapsed)
     assert p99 < 0.100, f"/health p99 {p99 * 1000:.1f} ms over {len(latencies)} probes " \
                         f"({elapsed:.1f} s of big bodies); max {latencies[-1] * 1000:.1f} ms"
+    assert results == {n: s for n, _, s in bodies}, results
 
 
 def test_big_bodies_leave_the_router_answering(smollm2_router: RouterProc) -> None:

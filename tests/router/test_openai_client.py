@@ -102,6 +102,29 @@ def test_multi_turn(client: openai.OpenAI) -> None:
     assert (second.usage.prompt_tokens_details.cached_tokens or 0) >= 128
 
 
+def test_agent_loop_with_zero_think_time_hits_the_previous_turn(client: openai.OpenAI) -> None:
+    """Six turns, each sent the moment the previous answer ends: from turn 2
+    cached_tokens is at least the hit rule on the previous prompt + output
+    (decode stores those blocks before it finishes the answer)."""
+    from kvserve.config import HitRule
+
+    rule = HitRule(block_tokens=64)               # SmolLM2: full attention, reserve 1
+    messages = _ask("List three rivers of Europe.")
+    prev_kv = 0                                   # tokens with KV: prompt + output - 1
+    for turn in range(6):
+        r = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=24, temperature=0,
+                                           extra_headers={"X-KV-Class": "agent"})
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        cached = r.usage.prompt_tokens_details.cached_tokens or 0
+        if turn:
+            want = rule.usable_tokens(prev_kv, r.usage.prompt_tokens)
+            assert want > 0 and cached >= want, (turn, cached, want)
+        prev_kv = r.usage.prompt_tokens + r.usage.completion_tokens - 1
+        messages += [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                     {"role": "user", "content": f"Tool result {turn}: ok. Next step?"}]
+
+
 def test_completions(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="The capital of France is",
                                   max_tokens=6, temperature=0)

@@ -1,4 +1,4 @@
-"""Placement policies and the cluster/prefix views (issue 5, "Must show" 2)."""
+"""Placement policies and the cluster/prefix views."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _keys(tokens: list[int]) -> list[bytes]:
     return chain_keys(tokens, block_tokens=64, tenant="t", fingerprint=FP)
 
 
-# ----------------------------------------------------------- must show 2
+# ----------------------------------------------------------- policies on a cluster
 
 
 def test_cache_expert_aware_sends_decode_to_the_balanced_instance() -> None:

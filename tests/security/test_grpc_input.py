@@ -279,3 +279,28 @@ def test_an_over_long_layout_is_invalid_argument(redis_url: str) -> None:
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "layout" in (err.value.details() or "")
     asyncio.run(body())
+
+
+@pytest.mark.usefixtures("tls_env")
+def test_the_plain_health_port_answers_garbage_with_invalid_argument(redis_url: str) -> None:
+    from grpc_health.v1 import health_pb2
+
+    from kvstore.service import start_server
+    from kvstore.warehouse import Warehouse
+    from tests.kvstore.storeproc import wh_config
+
+    async def body() -> None:
+        wh = await Warehouse(wh_config(redis_url)).start()
+        srv = await start_server(wh, health_port=0)
+        try:
+            method = health_pb2.DESCRIPTOR.services_by_name["Health"].methods_by_name["Check"]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.health_port}") as ch:
+                for raw in GARBAGE[:4]:
+                    code = await call_raw(ch, "/grpc.health.v1.Health/Check", method, raw)
+                    assert code == grpc.StatusCode.INVALID_ARGUMENT, (raw, code)
+                ok = await call_raw(ch, "/grpc.health.v1.Health/Check", method, b"")
+                assert ok == grpc.StatusCode.OK
+        finally:
+            await srv.drain(0)
+            await wh.close()
+    asyncio.run(body())

@@ -1,0 +1,196 @@
+"""``kvserve bench vllm``: what the warehouse gives vLLM, measured side by side.
+
+One machine, one kvstore, the same 1,493-token prompts (seeded token ids):
+
+1. server 1 (fresh store): TTFT cold, then the same prompt again, answered from
+   vLLM's own prefix cache (``ttft_warm_local_s``);
+2. server 1 stops; server 2 is a **fresh** vLLM process: the same prompts are
+   answered restoring the prefix from the warehouse (``ttft_warm_warehouse_s``),
+   with the cached tokens it reports and whether its tokens equal the cold run's.
+
+TTFT is measured as a streaming client sees it (request sent to first token).
+Medians over ``--reps`` prompts; the target is warehouse-warm <= 1.3 x local-warm.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvserve.launch_vllm import VLLMProcess, VLLMSpec
+
+PROMPT_TOKENS = 1493
+TARGET_RATIO = 1.3
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    ttft_s: float
+    token_ids: tuple[int, ...]
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMBenchResult:
+    prompt_tokens: int
+    reps: int
+    ttft_cold_s: float
+    ttft_warm_local_s: float
+    ttft_warm_warehouse_s: float
+    ratio_warehouse_to_local: float
+    target_ratio: float
+    met: bool
+    cached_tokens_local: int
+    cached_tokens_warehouse: int
+    identical: bool
+    start_s: list[float]
+
+
+def bench_prompts(reps: int, seed: int = 0, vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(reps)]
+
+
+def timed_completion(base: str, prompt: list[int], *, max_tokens: int = 16,
+                     salt: str = "bench") -> Timed:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True, "cache_salt": salt}
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    t0 = time.perf_counter()
+    first = None
+    ids: list[int] = []
+    usage: dict[str, Any] = {}
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk.get("choices") or []:
+                if c.get("token_ids"):
+                    first = first or time.perf_counter()
+                    ids.extend(c["token_ids"])
+            usage = chunk.get("usage") or usage
+    if first is None:
+        raise RuntimeError("the server streamed no token")
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return Timed(first - t0, tuple(ids), cached)
+
+
+def run_bench(model_dir: str, *, reps: int, work: Path, store_address: str, redis_url: str,
+              tls_dir: str, insecure: bool, port: int,
+              log: Any = print) -> VLLMBenchResult:
+    prompts = bench_prompts(reps, seed=int(time.time()))   # unseen by any earlier run
+    spec = VLLMSpec(model_dir=model_dir, port=port, store=store_address, redis_url=redis_url,
+                    instance_id="bench-1", tls_dir=tls_dir, insecure=insecure,
+                    kv_cache_mib=512, max_num_seqs=16)
+    one = VLLMProcess(spec, work / "vllm-1.log").start().wait_ready()
+    log(f"server 1 ready in {one.ready_s:.0f}s")
+    try:
+        cold = [timed_completion(spec.base_url, p) for p in prompts]
+        local = [timed_completion(spec.base_url, p) for p in prompts]
+        _wait_saved(redis_url, "bench-1", reps * (PROMPT_TOKENS // spec.block_tokens))
+    finally:
+        one.stop()
+    spec2 = VLLMSpec(**{**asdict(spec), "instance_id": "bench-2"})
+    two = VLLMProcess(spec2, work / "vllm-2.log").start().wait_ready()
+    log(f"server 2 (fresh) ready in {two.ready_s:.0f}s")
+    try:
+        warm = [timed_completion(spec2.base_url, p) for p in prompts]
+    finally:
+        two.stop()
+    med = lambda xs: statistics.median(x.ttft_s for x in xs)  # noqa: E731
+    ratio = med(warm) / med(local)
+    return VLLMBenchResult(
+        prompt_tokens=PROMPT_TOKENS, reps=reps, ttft_cold_s=med(cold),
+        ttft_warm_local_s=med(local), ttft_warm_warehouse_s=med(warm),
+        ratio_warehouse_to_local=ratio, target_ratio=TARGET_RATIO, met=ratio <= TARGET_RATIO,
+        cached_tokens_local=min(x.cached_tokens for x in local),
+        cached_tokens_warehouse=min(x.cached_tokens for x in warm),
+        identical=all(c.token_ids == w.token_ids == x.token_ids
+                      for c, w, x in zip(cold, warm, local, strict=True)),
+        start_s=[round(one.ready_s, 1), round(two.ready_s, 1)])
+
+
+def main(reps: int, as_json: bool, *, tls_dir: str = "", insecure: bool = False) -> int:
+    from engine.fetch import fetch_model
+    from kvserve import launcher
+    from kvstore.redis_server import EmbeddedRedis, free_port
+
+    work = work_dir()
+    model_dir = str(fetch_model("smollm2"))
+    with EmbeddedRedis() as redis:
+        port, health = free_port(), free_port()
+        sec = ["--insecure"] if insecure else ["--tls-dir", tls_dir] if tls_dir else []
+        store = launcher.Child("kvstore", [
+            sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
+            "--port", str(port), "--metrics-port", "-1", "--redis-url", redis.url,
+            "--g2-bytes", "1GiB", "--no-prefault", "--health-port", str(health), *sec],
+            f"127.0.0.1:{health}", work / "kvstore.log")
+        try:
+            launcher.start_children([store], 120.0)
+            result = run_bench(model_dir, reps=reps, work=work,
+                               store_address=f"127.0.0.1:{port}", redis_url=redis.url,
+                               tls_dir=tls_dir, insecure=insecure, port=free_port(), log=_log)
+        finally:
+            launcher.stop_children([store], 10.0)
+    print_result(result, as_json)
+    _log(f"logs in {work}")
+    return 0
+
+
+def _wait_saved(redis_url: str, instance: str, blocks: int, timeout_s: float = 120.0) -> None:
+    """Puts run in the background: wait until the connector counted them all."""
+    import redis
+
+    from connectors.vllm_presence import stats_key
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if int(r.hget(stats_key(instance), "saved_blocks") or 0) >= blocks:
+                return
+            time.sleep(0.2)
+    finally:
+        r.close()
+    raise RuntimeError(f"{instance} saved fewer than {blocks} blocks in {timeout_s:.0f}s")
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def table(r: VLLMBenchResult) -> str:
+    rows = [("TTFT cold", f"{r.ttft_cold_s:.3f} s", ""),
+            ("TTFT warm, vLLM's own prefix cache", f"{r.ttft_warm_local_s:.3f} s",
+             f"cached {r.cached_tokens_local}"),
+            ("TTFT warm, fresh process via warehouse", f"{r.ttft_warm_warehouse_s:.3f} s",
+             f"cached {r.cached_tokens_warehouse}"),
+            ("warehouse / local", f"{r.ratio_warehouse_to_local:.2f} x",
+             f"target <= {r.target_ratio} ({'met' if r.met else 'missed'})"),
+            ("identical tokens", str(r.identical), f"{r.reps} prompts of {r.prompt_tokens}")]
+    w = max(len(a) for a, _, _ in rows)
+    return "\n".join(f"{a:<{w}}  {b:>10}  {c}" for a, b, c in rows)
+
+
+def print_result(r: VLLMBenchResult, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(asdict(r), indent=1))
+    else:
+        print(table(r))
+    sys.stdout.flush()
+
+
+def work_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="kvserve-bench-vllm-"))

@@ -1,0 +1,105 @@
+"""Issue 11: our router in front of two vLLM servers (backend "vllm",
+``cache_aware``). A repeat goes to the instance that holds the prefix in its
+own cache, which the router learns only from the connectors' G1 KV events
+(both servers share one kvstore, so the warehouse's G2 events credit both
+equally); answers are OpenAI bodies with the usage block, also streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from kvstore.keys import chain_keys
+from router.serve import RouterConfig, start_router
+from security.config import SecurityConfig
+from tests.connectors.conftest import two_servers_fit
+from tests.connectors.stack import BLOCK, security
+
+pytestmark = pytest.mark.timeout(1500)
+N = 4
+
+
+def _messages(run: str, i: int) -> list[dict[str, str]]:
+    words = " ".join(f"fact{i}-{k}" for k in range(150))
+    return [{"role": "user", "content": f"Session {run} note {i}. Summarise: {words}"}]
+
+
+async def _ask(http: aiohttp.ClientSession, base: str, messages: list[dict[str, str]], *,
+               stream: bool = False) -> tuple[str, dict, str]:  # type: ignore[type-arg]
+    body = {"model": "smollm2", "temperature": 0, "max_tokens": 8, "messages": messages,
+            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+    async with http.post(base + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        where = resp.headers["X-KV-Prefill-Instance"]
+        if not stream:
+            return where, await resp.json(), ""
+        events = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+                  if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events
+                       if e.get("choices"))
+        return where, events[-1], text
+
+
+def test_cache_aware_repeat_goes_to_the_instance_holding_the_prefix(vllm_stack, vllm_servers):
+    if not two_servers_fit():
+        pytest.skip("less than 5 GiB of memory available: two vLLM servers do not fit")
+    vllm_servers.get("vllm-a")
+    vllm_servers.get("vllm-b")
+    tls, insecure = security()
+    sec = SecurityConfig(insecure=True) if insecure else SecurityConfig(cert_dir=tls,
+                                                                        role="router")
+
+    async def body() -> None:
+        r = await start_router(RouterConfig(model="smollm2", grpc_port=0, http_port=0,
+                                            redis_url=vllm_stack.redis_url, backend="vllm",
+                                            security=sec))
+        base = f"http://127.0.0.1:{r.http_port}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(base + "/health") as resp:
+                    assert resp.status == 200
+                    assert (await resp.json())["instances"]["prefill"] == 2
+                first = [await _ask(http, base, _messages(vllm_stack.run, i)) for i in range(N)]
+                placed = [w for w, _, _ in first]
+                assert set(placed) == {"vllm-a", "vllm-b"}, placed   # ties spread the cold ones
+                for i, (w, out, _) in enumerate(first):
+                    keys = _keys(r, _messages(vllm_stack.run, i))
+                    await _until(lambda k=keys, w=w: w in r.view.prefixes.match(k))
+                    g1 = r.view.prefixes.match(keys)[w]
+                    assert g1.by_tier[0] >= len(keys) - 1      # G1: from the connector's events
+                    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                for i, (w, out, _) in enumerate(first):
+                    again, out2, _ = await _ask(http, base, _messages(vllm_stack.run, i))
+                    assert again == w, f"repeat {i} went to {again}, prefix is on {w}"
+                    assert out2["choices"][0]["message"] == out["choices"][0]["message"]
+                    assert out2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+                where, last, text = await _ask(http, base, _messages(vllm_stack.run, 0),
+                                               stream=True)
+                assert where == placed[0]
+                assert text == first[0][1]["choices"][0]["message"]["content"]
+                assert last["usage"]["completion_tokens"] == 8
+                async with http.post(base + "/v1/chat/completions",
+                                     json={"model": "smollm2", "messages": []}) as resp:
+                    assert resp.status == 400
+                    assert (await resp.json())["error"]["type"] == "invalid_request_error"
+        finally:
+            await r.stop(1.0)
+
+    asyncio.run(body())
+
+
+def _keys(r, messages: list[dict[str, str]]) -> list[bytes]:  # type: ignore[no-untyped-def]
+    tokens = r.core.meta.tokenizer.apply_chat_template(messages)
+    return chain_keys(tokens, block_tokens=BLOCK, tenant="default",
+                      fingerprint=bytes.fromhex(r.view.fingerprint()), secret=r.core.cfg.secret)
+
+
+async def _until(cond, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.05)):
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the router never learned where the prefix is")
