@@ -73,6 +73,20 @@ def available() -> bool:
     return _llg is not None
 
 
+def validate(spec: GrammarSpec) -> None:
+    """Check a grammar without a tokenizer (syntax, schema keywords): what a router
+    can refuse before any engine sees the request. Raises EngineInputError."""
+    if _llg is None:
+        raise EngineInputError("constrained decoding needs the llguidance package")
+    try:
+        text = _COMPILERS[spec.kind](spec.source)
+    except ValueError as exc:
+        raise EngineInputError(f"bad {spec.kind} grammar: {exc}") from exc
+    error = _llg.LLMatcher.validate_grammar(text)
+    if error and not error.startswith("WARNING"):
+        raise EngineInputError(f"bad {spec.kind} grammar: {error.strip()}")
+
+
 class GrammarCompiler:
     """Compiles specs against one tokenizer. Building llguidance's tokenizer view
     takes ~0.3 s for a 49k vocabulary, so one compiler lives per engine/router."""

@@ -271,22 +271,11 @@ class Engine:
                 raise EngineInputError(f"sequence {s.seq_id!r} reached the context limit "
                                        f"of {limit} tokens")
         self._grow(seqs)
-        if self._paged is not None:
-            return self._decode_paged(seqs)
         out: dict[str, int] = {}
-        # Invariant kernels: one forward of exactly the live rows. Otherwise a fixed
-        # bucket of rows (padding included) keeps every sequence's bits unchanged.
-        bucket = len(seqs) if self.invariant else self.config.decode_bucket
-        for i in range(0, len(seqs), bucket):
-            group = seqs[i: i + bucket]
-            pad = bucket - len(group)
-            toks = torch.tensor([s.pending for s in group] + [0] * pad, device=self.device)
-            pos = torch.tensor([s.kv_len for s in group] + [0] * pad, device=self.device)
-            segs = [Segment(j, 1, s.kv_len, s.table, s.mirror) for j, s in enumerate(group)]
-            attn = BatchAttention(self.storage, segs, self._windows,
-                                  self.model_config.num_heads, bucket, self.invariant)
-            hidden = self.model.forward(toks, pos, attn, len(group), self._counts)
-            logits = self.model.logits(hidden)                    # [bucket, V]
+        rows = self._rows_per_forward(len(seqs))
+        for i in range(0, len(seqs), rows):
+            group = seqs[i: i + rows]
+            logits = self._decode_logits(group, rows)             # [len(group), V]
             nxt = sample_rows(logits, [self._row(s) for s in group])
             for s, t in zip(group, nxt, strict=True):
                 s.kv_len += 1
@@ -294,22 +283,27 @@ class Engine:
                 out[s.seq_id] = t
         return out
 
-    def _decode_paged(self, seqs: list[Sequence]) -> dict[str, int]:
-        """CUDA: one paged-attention kernel per layer for the whole step, replayed
-        from a CUDA graph of the bucket (engine/paged_decode.py)."""
-        assert self._paged is not None
-        out: dict[str, int] = {}
-        cap = self._paged.bucket(len(seqs))
-        for i in range(0, len(seqs), cap):
-            group = seqs[i: i + cap]
-            logits = self._paged.step([s.pending for s in group], [s.kv_len for s in group],
-                                      [s.blocks for s in group])
-            nxt = sample_rows(logits, [self._row(s) for s in group])
-            for s, t in zip(group, nxt, strict=True):
-                s.kv_len += 1
-                s.tokens.append(t)
-                out[s.seq_id] = t
-        return out
+    def _rows_per_forward(self, n: int) -> int:
+        """CUDA paged decode: a graph bucket (up to 64). Invariant kernels: exactly
+        the live rows. Otherwise a fixed bucket of rows, padding included, so a
+        sequence's bits never depend on how many others share the step."""
+        if self._paged is not None:
+            return self._paged.bucket(n)
+        return n if self.invariant else self.config.decode_bucket
+
+    def _decode_logits(self, group: list[Sequence], rows: int) -> torch.Tensor:
+        if self._paged is not None:
+            # one paged-attention kernel per layer, replayed from the bucket's graph
+            return self._paged.step([s.pending for s in group], [s.kv_len for s in group],
+                                    [s.blocks for s in group])
+        pad = rows - len(group)
+        toks = torch.tensor([s.pending for s in group] + [0] * pad, device=self.device)
+        pos = torch.tensor([s.kv_len for s in group] + [0] * pad, device=self.device)
+        segs = [Segment(j, 1, s.kv_len, s.table, s.mirror) for j, s in enumerate(group)]
+        attn = BatchAttention(self.storage, segs, self._windows,
+                              self.model_config.num_heads, rows, self.invariant)
+        hidden = self.model.forward(toks, pos, attn, len(group), self._counts)
+        return self.model.logits(hidden)[: len(group)]
 
     def _paged_forward(self, toks: torch.Tensor, pos: torch.Tensor,
                        attn: object) -> torch.Tensor:

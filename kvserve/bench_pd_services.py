@@ -7,10 +7,11 @@ no local prefix cache; the *cold* one never reads the warehouse
 (``--fetch-policy never``), the *warm* one uses the cost-aware rule. Each turn
 resends the whole conversation (the previous prompt + the model's answer +
 a new tool result), as an agent does, at the token level so the context is an
-exact prefix of the next turn, with zero think time: the next turn goes out
-the moment the previous answer's final event arrives (decode stores the
-answer's canonical blocks before sending it). The warm instance runs each
-turn first (the cold instance's writes of that turn's prompt cannot help it).
+exact prefix of the next turn, with zero think time: the warm conversation
+runs first, each turn sent the moment the previous answer's final event
+arrives (decode stores the answer's canonical blocks before sending it); then
+the cold instance answers the same contexts (its writes cannot help the warm
+turns, which are over).
 TTFT is the client-side time of the Prefill call (the first token is in its
 reply); ``end_wait_s`` is what holding the final event for the canonical
 write added to the end of the answer (client-side gap before the final event
@@ -142,25 +143,30 @@ async def _conversation(args: Any, cfg: KVServeConfig, tok: Any, hit_rule: Any,
     context = tok.apply_chat_template([{"role": "system", "content": SYSTEM},
                                        {"role": "user", "content": first}])
     results: list[TurnResult] = []
+    warm_turns: list[tuple[list[int], float, Any, list[int], float, int, float]] = []
     prev_kv = 0
     try:
-        for turn in tqdm(range(1, args.turns + 1), desc="turns", file=sys.stderr):
-            # Zero think time: no waiting for the warehouse between turns.
+        # The agent: every turn goes out the moment the previous answer ends.
+        for _ in tqdm(range(args.turns), desc="warm turns", file=sys.stderr):
             rule = hit_rule.usable_tokens(prev_kv, len(context)) if prev_kv else 0
             t_warm, h_warm = await _prefill(warm, context, sampling)
             out_warm, tps, end_wait = await _decode(dec, h_warm, sampling)
-            t_cold, h_cold = await _prefill(cold, context, sampling)
-            out_cold, _, _ = await _decode(dec, h_cold, sampling)
-            tw = h_warm.timings
-            results.append(TurnResult(turn, len(context), h_warm.cached_tokens, t_cold, t_warm,
-                                      tps, len(out_warm), out_warm == out_cold,
-                                      h_warm.fetch_decision, tw.lookup_s, tw.fetch_s,
-                                      tw.compute_s, h_cold.timings.compute_s, rule, end_wait))
+            warm_turns.append((context, t_warm, h_warm, out_warm, tps, rule, end_wait))
             prev_kv = len(context) + len(out_warm) - 1
             joint = "\n" if out_warm and out_warm[-1] in tok.eos_token_ids else "<|im_end|>\n"
             context = context + out_warm + tok.encode(
-                f"{joint}<|im_start|>user\n{tool_result(turn, args.tool_lines)}<|im_end|>\n"
-                "<|im_start|>assistant\n", special=True)   # our own markup
+                f"{joint}<|im_start|>user\n{tool_result(len(warm_turns), args.tool_lines)}"
+                "<|im_end|>\n<|im_start|>assistant\n", special=True)   # our own markup
+        # The same contexts without the warehouse (this instance never reads it).
+        for turn, (ctx, t_warm, h_warm, out_warm, tps, rule, end_wait) in enumerate(
+                tqdm(warm_turns, desc="cold turns", file=sys.stderr), start=1):
+            t_cold, h_cold = await _prefill(cold, ctx, sampling)
+            out_cold, _, _ = await _decode(dec, h_cold, sampling)
+            tw = h_warm.timings
+            results.append(TurnResult(turn, len(ctx), h_warm.cached_tokens, t_cold, t_warm,
+                                      tps, len(out_warm), out_warm == out_cold,
+                                      h_warm.fetch_decision, tw.lookup_s, tw.fetch_s,
+                                      tw.compute_s, h_cold.timings.compute_s, rule, end_wait))
     finally:
         for ch in chans.values():
             await ch.close()

@@ -126,6 +126,7 @@ def main(reps: int, as_json: bool, *, tls_dir: str = "", insecure: bool = False)
     from engine.fetch import fetch_model
     from kvserve import launcher
     from kvstore.redis_server import EmbeddedRedis, free_port
+    from security.config import SecurityConfig
 
     work = work_dir()
     model_dir = str(fetch_model("smollm2"))
@@ -136,7 +137,8 @@ def main(reps: int, as_json: bool, *, tls_dir: str = "", insecure: bool = False)
             sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
             "--port", str(port), "--metrics-port", "-1", "--redis-url", redis.url,
             "--g2-bytes", "1GiB", "--no-prefault", "--health-port", str(health), *sec],
-            f"127.0.0.1:{health}", work / "kvstore.log")
+            f"127.0.0.1:{health}", work / "kvstore.log",
+            security=SecurityConfig(insecure=True))   # the health-only port is plain text
         try:
             launcher.start_children([store], 120.0)
             result = run_bench(model_dir, reps=reps, work=work,

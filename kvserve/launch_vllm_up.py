@@ -22,6 +22,7 @@ from kvserve import launcher
 from kvserve.cli import UsageError
 from kvserve.config import ConfigError, KVServeConfig
 from kvserve.launch_vllm import VLLMError, VLLMProcess, VLLMSpec, security_args
+from security.config import SecurityConfig
 
 
 def _security(args: argparse.Namespace, run_dir: Path) -> tuple[str, bool]:
@@ -79,14 +80,15 @@ def run(args: argparse.Namespace) -> int:
     common = ["--config", str(config_file), "--host", host, "--redis-url", redis_url, *sec]
     store_addr = f"{host}:{p.kvstore}"
     store_health, router_health = free_port(host), free_port(host)
+    plain = SecurityConfig(insecure=True)        # how to dial the plain-text health ports
     store = launcher.Child("kvstore", [*base, "store", "serve", *common, "--port", str(p.kvstore),
                                        "--metrics-port", str(p.metrics),
                                        "--health-port", str(store_health)],
-                           f"{host}:{store_health}", run_dir / "kvstore.log")
+                           f"{host}:{store_health}", run_dir / "kvstore.log", security=plain)
     router = launcher.Child("router", [*base, "router", "serve", *common, "--backend", "vllm",
                                        "--model", cfg.model.name,
                                        "--health-port", str(router_health)],
-                            f"{host}:{router_health}", run_dir / "router.log")
+                            f"{host}:{router_health}", run_dir / "router.log", security=plain)
     roles = ["kv_producer", "kv_consumer"] if args.pd else ["kv_both"] * args.vllm_instances
     vllms = [VLLMProcess(VLLMSpec(
         model_dir=model_dir, port=free_port(host), store=store_addr, redis_url=redis_url,

@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import os
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -53,7 +54,8 @@ _READ_CHUNK = 2**16
 class BodyLimits:
     decode: DecodeLimits = field(default_factory=DecodeLimits)
     inline_bytes: int = 64 * 2**10   # at most this many decoded on the loop
-    workers: int = 2                 # decoding processes for bigger bodies
+    # Decoding processes for bigger bodies; one core is left to the event loop.
+    workers: int = field(default_factory=lambda: max(1, min(2, (os.cpu_count() or 2) - 1)))
 
     def __post_init__(self) -> None:
         if self.inline_bytes < 0 or self.workers < 1:
@@ -116,7 +118,7 @@ def _too_large(limit: int, what: str) -> PayloadTooLargeError:
                                 param="body", code="request_too_large")
 
 
-async def read_raw(request: web.Request, limit: int) -> bytes:
+async def read_raw(request: web.Request, limit: int) -> bytes | bytearray:
     """The body as sent, refused before reading it all when it is over ``limit``."""
     length = request.content_length
     if length is not None and length > limit:
@@ -134,7 +136,7 @@ async def read_raw(request: web.Request, limit: int) -> bytes:
     except Exception as exc:         # a malformed chunked body, a payload error
         raise InvalidRequestError(f"the request body could not be read: {exc}", param="body",
                                   code="invalid_body") from exc
-    return bytes(buf)
+    return buf                       # not copied: 16 MiB memcpy on the loop for nothing
 
 
 class BodyReader:
@@ -176,7 +178,7 @@ class BodyReader:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    async def decode(self, raw: bytes, encodings: tuple[str, ...]) -> object:
+    async def decode(self, raw: bytes | bytearray, encodings: tuple[str, ...]) -> object:
         if len(raw) <= self.limits.inline_bytes and not encodings:
             out = decode_body(raw, encodings, self.limits.decode)
         else:

@@ -23,6 +23,7 @@ handlers as a 500 or a stall:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -76,7 +77,7 @@ def _invalid(message: str, code: str = "invalid_json", param: str = "body") -> _
     return _Refused(BodyProblem("invalid", message, code, param))
 
 
-def _inflate(data: bytes, wbits: int, limit: int, name: str) -> bytes:
+def _inflate(data: bytes | bytearray, wbits: int, limit: int, name: str) -> bytes:
     d = zlib.decompressobj(wbits=wbits)
     try:
         out = d.decompress(data, limit + 1)
@@ -93,11 +94,11 @@ def _inflate(data: bytes, wbits: int, limit: int, name: str) -> bytes:
     return out
 
 
-def _gunzip(data: bytes, limit: int) -> bytes:
+def _gunzip(data: bytes | bytearray, limit: int) -> bytes:
     return _inflate(data, 16 + zlib.MAX_WBITS, limit, "gzip")
 
 
-def _deflate(data: bytes, limit: int) -> bytes:
+def _deflate(data: bytes | bytearray, limit: int) -> bytes:
     # RFC 9110 deflate is the zlib format; some clients send raw deflate.
     try:
         return _inflate(data, zlib.MAX_WBITS, limit, "deflate")
@@ -111,7 +112,7 @@ def _deflate(data: bytes, limit: int) -> bytes:
 
 
 # Content-Encoding name -> decoder. "identity" never reaches here.
-DECODERS: dict[str, Callable[[bytes, int], bytes]] = {
+DECODERS: dict[str, Callable[[bytes | bytearray, int], bytes]] = {
     "gzip": _gunzip, "x-gzip": _gunzip, "deflate": _deflate,
 }
 
@@ -144,7 +145,7 @@ def _decoder(limits: DecodeLimits) -> json.JSONDecoder:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _precount(data: bytes, limits: DecodeLimits) -> None:
+def _precount(data: bytes | bytearray, limits: DecodeLimits) -> None:
     """Refuse, at memchr speed, a body that surely holds too many values, before
     ``json.loads`` spends seconds on it (16 MiB of ``[],`` takes ~1.8 s). Lower
     bounds only, so nothing valid is refused: every string literal has two real
@@ -196,10 +197,11 @@ def check_tree(value: object, limits: DecodeLimits) -> None:
                 stack.append((child, depth + 1, _path(where, k)))
 
 
-def decode_body(raw: bytes, encodings: tuple[str, ...], limits: DecodeLimits) -> Decoded:
+def decode_body(raw: bytes | bytearray, encodings: tuple[str, ...],
+                limits: DecodeLimits) -> Decoded:
     """``raw`` with ``encodings`` (in the order they were applied) -> a JSON value."""
     try:
-        data = raw
+        data: bytes | bytearray = raw
         for name in reversed(encodings):
             data = DECODERS[name](data, limits.max_bytes)
         if data.startswith(b"\xef\xbb\xbf"):
@@ -233,6 +235,8 @@ def worker_init() -> None:
     """In a decoding worker process: die with the router. A SIGKILLed router
     cannot shut its pool down, and an idle worker would wait forever on its queue."""
     parent = os.getppid()
+    with contextlib.suppress(OSError):
+        os.nice(5)                             # behind the router's event loop
     if sys.platform == "linux":
         try:
             libc = ctypes.CDLL(None, use_errno=True)

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.constrained import GrammarSpec
+from engine.constrained import GrammarSpec, validate
+from engine.errors import EngineInputError
+from router.errors import InvalidRequestError
 from router.generation import Usage
 from router.openai_responses import ChatShapes, JsonObj
 from router.openai_schema import Message, Sampling
@@ -32,7 +34,14 @@ class ChatPlan:
 def plan_chat(messages: Sequence[Message], sampling: Sampling, tools: ToolSpec | None,
               response_format: GrammarSpec | None) -> ChatPlan:
     rendered = tuple(Message(role, content) for role, content in render(messages, tools))
-    return ChatPlan(rendered, with_grammar(sampling, tools, response_format), tools)
+    sampling = with_grammar(sampling, tools, response_format)
+    if tools is not None and sampling.grammar is not None and sampling.grammar is not (
+            response_format):
+        try:                        # the tools' parameter schemas are the client's
+            validate(sampling.grammar)
+        except EngineInputError as exc:
+            raise InvalidRequestError(f"tools: {exc}", param="tools") from exc
+    return ChatPlan(rendered, sampling, tools)
 
 
 def openai_call(call: ToolCall, index: int | None = None) -> JsonObj:

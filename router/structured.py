@@ -12,7 +12,8 @@ Accepted forms (the engine enforces each with llguidance, engine/constrained.py)
   grammar in llguidance's dialect (``start:`` rule, ``"literals"``, ``/regex/`` lexemes,
   ``%json {schema}`` for embedded JSON).
 
-A grammar the engine cannot compile comes back as HTTP 400 from the prefill instance.
+A grammar that does not compile is a 400 naming ``response_format`` (checked here,
+without a tokenizer; the engine checks again against its own).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engine.constrained import GrammarSpec
+from engine.constrained import GrammarSpec, validate
 from engine.errors import EngineInputError
 from router.errors import InvalidRequestError
 
@@ -84,6 +85,9 @@ def parse_response_format(value: object) -> GrammarSpec | None:
         raise _bad(f"response_format.type {kind!r} is not one of {sorted(_FORMATS)}",
                    f"{P}.type")
     try:
-        return parse(value)
+        spec = parse(value)
+        if spec is not None:
+            validate(spec)         # syntax errors are the client's: a 400 naming the field
+        return spec
     except EngineInputError as exc:
         raise _bad(str(exc)) from exc

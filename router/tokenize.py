@@ -11,6 +11,9 @@ bytes, so ``len(text) // max_token_bytes`` tokens is a lower bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,8 +21,17 @@ from engine.tokenizer import Tokenizer
 from router.errors import ContextLengthError
 from router.generation import RouteRequest
 
-# Few threads: each encode is CPU-bound, more would only queue on the cores.
-_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
+
+def _behind_the_loop() -> None:
+    """Tokenizer threads yield the CPU to the event loop (Linux: nice is per thread)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HELPER_NICE)
+
+
+HELPER_NICE = 5
+# Each encode is CPU-bound: leave one core to the event loop.
+_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) - 1)),
+                           thread_name_prefix="tokenize", initializer=_behind_the_loop)
 
 
 def refuse_if_surely_too_long(tok: Tokenizer, req: RouteRequest, max_context: int) -> None:

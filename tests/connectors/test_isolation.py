@@ -6,6 +6,7 @@ emptied between requests so that only the warehouse can answer."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +91,11 @@ async def _scribble(address: str, keys: list[bytes], tenant: str) -> int:
     return len(slots)
 
 
+def _g3_file(root: Path, key: bytes) -> Path:
+    h = key.hex()
+    return root / h[:2] / h[2:4] / f"{h}.kvb"
+
+
 async def _g2_checksum_failures(address: str) -> int:
     async with store_client(address) as c:
         return next(t.checksum_failures for t in (await c.stats()).tiers if t.tier == "G2")
@@ -106,6 +112,14 @@ def test_flipped_bytes_are_detected_recomputed_identical_and_counted(vllm_stack,
     usable = hit_rule(len(p), len(p) // BLOCK) // BLOCK
     keys = _keys(vllm_stack, p, salt)
     address = vllm_stack.store.address
+    # Every copy goes bad: the G3 files (once written back) and the G2 slots, else
+    # the store would rightly serve the intact G3 copy of a scribbled G2 slot.
+    files = [_g3_file(vllm_stack.store.g3, k) for k in keys]
+    wait_for(lambda: all(f.exists() for f in files), what="G3 write-back")
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
     assert asyncio.run(_scribble(address, keys, tenant_of(salt))) == len(keys)
     failures = asyncio.run(_g2_checksum_failures(address))
     before = stats(vllm_stack.redis_url, "vllm-b")

@@ -35,7 +35,7 @@ def client(stack: RouterProc) -> Iterator[anthropic.Anthropic]:
 
 
 def test_message_then_cached_repeat(client: anthropic.Anthropic) -> None:
-    kw = {"model": MODEL, "system": SYSTEM, "max_tokens": 16, "temperature": 0.0,
+    kw = {"model": MODEL, "system": SYSTEM, "max_tokens": 16, "extra_body": {"temperature": 0.0},
           "messages": [{"role": "user", "content": "What is the capital of France?"}]}
     first = client.messages.create(**kw)  # type: ignore[arg-type]
     assert first.type == "message" and first.role == "assistant"
@@ -52,8 +52,8 @@ def test_message_then_cached_repeat(client: anthropic.Anthropic) -> None:
 
 def test_streaming_events(client: anthropic.Anthropic) -> None:
     kinds: list[str] = []
-    with client.messages.stream(model=MODEL, system=SYSTEM, max_tokens=16, temperature=0.0,
-                                messages=[{"role": "user",
+    with client.messages.stream(model=MODEL, system=SYSTEM, max_tokens=16,
+                                extra_body={"temperature": 0.0}, messages=[{"role": "user",
                                            "content": "What is the capital of Italy?"}]) as s:
         for ev in s:
             kinds.append(ev.type)
@@ -70,8 +70,9 @@ def test_streaming_events(client: anthropic.Anthropic) -> None:
 def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
     messages: list[dict[str, object]] = [
         {"role": "user", "content": "What is the weather in Paris right now?"}]
-    first = client.messages.create(model=MODEL, max_tokens=40, temperature=0.0,
-                                   tools=[WEATHER], tool_choice={"type": "any"},  # type: ignore[list-item]
+    first = client.messages.create(model=MODEL, max_tokens=40, extra_body={"temperature": 0.0},
+                                   tools=[WEATHER],  # type: ignore[list-item]
+                                   tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                    messages=messages)  # type: ignore[arg-type]
     assert first.stop_reason == "tool_use"
     uses = [b for b in first.content if b.type == "tool_use"]
@@ -81,7 +82,7 @@ def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
     messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                                "content": "sunny, 24 C"}]}]
-    second = client.messages.create(model=MODEL, max_tokens=24, temperature=0.0,
+    second = client.messages.create(model=MODEL, max_tokens=24, extra_body={"temperature": 0.0},
                                     tools=[WEATHER], tool_choice={"type": "none"},  # type: ignore[list-item]
                                     messages=messages)  # type: ignore[arg-type]
     assert second.stop_reason in ("end_turn", "max_tokens")
@@ -90,8 +91,9 @@ def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
 
 
 def test_streamed_tool_use(client: anthropic.Anthropic) -> None:
-    with client.messages.stream(model=MODEL, max_tokens=40, temperature=0.0, tools=[WEATHER],  # type: ignore[list-item]
-                                tool_choice={"type": "any"},
+    with client.messages.stream(model=MODEL, max_tokens=40, tools=[WEATHER],  # type: ignore[list-item]
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                extra_body={"temperature": 0.0},
                                 messages=[{"role": "user", "content": "Weather in Oslo?"}]) as s:
         final = s.get_final_message()
     assert final.stop_reason == "tool_use"
@@ -100,7 +102,7 @@ def test_streamed_tool_use(client: anthropic.Anthropic) -> None:
 
 
 def test_stop_sequence(client: anthropic.Anthropic) -> None:
-    r = client.messages.create(model=MODEL, max_tokens=24, temperature=0.0,
+    r = client.messages.create(model=MODEL, max_tokens=24, extra_body={"temperature": 0.0},
                                stop_sequences=["Paris"],
                                messages=[{"role": "user",
                                           "content": "What is the capital of France?"}])
@@ -113,7 +115,7 @@ def test_errors_in_anthropic_shape(client: anthropic.Anthropic, stack: RouterPro
         client.messages.create(model="claude-nope", max_tokens=4,
                                messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(anthropic.BadRequestError):
-        client.messages.create(model=MODEL, max_tokens=4, top_k=5,
+        client.messages.create(model=MODEL, max_tokens=4, extra_body={"top_k": 5},
                                messages=[{"role": "user", "content": "hi"}])
     r = http("POST", stack.http + "/v1/messages", {"model": MODEL, "messages": []})
     assert r.status == 400

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
+from engine.tokenizer import HFTokenizer
 from tests.router.front_stack import RouterProc, http
 
 MODEL = "smollm2"
@@ -119,7 +122,8 @@ def test_named_function_and_parallel_calls(client: openai.OpenAI) -> None:
 def test_streamed_tool_call_deltas(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL, messages=_user("What is the weather in Paris?"), tools=[WEATHER],  # type: ignore[arg-type]
-        tool_choice="required", max_tokens=40, temperature=0, stream=True)
+        tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0,
+        stream=True)
     deltas = []
     finish = None
     text = ""
@@ -141,20 +145,30 @@ def test_json_schema_validates_for_20_prompts(client: openai.OpenAI) -> None:
                                                   "strict": True}}
     people = ["Ada", "Bob", "Chen", "Dora", "Emil", "Fatima", "Goro", "Hana", "Ivan", "Jon",
               "Kofi", "Lea", "Mika", "Nia", "Omar", "Pia", "Quinn", "Ravi", "Sara", "Tomas"]
-    for i, name in enumerate(people):
+
+    def ask(i: int) -> tuple[str, str | None]:
         r = client.chat.completions.create(
-            model=MODEL, messages=_user(f"{name} is {20 + i} and lives in Lyon. As JSON."),  # type: ignore[arg-type]
+            model=MODEL, messages=_user(f"{people[i]} is {20 + i} and lives in Lyon. As JSON."),  # type: ignore[arg-type]
             response_format=fmt, max_tokens=48, temperature=0)  # type: ignore[arg-type]
-        content = r.choices[0].message.content or ""
+        return r.choices[0].message.content or "", r.choices[0].finish_reason
+
+    # Concurrent: the decode instance batches them (and each row keeps its own mask).
+    with ThreadPoolExecutor(5) as pool:
+        answers = list(pool.map(ask, range(len(people))))
+    for content, finish in answers:
         jsonschema.validate(json.loads(content), PERSON)
-        assert r.choices[0].finish_reason == "stop", content
+        assert finish == "stop", content
+    assert len({c for c, _ in answers}) > 1
 
 
 def test_json_object_regex_and_grammar(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=_user("A JSON object, please."),  # type: ignore[arg-type]
-                                       response_format={"type": "json_object"}, max_tokens=40,
-                                       temperature=0)
-    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    r = client.chat.completions.create(
+        model=MODEL, messages=_user("Give the JSON object for: x is 1, y is 2."),  # type: ignore[arg-type]
+        response_format={"type": "json_object"}, max_tokens=40, temperature=0)
+    content = r.choices[0].message.content or ""
+    assert content.startswith("{")
+    if r.choices[0].finish_reason == "stop":      # else cut by max_tokens, mid-object
+        assert isinstance(json.loads(content), dict)
     r = client.chat.completions.create(
         model=MODEL, messages=_user("Is water wet?"), max_tokens=6, temperature=0,  # type: ignore[arg-type]
         extra_body={"response_format": {"type": "regex", "regex": "(Yes|No), [a-z]+\\."}})
@@ -166,8 +180,8 @@ def test_json_object_regex_and_grammar(client: openai.OpenAI) -> None:
     assert r.choices[0].message.content in ("red", "green", "blue")
 
 
-def test_sampling_fields_reach_the_engine(client: openai.OpenAI) -> None:
-    dog = 3290   # SmolLM2's " dog"
+def test_sampling_fields_reach_the_engine(client: openai.OpenAI, smollm2_dir: str) -> None:
+    dog = HFTokenizer(Path(smollm2_dir)).encode(" dog")[0]
     r = client.chat.completions.create(model=MODEL, messages=_user("Name an animal."),  # type: ignore[arg-type]
                                        logit_bias={str(dog): 100}, max_tokens=3, temperature=0)
     assert r.choices[0].message.content == " dog dog dog"
@@ -196,16 +210,13 @@ def test_sampling_fields_reach_the_engine(client: openai.OpenAI) -> None:
      "response_format"),
     ({"logit_bias": {"cat": 1}}, "logit_bias.cat"),
     ({"presence_penalty": 3}, "presence_penalty"),
+    ({"response_format": {"type": "regex", "regex": "[a-"}}, "response_format"),
+    ({"response_format": {"type": "grammar", "grammar": "start: foo"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "objectx"}}}], "tool_choice": "required"}, "tools"),
 ])
 def test_refusals_name_the_field(stack: RouterProc, extra: dict[str, object], param: str) -> None:
     body = {"model": MODEL, "messages": _user("hi"), "max_tokens": 2, **extra}
     r = http("POST", stack.http + "/v1/chat/completions", body)
     assert r.status == 400, r.body
     assert r.json()["error"]["param"] == param
-
-
-def test_bad_regex_is_a_400(stack: RouterProc) -> None:
-    body = {"model": MODEL, "messages": _user("hi"), "max_tokens": 2,
-            "response_format": {"type": "regex", "regex": "[a-"}}
-    r = http("POST", stack.http + "/v1/chat/completions", body)
-    assert r.status == 400 and "regex" in r.json()["error"]["message"]
