@@ -144,7 +144,7 @@ def attend(q: torch.Tensor, segments: list[AttnSegment], kv_heads: int, window: 
     _, heads, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
-    meta, item0, max_keys, acc = [], [0], 1, 0
+    meta, max_keys = [], 1
     for s in segments:
         kv = s.kv
         cap = kv.shape[2]
@@ -157,11 +157,8 @@ def attend(q: torch.Tensor, segments: list[AttnSegment], kv_heads: int, window: 
             raise ValueError(f"attend: keys up to {end} exceed the KV capacity {cap}")
         meta += [s.row0, s.rows, s.q_start, kv[0].data_ptr(), kv[1].data_ptr(),
                  cap * d]
-        acc += s.rows * heads
-        item0.append(acc)
         max_keys = max(max_keys, min(end, window) if window else end)
     seg_t = torch.tensor(meta, dtype=torch.int64)
-    item_t = torch.tensor(item0, dtype=torch.int64)
     _lib().attend(q.data_ptr(), q.stride(0), heads, kv_heads, d, seg_t.data_ptr(),
-                  item_t.data_ptr(), len(segments), window, 1.0 / math.sqrt(d),
+                  len(segments), window, 1.0 / math.sqrt(d),
                   out.data_ptr(), out.stride(0), max_keys)

@@ -464,7 +464,8 @@ typedef struct {
     float *out;              /* row r, head h at out + r*ldo + h*D */
     int64_t ldo;
     int64_t max_keys;
-    float *scratch;          /* max_keys floats per thread */
+    int64_t heads_per_pass;  /* query heads of one KV head attended together */
+    float *scratch;          /* heads_per_pass * max_keys floats per thread */
 } attn_args;
 
 static inline int64_t find_seg(const attn_args *a, int64_t item) {
@@ -502,80 +503,210 @@ static void attend_one_scalar(const attn_args *a, const float *q, const float *K
 }
 
 #if BIK_X86
-__attribute__((target("avx512f"))) static void attend_one512(
-    const attn_args *a, const float *q, const float *K, const float *V, int64_t nk,
-    float *sc, float *o) {
-    const int64_t D = a->D;
-    const int64_t nv = D / LANES;  /* caller guarantees D % 16 == 0 and D <= 256 */
-    __m512 qv[16];
-    for (int64_t c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + c * LANES);
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < nk; j++) {
-        const float *kj = K + j * D;
-        __m512 s = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nv; c++)
-            s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + c * LANES), s);
-        /* halving tree: (j, j+8), (j, j+4), (j, j+2), (j, j+1) */
-        __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-        __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
-        __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-        __m128 h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1));
-        float v = _mm_cvtss_f32(h1) * a->scale;
-        sc[j] = v;
-        if (v > mx) mx = v;
+/* Dot products of 16 keys at once with the SAME per-key arithmetic as
+ * attend_one_scalar: each key's 16 lane partials go through the halving tree
+ * (lane i + lane i+w, w = 8, 4, 2, 1), but four levels of two-vector permutes
+ * run the tree for all 16 keys together (15 adds instead of 64). RED_LO/HI[l]
+ * pick the operands of each level; UNPERM puts the 16 sums back in key order. */
+static int RED_LO[4][16], RED_HI[4][16], UNPERM[16];
+
+static void init_reduce_tables(void) {
+    /* Level 1 (w=8): a = key 2i, b = key 2i+1 -> [a 8 sums | b 8 sums]. */
+    for (int l = 0; l < 8; l++) {
+        RED_LO[0][l] = l; RED_HI[0][l] = l + 8;
+        RED_LO[0][l + 8] = 16 + l; RED_HI[0][l + 8] = 24 + l;
     }
-    __m512 den = _mm512_setzero_ps(), mxv = _mm512_set1_ps(mx);
-    int64_t j = 0;
-    for (; j + LANES <= nk; j += LANES) {
-        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mxv));
-        _mm512_storeu_ps(sc + j, e);
-        den = _mm512_add_ps(den, e);
+    /* Levels 2-4 (w=4, 2, 1): each vector holds keys in groups of 2w lanes;
+     * a group's first w lanes plus its last w lanes, a's groups then b's,
+     * interleaved group by group. */
+    int w = 4;
+    for (int lev = 1; lev < 4; lev++, w >>= 1) {
+        int groups = 16 / (2 * w), o = 0;
+        for (int g = 0; g < groups; g++)
+            for (int src = 0; src < 2; src++)
+                for (int k = 0; k < w; k++, o++) {
+                    RED_LO[lev][o] = src * 16 + g * 2 * w + k;
+                    RED_HI[lev][o] = src * 16 + g * 2 * w + w + k;
+                }
     }
-    float part[LANES];
-    _mm512_storeu_ps(part, den);
-    for (int64_t l = 0; j < nk; j++, l++) {
-        sc[j] = exp_scalar(sc[j] - mx);
-        part[l] = part[l] + sc[j];
+    /* Which key each lane of the final vector holds: run the network on ids. */
+    int ids[16][16];
+    for (int t = 0; t < 16; t++)
+        for (int l = 0; l < 16; l++) ids[t][l] = t;
+    int n = 16;
+    for (int lev = 0; lev < 4; lev++, n /= 2)
+        for (int v = 0; v < n / 2; v++) {
+            int out[16];
+            for (int l = 0; l < 16; l++) {
+                int sel = RED_LO[lev][l];
+                out[l] = sel < 16 ? ids[2 * v][sel] : ids[2 * v + 1][sel - 16];
+            }
+            memcpy(ids[v], out, sizeof out);
+        }
+    for (int l = 0; l < 16; l++) UNPERM[ids[0][l]] = l;
+}
+
+__attribute__((target("avx512f"))) static inline __m512 tree16x16(__m512 *p) {
+    int n = 16;
+    for (int lev = 0; lev < 4; lev++, n /= 2) {
+        __m512i lo = _mm512_loadu_si512((const void *)RED_LO[lev]);
+        __m512i hi = _mm512_loadu_si512((const void *)RED_HI[lev]);
+        for (int v = 0; v < n / 2; v++)
+            p[v] = _mm512_add_ps(_mm512_permutex2var_ps(p[2 * v], lo, p[2 * v + 1]),
+                                 _mm512_permutex2var_ps(p[2 * v], hi, p[2 * v + 1]));
     }
-    float total = tree16(part);
-    __m512 ov[16];
-    for (int64_t c = 0; c < nv; c++) ov[c] = _mm512_setzero_ps();
-    for (j = 0; j < nk; j++) {
-        const float *vj = V + j * D;
-        __m512 e = _mm512_set1_ps(sc[j]);
-        for (int64_t c = 0; c < nv; c++)
-            ov[c] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vj + c * LANES), ov[c]);
+    return _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)UNPERM), p[0]);
+}
+
+/* Scores, softmax weights (left in sc) and their sum, for one query head.
+ * Instantiated per head size (NV = head_dim / 16; 0 = any): with NV known at
+ * compile time the query and accumulators stay in registers (4x faster). */
+#define DEF_WEIGHTS512(NV) \
+__attribute__((target("avx512f"))) static float weights512_##NV( \
+    const attn_args *a, const float *q, const float *K, int64_t nk, float *sc) { \
+    const int64_t D = NV > 0 ? NV * LANES : a->D; \
+    const int64_t nv = D / LANES; \
+    __m512 qv[16]; \
+    for (int64_t c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + c * LANES); \
+    const __m512 scale = _mm512_set1_ps(a->scale); \
+    __m512 mxv = _mm512_set1_ps(-INFINITY); \
+    int64_t j = 0; \
+    for (; j + LANES <= nk; j += LANES) { \
+        __m512 p[LANES]; \
+        for (int t = 0; t < LANES; t++) { \
+            const float *kj = K + (j + t) * D; \
+            __m512 s = _mm512_setzero_ps(); \
+            for (int64_t c = 0; c < nv; c++) \
+                s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + c * LANES), s); \
+            p[t] = s; \
+        } \
+        __m512 v = _mm512_mul_ps(tree16x16(p), scale); \
+        _mm512_storeu_ps(sc + j, v); \
+        mxv = _mm512_max_ps(mxv, v); \
+    } \
+    float mx = _mm512_reduce_max_ps(mxv); \
+    for (; j < nk; j++) { \
+        const float *kj = K + j * D; \
+        __m512 s = _mm512_setzero_ps(); \
+        for (int64_t c = 0; c < nv; c++) \
+            s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + c * LANES), s); \
+        /* halving tree: (j, j+8), (j, j+4), (j, j+2), (j, j+1) */ \
+        __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(s), \
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))); \
+        __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1)); \
+        __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4)); \
+        __m128 h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)); \
+        float v = _mm_cvtss_f32(h1) * a->scale; \
+        sc[j] = v; \
+        if (v > mx) mx = v; \
+    } \
+    __m512 den = _mm512_setzero_ps(); \
+    mxv = _mm512_set1_ps(mx); \
+    for (j = 0; j + LANES <= nk; j += LANES) { \
+        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mxv)); \
+        _mm512_storeu_ps(sc + j, e); \
+        den = _mm512_add_ps(den, e); \
+    } \
+    float part[LANES]; \
+    _mm512_storeu_ps(part, den); \
+    for (int64_t l = 0; j < nk; j++, l++) { \
+        sc[j] = exp_scalar(sc[j] - mx); \
+        part[l] = part[l] + sc[j]; \
+    } \
+    float total = tree16(part); \
+    return total; \
+}
+
+/* The weighted sum of values for hp query heads of one KV head at once: each
+ * output element is still one FMA chain over the keys in order, but the hp * nv
+ * chains are independent, so FMA latency no longer bounds the loop and each
+ * value row is loaded once for all hp heads. */
+#define DEF_VALUES512(NV) \
+__attribute__((target("avx512f"))) static void values512_##NV( \
+    const attn_args *a, const float *V, int64_t nk, float *const *sc, const float *total, \
+    float *const *o, int hp) { \
+    const int64_t D = NV > 0 ? NV * LANES : a->D, nv = D / LANES; \
+    __m512 ov[16]; \
+    for (int h = 0; h < hp; h++) \
+        for (int64_t c = 0; c < nv; c++) ov[h * nv + c] = _mm512_setzero_ps(); \
+    for (int64_t j = 0; j < nk; j++) { \
+        const float *vj = V + j * D; \
+        __m512 vv[16]; \
+        for (int64_t c = 0; c < nv; c++) vv[c] = _mm512_loadu_ps(vj + c * LANES); \
+        for (int h = 0; h < hp; h++) { \
+            __m512 e = _mm512_set1_ps(sc[h][j]); \
+            for (int64_t c = 0; c < nv; c++) \
+                ov[h * nv + c] = _mm512_fmadd_ps(e, vv[c], ov[h * nv + c]); \
+        } \
+    } \
+    for (int h = 0; h < hp; h++) { \
+        __m512 tv = _mm512_set1_ps(total[h]); \
+        for (int64_t c = 0; c < nv; c++) \
+            _mm512_storeu_ps(o[h] + c * LANES, _mm512_div_ps(ov[h * nv + c], tv)); \
+    } \
+}
+
+DEF_WEIGHTS512(0) DEF_WEIGHTS512(1) DEF_WEIGHTS512(2) DEF_WEIGHTS512(4) DEF_WEIGHTS512(8)
+DEF_VALUES512(0) DEF_VALUES512(1) DEF_VALUES512(2) DEF_VALUES512(4) DEF_VALUES512(8)
+
+typedef float (*weights_fn)(const attn_args *, const float *, const float *, int64_t, float *);
+typedef void (*values_fn)(const attn_args *, const float *, int64_t, float *const *,
+                          const float *, float *const *, int);
+static weights_fn weights512_for(int64_t nv) {
+    switch (nv) {
+    case 1: return weights512_1;
+    case 2: return weights512_2;
+    case 4: return weights512_4;
+    case 8: return weights512_8;
+    default: return weights512_0;
     }
-    __m512 tv = _mm512_set1_ps(total);
-    for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(o + c * LANES, _mm512_div_ps(ov[c], tv));
+}
+static values_fn values512_for(int64_t nv) {
+    switch (nv) {
+    case 1: return values512_1;
+    case 2: return values512_2;
+    case 4: return values512_4;
+    case 8: return values512_8;
+    default: return values512_0;
+    }
 }
 #endif
 
 static void attn_task(void *ctx, int64_t i0, int64_t i1, int tid) {
     const attn_args *a = (const attn_args *)ctx;
-    float *sc = a->scratch + (int64_t)tid * a->max_keys;
-    const int64_t H = a->H, D = a->D, group = a->H / a->Hkv;
+    const int64_t D = a->D, group = a->H / a->Hkv, hp = a->heads_per_pass;
+    const int64_t passes = (group + hp - 1) / hp, per_row = a->Hkv * passes;
+    float *scratch = a->scratch + (int64_t)tid * hp * a->max_keys;
     int64_t s = find_seg(a, i0);
     for (int64_t it = i0; it < i1; it++) {
         while (it >= a->item0[s + 1]) s++;
         const int64_t *sg = a->seg + s * 6;
         int64_t local = it - a->item0[s];
-        int64_t r = local / H, h = local % H;
+        int64_t r = local / per_row, rem = local % per_row;
+        int64_t kvh = rem / passes, h0 = kvh * group + (rem % passes) * hp;
+        int64_t h1 = h0 + hp < (kvh + 1) * group ? h0 + hp : (kvh + 1) * group;
         int64_t p = sg[2] + r;
         int64_t lo = a->window ? (p - a->window + 1 > 0 ? p - a->window + 1 : 0) : 0;
         int64_t nk = p - lo + 1;
-        int64_t kvh = h / group;
         const float *K = (const float *)(uintptr_t)sg[3] + kvh * sg[5] + lo * D;
         const float *V = (const float *)(uintptr_t)sg[4] + kvh * sg[5] + lo * D;
-        const float *q = a->q + (sg[0] + r) * a->ldq + h * D;
-        float *o = a->out + (sg[0] + r) * a->ldo + h * D;
+        const float *q = a->q + (sg[0] + r) * a->ldq;
+        float *o = a->out + (sg[0] + r) * a->ldo;
 #if BIK_X86
         if (g_isa == ISA_AVX512 && D % LANES == 0 && D <= 256) {
-            attend_one512(a, q, K, V, nk, sc, o);
+            weights_fn weights = weights512_for(D / LANES);
+            values_fn values = values512_for(D / LANES);
+            float *scs[4], *outs[4], totals[4];
+            for (int64_t h = h0; h < h1; h++) {
+                scs[h - h0] = scratch + (h - h0) * a->max_keys;
+                outs[h - h0] = o + h * D;
+                totals[h - h0] = weights(a, q + h * D, K, nk, scs[h - h0]);
+            }
+            values(a, V, nk, scs, totals, outs, (int)(h1 - h0));
             continue;
         }
 #endif
-        attend_one_scalar(a, q, K, V, nk, sc, o);
+        for (int64_t h = h0; h < h1; h++) attend_one_scalar(a, q + h * D, K, V, nk, scratch, o + h * D);
     }
 }
 
@@ -667,26 +798,40 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
 
 static PyObject *py_attend(PyObject *self, PyObject *args) {
     attn_args a;
-    unsigned long long q, seg, item0, out;
+    unsigned long long q, seg, out;
     long long ldq, H, Hkv, D, nseg, window, ldo, max_keys;
     float scale;
-    if (!PyArg_ParseTuple(args, "KLLLLKKLLfKLL", &q, &ldq, &H, &Hkv, &D, &seg, &item0,
-                          &nseg, &window, &scale, &out, &ldo, &max_keys))
+    if (!PyArg_ParseTuple(args, "KLLLLKLLfKLL", &q, &ldq, &H, &Hkv, &D, &seg, &nseg,
+                          &window, &scale, &out, &ldo, &max_keys))
         return NULL;
     if (H < 1 || Hkv < 1 || H % Hkv || D < 1 || nseg < 1 || max_keys < 1) {
         PyErr_SetString(PyExc_ValueError, "attend: bad shape");
         return NULL;
     }
     a.q = ptr(q); a.ldq = ldq; a.H = H; a.Hkv = Hkv; a.D = D; a.seg = ptr(seg);
-    a.nseg = nseg; a.item0 = ptr(item0);
-    a.window = window; a.scale = scale; a.out = ptr(out); a.ldo = ldo; a.max_keys = max_keys;
-    a.scratch = malloc(sizeof(float) * (size_t)(max_keys * g_threads));
-    if (!a.scratch) return PyErr_NoMemory();
-    int64_t total = a.item0[nseg];
+    a.nseg = nseg; a.window = window; a.scale = scale; a.out = ptr(out); a.ldo = ldo;
+    a.max_keys = max_keys;
+    /* Up to 16 accumulator registers for the value sums, at most 4 heads. */
+    int64_t nv = (D + LANES - 1) / LANES, hp = 16 / (nv ? nv : 1);
+    a.heads_per_pass = hp < 1 ? 1 : (hp > 4 ? 4 : hp);
+    int64_t group = H / Hkv;
+    if (a.heads_per_pass > group) a.heads_per_pass = group;
+    int64_t per_row = Hkv * ((group + a.heads_per_pass - 1) / a.heads_per_pass);
+    int64_t *item0 = malloc(sizeof(int64_t) * (size_t)(nseg + 1));
+    a.scratch = malloc(sizeof(float) * (size_t)(max_keys * a.heads_per_pass * g_threads));
+    if (!a.scratch || !item0) {
+        free(a.scratch);
+        free(item0);
+        return PyErr_NoMemory();
+    }
+    item0[0] = 0;
+    for (int64_t i = 0; i < nseg; i++) item0[i + 1] = item0[i] + a.seg[i * 6 + 1] * per_row;
+    a.item0 = item0;
     Py_BEGIN_ALLOW_THREADS
-    parallel_run(attn_task, &a, total, 2);
+    parallel_run(attn_task, &a, item0[nseg], 2);
     Py_END_ALLOW_THREADS
     free(a.scratch);
+    free(item0);
     Py_RETURN_NONE;
 }
 
@@ -732,7 +877,7 @@ static PyMethodDef methods[] = {
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, ldx, M, N, w, eps, out, ldo)"},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gu, ldg, M, I, out, ldo)"},
     {"attend", py_attend, METH_VARARGS,
-     "attend(q, ldq, H, Hkv, D, seg, item0, nseg, window, scale, out, ldo, "
+     "attend(q, ldq, H, Hkv, D, seg, nseg, window, scale, out, ldo, "
      "max_keys)"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n): threads per call"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): force a path (tests)"},
@@ -746,5 +891,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bik",
 
 PyMODINIT_FUNC PyInit__bik(void) {
     detect_isa();
+    init_reduce_tables();
     return PyModule_Create(&module);
 }

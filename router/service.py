@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from engine.constrained import GrammarSpec, validate
+from engine.errors import EngineInputError
 from kvserve.config import TrafficClasses
 from kvstore.keys import KeyInputError, validate_tenant
 from proto import common_pb2, decode_pb2, router_pb2, router_pb2_grpc
@@ -45,9 +47,24 @@ def _sampling(p: common_pb2.SamplingParams, max_context: int) -> Sampling:
         raise InvalidRequestError(f"stop takes at most {MAX_STOP} non-empty strings",
                                   param="sampling.stop")
     # Proto zeros mean "unset": greedy, no top-p, the router's default length.
+    grammar = None
+    if p.HasField("grammar"):
+        try:
+            grammar = GrammarSpec(p.grammar.kind, p.grammar.source)
+            validate(grammar)
+        except EngineInputError as exc:
+            raise InvalidRequestError(str(exc), param="sampling.grammar") from exc
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not (math.isfinite(getattr(p, name)) and -2.0 <= getattr(p, name) <= 2.0):
+            raise InvalidRequestError(f"{name} must be in [-2, 2]", param=f"sampling.{name}")
+    if any(not (math.isfinite(b) and -100.0 <= b <= 100.0) for b in p.logit_bias.values()):
+        raise InvalidRequestError("logit_bias values must be in [-100, 100]",
+                                  param="sampling.logit_bias")
     return Sampling(temperature=p.temperature, top_p=p.top_p or 1.0, seed=p.seed,
                     max_tokens=p.max_tokens or None, stop=tuple(p.stop),
-                    ignore_eos=p.ignore_eos)
+                    ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
+                    frequency_penalty=p.frequency_penalty,
+                    logit_bias=tuple(sorted(p.logit_bias.items())), grammar=grammar)
 
 
 def route_request(req: router_pb2.GenerateRequest, *, tenant: str, classes: TrafficClasses,

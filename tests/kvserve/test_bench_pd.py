@@ -48,8 +48,12 @@ def test_services_bench_runs_a_short_conversation(tmp_path: Path) -> None:
     assert [t["turn"] for t in turns] == [1, 2]
     assert turns[0]["cached_tokens"] == 0
     assert all(t["identical"] for t in turns)
-    # Zero think time: turn 2 still gets the hit rule on turn 1's prompt + output.
-    assert turns[1]["rule_tokens"] > 0 and turns[1]["rule_met"], turns[1]
+    # Zero think time: turn 2 gets the hit rule on turn 1's prompt + output,
+    # unless the cost rule (rightly, for a model this small) chose to recompute;
+    # tests/decode_svc/test_disaggregated.py checks it with fetches forced.
+    t2 = turns[1]
+    assert t2["rule_tokens"] > 0, t2
+    assert t2["rule_met"] or t2["fetch_decision"].startswith("recompute"), t2
 
 
 @pytest.mark.gpu
