@@ -228,7 +228,10 @@ def test_nan_and_routing_errors_are_4xx(stack: Stack) -> None:
 
 def test_unknown_fields_are_ignored_and_usage_is_complete(stack: Stack) -> None:
     body = _chat(_unique(), user="u1", logit_bias={}, metadata={"a": "b"}, frobnicate=[1, 2],
-                 tools=[], parallel_tool_calls=False, presence_penalty=0, seed=3)
+                 parallel_tool_calls=False, presence_penalty=0, seed=3)
+    # An empty tools array is refused, as OpenAI's API does, naming the field.
+    bad = http("POST", stack.http + CHAT, {**body, "tools": []})
+    assert bad.status == 400 and bad.json()["error"]["param"] == "tools", bad.body
     r = http("POST", stack.http + CHAT, body, headers={"X-KV-Class": "agent"})
     assert r.status == 200, r.body
     out = r.json()
