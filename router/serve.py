@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -40,6 +41,8 @@ from security.grpc_input import InputGuard
 from security.health_port import start_health_port
 
 log = logging.getLogger(__name__)
+# Seconds a drain may run past its grace before the process exits regardless.
+STOP_SLACK_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,4 +206,13 @@ async def serve(cfg: RouterConfig) -> None:
         await stop.wait()
         log.info("router draining (grace %.1fs)", cfg.drain_grace_s)
     finally:
-        await running.stop(cfg.drain_grace_s)
+        # A drain that cannot finish (its Redis or peers already gone, e.g. after the
+        # launcher was kill -9'ed) must not keep the process alive past SIGTERM.
+        try:
+            await asyncio.wait_for(running.stop(cfg.drain_grace_s),
+                                   timeout=cfg.drain_grace_s + STOP_SLACK_S)
+        except TimeoutError:
+            log.warning("router drain did not finish within %.1fs; exiting anyway",
+                        cfg.drain_grace_s + STOP_SLACK_S)
+            logging.shutdown()
+            os._exit(0)
