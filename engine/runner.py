@@ -71,7 +71,10 @@ class Engine:
         self.tokenizer = src.tokenizer
         self.kernels = select_kernels(cfg.kernels, self.device, self.dtype, cfg.threads)
         if isinstance(self.kernels, BIKernels):
-            self.kernels.prepare(src.weights.tensors())
+            # Pack the matmul weights once; the embedding table is only gathered from
+            # (a tied LM head is a separate transposed view and is packed as such).
+            self.kernels.prepare([t for t in src.weights.tensors()
+                                  if t is not src.weights.embed])
         # True: a row's result is independent of the rows sharing its call.
         self.invariant: bool = self.kernels.invariant
         self.model = Transformer(mc, src.weights, self.device, self.dtype, self.kernels)
