@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,21 @@ class _Bucket:
                                 0.0)
 
 
+def refresh_buckets(buckets: Iterable[_Bucket], events: int, last_decay: int,
+                    half_life: int, quantile: float) -> int:
+    """Halve every bucket's counts once per ``half_life`` events (old traffic fades),
+    then recompute each bucket's densities; returns the new last-decay event."""
+    buckets = list(buckets)
+    if events - last_decay >= half_life:
+        last_decay = events
+        for b in buckets:
+            b.reuses *= 0.5
+            b.starts *= 0.5
+    for b in buckets:
+        b.refresh(quantile)
+    return last_decay
+
+
 @register_policy("hit_density")
 class HitDensity(EvictionPolicy):
     def __init__(self, refresh_every: int = 2_000, half_life: int = 200_000,
@@ -123,13 +139,8 @@ class HitDensity(EvictionPolicy):
         return b
 
     def _refresh(self) -> None:
-        if self._events - self._last_decay >= self._half_life:
-            self._last_decay = self._events
-            for b in self._buckets.values():
-                b.reuses *= 0.5
-                b.starts *= 0.5
-        for b in self._buckets.values():
-            b.refresh(self._quantile)
+        self._last_decay = refresh_buckets(self._buckets.values(), self._events,
+                                           self._last_decay, self._half_life, self._quantile)
 
     def _score(self, key: Any, b: _Bucket) -> float:
         return float(b.density[_bin(self._now - self._state[key][0])])

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.eviction.base import EvictionPolicy, register_policy
-from kvstore.eviction.hit_density import _bin, _Bucket
+from kvstore.eviction.hit_density import _bin, _Bucket, refresh_buckets
 
 _TURN_BUCKETS = (1, 2, 4, 8)     # turns so far: 1, 2, 3-4, 5-8, 9+
 _MIN_STARTS = 8.0                # requests a bucket needs before its own density is used
@@ -108,13 +108,8 @@ class SessionDensity(EvictionPolicy):
             self._refresh()
 
     def _refresh(self) -> None:
-        if self._events - self._last_decay >= self._half_life:
-            self._last_decay = self._events
-            for b in self._buckets.values():
-                b.reuses *= 0.5
-                b.starts *= 0.5
-        for b in self._buckets.values():
-            b.refresh(self._quantile)
+        self._last_decay = refresh_buckets(self._buckets.values(), self._events,
+                                           self._last_decay, self._half_life, self._quantile)
 
     def _density(self, s: _Session) -> float:
         b = s.bucket
