@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from common.config import ConfigError
 from connectors.vllm_bridge import StoreBridge
 from connectors.vllm_config import ConnectorConfig
 from connectors.vllm_identity import fingerprint, model_weights_id
@@ -40,7 +41,6 @@ from connectors.vllm_meta import KVServeMeta
 from connectors.vllm_presence import Presence
 from connectors.vllm_scheduler import SchedulerSide
 from connectors.vllm_worker import WorkerSide
-from kvserve.config import ConfigError
 from kvstore.registry import InstanceInfo
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvserve.config import ConfigError, HitRule, TrafficClasses
+from common.config import ConfigError, HitRule, TrafficClasses
 
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import ConfigError, TrafficClasses
+from common.config import ConfigError, TrafficClasses
 from kvstore.keys import DEFAULT_TENANT, TENANT_RULE
 
 LAYOUT_VERSION = 1          # bump when the bytes a block holds change meaning

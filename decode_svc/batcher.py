@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from decode_svc.stopping import TextStream
-from prefill_svc.engine_thread import EngineThread
+from service.engine_thread import EngineThread
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +115,17 @@ class Batcher:
 
     async def generate(self, seq_id: str, make_live: Callable[[], None], *, prompt_tokens: int,
                        stop: tuple[str, ...] = (), on_finish: FinishHook | None = None,
-                       t0: float | None = None) -> AsyncIterator[TokenEvent]:
+                       t0: float | None = None, stream: TextStream | None = None,
+                       first_shown: bool = False) -> AsyncIterator[TokenEvent]:
         """Make the sequence live (``make_live`` runs on the engine thread: an
         ``adopt`` of pulled KV, or a rebuild), then stream its tokens; the first
         event carries the token prefill sampled. Leaving the iterator early
         (client gone) frees the sequence at once. ``on_finish`` gets a
-        sequence that ran to its end, still live, and must free it."""
+        sequence that ran to its end, still live, and must free it.
+
+        ``first_shown``: the caller already sent the first token's event
+        (decode_svc.first_event) through ``stream``; it is then not sent again
+        unless it turned out to end the sequence."""
         t0 = time.monotonic() if t0 is None else t0
         self._waiting += 1
         try:
@@ -134,8 +139,9 @@ class Batcher:
             except asyncio.CancelledError:
                 self._thread.submit(self._free_quietly, seq_id)
                 raise
-            seq = _Seq(seq_id, prompt_tokens, TextStream(stop), t0, on_finish)
-            self._accept(seq, first)
+            seq = _Seq(seq_id, prompt_tokens, TextStream(stop) if stream is None else stream,
+                       t0, on_finish)
+            self._accept(seq, first, shown=first_shown)
             if not seq.done:
                 self._active[seq_id] = seq
                 self._wake.set()
@@ -179,13 +185,16 @@ class Batcher:
 
     # -- event loop --------------------------------------------------------------
 
-    def _accept(self, seq: _Seq, out: _Out) -> None:
+    def _accept(self, seq: _Seq, out: _Out, *, shown: bool = False) -> None:
         seq.n += 1
         self.stats.tokens_total += 1
         finished = bool(out.reason)
-        seq.events.put_nowait(TokenEvent((out.token,), seq.stream.delta(out.text, finished),
-                                         time.monotonic() - seq.t0, finished, out.reason,
-                                         seq.n))
+        text = seq.stream.delta(out.text, finished)
+        if not shown or finished:
+            # An already-shown token that ends the sequence still needs its final event.
+            seq.events.put_nowait(TokenEvent(() if shown else (out.token,), text,
+                                             time.monotonic() - seq.t0, finished, out.reason,
+                                             seq.n))
         if finished:
             seq.done = True
             self._active.pop(seq.seq_id, None)

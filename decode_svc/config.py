@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.config import ConfigError, KVServeConfig
-from prefill_svc.config import CostConfig, Endpoint, EngineSpec, WriterConfig, split_overrides
+from common.config import ConfigError, KVServeConfig
+from service.config import CostConfig, Endpoint, EngineSpec, WriterConfig, split_overrides
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,7 @@ class DecodeConfig:
     shm_dir: str = "/dev/shm"
     canonical_write: bool = True        # write prompt+output blocks after each request
     canonical_wait_s: float = 10.0      # hold the final event until they are stored (0: don't)
+    early_first_token: bool = True      # send prefill's token before the KV pull (needs a store)
     ep_ranks: int = 4                   # MoE: expert-parallel ranks the imbalance is measured on
     expert_plan: str = ""               # MoE: "" contiguous | "auto" (EPLB from own counts) | JSON
     ep_redundant: int = 0               # MoE "auto": redundant expert slots for the planner

@@ -4,11 +4,11 @@ A decode step waits for the slowest expert-parallel rank, so the figure that
 matters is, per MoE layer, max rank load / mean rank load under the
 instance's expert placement, averaged over the layers that routed tokens
 (docs/architecture.md#router; the same definition and runtime dispatch rule as the router's
-planner, router.eplb_eval, which this module uses). Counts are kept over a
+planner, eplb.evaluate, which this module uses). Counts are kept over a
 sliding window of recent steps (the "current" imbalance) and in total.
 
-Placement: a plan file (``router.eplb.ExpertPlan.save`` JSON), "auto" (plan
-with router.eplb from this instance's own counts, re-planned every
+Placement: a plan file (``eplb.plan.ExpertPlan.save`` JSON), "auto" (plan
+with eplb.plan from this instance's own counts, re-planned every
 ``replan_steps`` steps, as an EPLB rebalancer would), or contiguous.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from router.eplb_eval import LayerPlacement, dispatch_rank_loads, layer_imbalance
+from eplb.evaluate import LayerPlacement, dispatch_rank_loads, layer_imbalance
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +54,7 @@ class ExpertPlacement:
     @classmethod
     def planned(cls, counts: np.ndarray, n_ranks: int, redundant: int) -> ExpertPlacement:
         """EPLB plan from recorded counts [layers, experts]; idle layers stay contiguous."""
-        from router.eplb import EplbConfig, plan
+        from eplb.plan import EplbConfig, plan
 
         n_layers, n_experts = counts.shape
         p = plan([counts.astype(np.float64)], EplbConfig(ranks=n_ranks, redundant=redundant))

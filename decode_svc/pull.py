@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from prefill_svc.config import Endpoint
-from prefill_svc.hosting import channel_options
-from prefill_svc.kv_buffer import KVAssembler, KVPiece, KVShape
 from proto import prefill_pb2, prefill_pb2_grpc
 from security.config import SecurityConfig
+from service.config import Endpoint
+from service.hosting import channel_options
+from service.kv_buffer import KVAssembler, KVPiece, KVShape
 
 log = logging.getLogger(__name__)
 

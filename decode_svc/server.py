@@ -9,7 +9,7 @@ token. When a sequence ends, the canonical blocks of prompt + output
 into the warehouse *before* the final event goes out (up to
 ``canonical_wait_s``): an agent that sends its next turn the moment the answer
 ends then hits the whole previous context (docs/services.md, "After the
-answer"). Errors become status codes only in prefill_svc.errors.
+answer"). Errors become status codes only in service.errors.
 """
 
 from __future__ import annotations
@@ -31,20 +31,22 @@ import torch
 from decode_svc.batcher import Batcher, Finished
 from decode_svc.config import DecodeConfig
 from decode_svc.experts import ExpertLoad, ExpertPlacement
+from decode_svc.first_event import EarlyFirst, early_first
 from decode_svc.pull import KVPuller
+from decode_svc.stopping import TextStream
 from kvstore.keys import chain_keys
 from kvstore.registry import LoadReport
 from kvstore.types import PutResult, RequestCtx
-from prefill_svc.cost import CostModel
-from prefill_svc.engine_thread import EngineThread
-from prefill_svc.errors import InvalidRequest, PreconditionFailed, grpc_stream
-from prefill_svc.kv_buffer import KVShape
-from prefill_svc.metrics import Source
-from prefill_svc.request import ModelIdentity, check_tokens, sampling_from_proto
-from prefill_svc.restore import Restorer
-from prefill_svc.store_link import StoreLink
-from prefill_svc.writer import BlockWriter, WriteJob
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2
+from service.cost import CostModel
+from service.engine_thread import EngineThread
+from service.errors import InvalidRequest, PreconditionFailed, grpc_stream
+from service.kv_buffer import KVShape
+from service.metrics import Source
+from service.request import ModelIdentity, check_tokens, sampling_from_proto
+from service.restore import Restorer
+from service.store_link import StoreLink
+from service.writer import BlockWriter, WriteJob
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class DecodeStats:
     canonical_blocks_total: int = 0      # put into the warehouse after requests
     canonical_seconds_total: float = 0.0  # compute + put, added to the end of answers
     canonical_late_total: int = 0        # final events sent before their blocks were stored
+    early_first_total: int = 0           # first events sent before the KV was here
     expert_imbalance: float = 1.0
 
 
@@ -165,6 +168,13 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         t0 = time.monotonic()
         handle = request.handle
         chk = self._check(handle, request)
+        stream = TextStream(chk.sampling.stop)
+        early = self._early(handle, chk)
+        if early is not None:
+            self.stats.early_first_total += 1
+            yield self._event(decode_pb2.DecodeEvent(
+                token_ids=[early.token], text=stream.delta(early.text, False),
+                t_s=time.monotonic() - t0))
         make_live = await self._obtain_kv(handle, chk)
         seq_id = f"{chk.ctx.request_id}#{next(self._ids)}"
         written: asyncio.Event | None = None
@@ -174,13 +184,13 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             on_finish = self._canonical_writer(chk.ctx, written)
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
-                stop=chk.sampling.stop, on_finish=on_finish, t0=t0):
+                stop=chk.sampling.stop, on_finish=on_finish, t0=t0, stream=stream,
+                first_shown=early is not None):
             if ev.finish_reason == "error":
                 raise RuntimeError("the decode step failed; see the decode instance's log")
-            out = decode_pb2.DecodeEvent(token_ids=ev.token_ids, text=ev.text, t_s=ev.t_s,
-                                         finished=ev.finished, finish_reason=ev.finish_reason)
-            if self.experts is not None:
-                out.expert_imbalance = self.experts.current
+            out = self._event(decode_pb2.DecodeEvent(
+                token_ids=ev.token_ids, text=ev.text, t_s=ev.t_s, finished=ev.finished,
+                finish_reason=ev.finish_reason))
             if ev.finished:
                 if written is not None:
                     await self._await_canonical(written, chk.ctx)
@@ -189,6 +199,19 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                                                     cached_tokens=handle.cached_tokens))
                 self._count(ev.finish_reason)
             yield out
+
+    def _event(self, out: decode_pb2.DecodeEvent) -> decode_pb2.DecodeEvent:
+        if self.experts is not None:
+            out.expert_imbalance = self.experts.current
+        return out
+
+    def _early(self, handle: prefill_pb2.KVHandle, chk: _Checked) -> EarlyFirst | None:
+        """The first event before the KV, where nothing after it can fail the
+        request: with a warehouse a failed pull still ends in a rebuild. Without
+        one the router must still be able to retry elsewhere, so the token waits."""
+        if not (self.cfg.early_first_token and self.store.enabled):
+            return None
+        return early_first(self.engine, len(chk.tokens), handle.first_token, chk.sampling)
 
     def _check(self, handle: prefill_pb2.KVHandle, request: decode_pb2.DecodeRequest) -> _Checked:
         fp = handle.ctx.model_fingerprint

@@ -20,6 +20,7 @@ Sliding-window layers see keys ``(p - window, p]`` for a query at position
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,9 +65,11 @@ class BatchAttention:
     """The ``attend`` callback of one forward call (engine.model.AttendFn)."""
 
     def __init__(self, storage: KVStorage, segments: list[Segment], windows: tuple[int, ...],
-                 num_heads: int, rows: int, invariant: bool = False) -> None:
+                 num_heads: int, rows: int, invariant: bool = False,
+                 before_layer: Callable[[int], None] | None = None) -> None:
         layout = storage.layout
         self.invariant = invariant
+        self.before_layer = before_layer          # e.g. wait for a restored layer's copy
         self.storage, self.segments, self.windows = storage, segments, windows
         self.kv_heads, self.head_dim = layout.kv_heads, layout.head_dim
         self.group = num_heads // layout.kv_heads
@@ -80,10 +83,14 @@ class BatchAttention:
         self.n_real = int(self.slots.numel())
         self.plans = {} if invariant else {w: [_key_plan(s, w, self.group) for s in segments]
                                            for w in sorted(set(windows))}
+        self._num_heads = num_heads
+        self._invariant_attend: InvariantAttend | None = None    # built on first use
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
         # q: [M, H, D]; k, v: [M, Hkv, D] -> [M, H * D]
+        if self.before_layer is not None:
+            self.before_layer(layer)
         n = self.n_real
         self.storage.write(layer, self.slots, k[:n], v[:n])
         if self.invariant:
@@ -115,16 +122,48 @@ class BatchAttention:
 
     def _invariant(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> torch.Tensor:
-        """One batch-invariant kernel call for every segment (engine/bik.py)."""
+        """One batch-invariant kernel call for every segment, by device."""
+        width = self.kv_heads * self.group * self.head_dim
+        out = (q.new_empty(self.rows, width) if self.n_real == self.rows
+               else q.new_zeros(self.rows, width))
+        if self._invariant_attend is None:
+            self._invariant_attend = _INVARIANT_ATTEND[q.device.type](self)
+        self._invariant_attend(layer, q, k, v, out)
+        return out
+
+
+# attend(layer, q, k, v, out): one layer of every segment into out [M, H * D]
+InvariantAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _bik_attend(attn: BatchAttention) -> InvariantAttend:
+    """CPU (engine/bik.py): reads each sequence's mirror, written here first."""
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor) -> None:
         segs = []
-        for seg in self.segments:
+        for seg in attn.segments:
             m, r0, end = seg.rows, seg.row0, seg.q_start + seg.rows
             kv = seg.mirror[layer]                                     # [2, Hkv, cap, D]
             kv[0, :, seg.q_start:end] = k[r0:r0 + m].transpose(0, 1)
             kv[1, :, seg.q_start:end] = v[r0:r0 + m].transpose(0, 1)
             segs.append(bik.AttnSegment(r0, m, seg.q_start, kv))
-        width = self.kv_heads * self.group * self.head_dim
-        out = (q.new_empty(self.rows, width) if self.n_real == self.rows
-               else q.new_zeros(self.rows, width))
-        bik.attend(q, segs, self.kv_heads, self.windows[layer], out)
-        return out
+        bik.attend(q, segs, attn.kv_heads, attn.windows[layer], out)
+    return attend
+
+
+def _triton_attend(attn: BatchAttention) -> InvariantAttend:
+    """CUDA (engine/triton_invariant.py): reads the paged pool, already written by
+    ``__call__``; the mirror is not kept up to date (nothing reads it on this path)."""
+    from engine import triton_invariant as ti  # Triton: CUDA only
+    plan = ti.InvariantAttention(
+        attn.storage.data, [ti.AttnSegment(s.row0, s.rows, s.q_start, s.table)
+                            for s in attn.segments], attn._num_heads)
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor) -> None:
+        plan(layer, q, attn.windows[layer], out)
+    return attend
+
+
+_INVARIANT_ATTEND: dict[str, Callable[[BatchAttention], InvariantAttend]] = {
+    "cpu": _bik_attend, "cuda": _triton_attend}

@@ -15,23 +15,52 @@ The AVX-512, AVX2 and scalar paths give the same bytes, so blocks computed on
 different CPUs of one deployment are interchangeable. ``KVSERVE_NO_NATIVE=1``
 or a missing extension leaves the engine on its torch path (exactness then
 comes from the fixed decode bucket and chunk-aligned restores, as before).
+``KVSERVE_BIK_LIBRARY=<path to a _bik .so>`` loads another build of these
+kernels (an older one, to measure a change side by side).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-_ext: ModuleType | None = None
-if os.environ.get("KVSERVE_NO_NATIVE", "") not in ("1", "true", "yes"):
+_builds: dict[str, ModuleType] = {}
+
+
+def _load_file(path: str) -> ModuleType:
+    if path not in _builds:
+        spec = importlib.util.spec_from_file_location("_bik", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path} is not an extension module")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _builds[path] = mod
+    return _builds[path]
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("KVSERVE_NO_NATIVE", "") in ("1", "true", "yes"):
+        return None
+    # Another build of the same kernels (to time one build against another);
+    # it must give the same bits, so KERNEL_ID holds.
+    other = os.environ.get("KVSERVE_BIK_LIBRARY", "")
+    if other:
+        return _load_file(other)
     try:
-        from native import _bik as _ext
+        from native import _bik
     except ImportError:  # not built (no compiler at install time)
-        _ext = None
+        return None
+    return _bik
+
+
+_ext: ModuleType | None = _load()
 
 # Part of the model fingerprint: blocks from another kernel family never mix.
 KERNEL_ID = "bik1"
@@ -57,6 +86,27 @@ def current_path() -> str:
 
 def set_threads(n: int) -> None:
     _lib().set_threads(max(1, int(n)))
+
+
+def threads() -> int:
+    return int(_lib().threads())
+
+
+@contextmanager
+def build(path: str) -> Iterator[None]:
+    """Runs the block on another build of these kernels (an older .so, timed
+    against this one in alternation by engine/bench_bik.py), with the same
+    thread count and SIMD path."""
+    global _ext
+    before = _lib()
+    other = _load_file(path)
+    other.set_threads(int(before.threads()))
+    other.set_isa(str(before.isa()))
+    _ext = other
+    try:
+        yield
+    finally:
+        _ext = before
 
 
 def _lib() -> ModuleType:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from common.config import HitRule
 from engine.errors import ModelConfigError
-from kvserve.config import HitRule
 
 ATTENTION_KINDS = ("full", "sliding")
-KERNEL_NAMES = ("auto", "torch", "bik", "triton")      # engine/kernels.py
+KERNEL_NAMES = ("auto", "torch", "bik", "triton", "triton_bi")      # engine/kernels.py
 DTYPES = ("float32", "bfloat16", "float16")
 # Bumped whenever the block tensor layout or the prefill chunking changes: it is
 # part of the fingerprint, so KV from an older layout can never be served.
@@ -203,9 +203,10 @@ class EngineConfig:
     prefill_chunk: int = 0          # 0 = block_tokens; a multiple of it (docs/engine.md)
     max_position: int = 0           # 0 = the model's context; else override it (benchmarks)
     threads: int = 0                # > 0: torch.set_num_threads (process-wide) at start
-    kernels: str = "auto"           # engine/kernels.py: auto | torch | bik | triton
+    kernels: str = "auto"           # engine/kernels.py: auto | torch | bik | triton | triton_bi
     paged_decode: bool = True       # CUDA: one Triton paged-attention kernel per decode step
     cuda_graphs: bool = True        # CUDA: replay each decode bucket from a captured graph
+    layer_restore: bool = True      # CUDA: copy restored blocks layer by layer under the compute
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -8,6 +8,10 @@
   block boundary, and decode runs exactly as many rows as it has sequences.
 - ``triton``: CUDA; torch GEMMs plus fused Triton RMSNorm, RoPE and SwiGLU
   (engine/triton_kernels.py), one kernel each instead of 8, 9 and 2.
+- ``triton_bi``: CUDA, opt-in; the batch-invariant GPU family
+  (engine/triton_invariant.py): Triton GEMM and attention whose per-row bits do
+  not depend on M, plus ``triton``'s RMSNorm, RoPE and SwiGLU. What ``bik`` gives
+  on the CPU, at the price of cuBLAS's speed (docs/BENCHMARKS.md, issue 15).
 - ``auto`` (the default): ``bik`` where it applies (CPU, fp32, extension built),
   ``triton`` on CUDA with Triton installed, else ``torch``.
 """
@@ -87,6 +91,23 @@ class TritonKernels(TorchKernels):
         return self._t.rope(x, positions, cos, sin)
 
 
+class TritonBIKernels(TritonKernels):
+    """``triton``'s fused element-wise kernels (RMSNorm is one program per row with
+    a reduction fixed by the hidden size alone) plus an M-independent GEMM."""
+
+    invariant = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        from engine import triton_invariant
+        self._ti = triton_invariant
+        self.name = triton_invariant.KERNEL_ID
+
+    def linear(self, x: torch.Tensor, w_t: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._ti.linear(x, w_t, bias)
+
+
 class BIKernels(TorchKernels):
     """Packs every weight once (keyed by the tensor's storage) on first use."""
 
@@ -148,11 +169,12 @@ def select_kernels(name: str, device: torch.device, dtype: torch.dtype,
                    threads: int) -> Kernels:
     if name not in KERNEL_NAMES:
         raise ModelConfigError(f"kernels must be one of {KERNEL_NAMES}, got {name!r}")
-    checks = {"bik": lambda: bik_applies(device, dtype), "triton": lambda: triton_applies(device)}
+    checks = {"bik": lambda: bik_applies(device, dtype), "triton": lambda: triton_applies(device),
+              "triton_bi": lambda: triton_applies(device)}
     if name in checks and (why_not := checks[name]()):
         raise ModelConfigError(f"kernels {name!r} requested but {why_not}")
     if name == "auto":
         name = next((k for k in ("bik", "triton") if checks[k]() is None), "torch")
-    makers = {"torch": TorchKernels, "triton": TritonKernels,
+    makers = {"torch": TorchKernels, "triton": TritonKernels, "triton_bi": TritonBIKernels,
               "bik": lambda: BIKernels(threads)}
     return makers[name]()

@@ -151,7 +151,10 @@ class PagedDecodeAttention:
                             self.windows[layer], b.splits, b.acc, b.ml)
 
 
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, PagedDecodeAttention], torch.Tensor]
+# (storage, windows, num_heads, buffers) -> the attend callback of a bucket's forward
+AttentionFactory = Callable[[KVStorage, tuple[int, ...], int, StepBuffers],
+                            Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
 
 
 class DecodeRunner:
@@ -159,7 +162,10 @@ class DecodeRunner:
 
     def __init__(self, storage: KVStorage, windows: tuple[int, ...], num_heads: int,
                  max_blocks: int, scratch_block: int, forward: ForwardFn,
-                 use_graphs: bool) -> None:
+                 use_graphs: bool, attention: AttentionFactory = PagedDecodeAttention) -> None:
+        # attention: PagedDecodeAttention, or the batch-invariant kernel's decode
+        # callback (engine/triton_invariant.py) when the engine's kernels are invariant
+        self.attention = attention
         self.storage, self.windows, self.heads = storage, windows, num_heads
         self.max_blocks, self.scratch = max_blocks, scratch_block
         self.forward, self.use_graphs = forward, use_graphs
@@ -170,6 +176,8 @@ class DecodeRunner:
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._bufs: dict[int, StepBuffers] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # a bucket's attend callback may own device tensors its graph reads: kept alive
+        self._attends: dict[int, object] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
 
     def bucket(self, n: int) -> int:
@@ -194,7 +202,7 @@ class DecodeRunner:
     def _graph(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         if b not in self._graphs:
             buf = self._buffers(b)
-            attn = PagedDecodeAttention(self.storage, self.windows, self.heads, buf)
+            attn = self.attention(self.storage, self.windows, self.heads, buf)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):          # warm-up: Triton compiles, cuBLAS plans
@@ -205,6 +213,7 @@ class DecodeRunner:
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = self.forward(buf.tokens, buf.positions, attn)
             self._graphs[b] = (graph, logits)
+            self._attends[b] = attn
         return self._graphs[b]
 
     def step(self, pending: list[int], positions: list[int],
@@ -232,6 +241,6 @@ class DecodeRunner:
             graph, logits = self._graph(b)
             graph.replay()
         else:
-            attn = PagedDecodeAttention(self.storage, self.windows, self.heads, buf)
+            attn = self.attention(self.storage, self.windows, self.heads, buf)
             logits = self.forward(buf.tokens, buf.positions, attn)
         return logits[:n]

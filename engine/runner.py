@@ -31,6 +31,7 @@ from engine.constrained import Constraint, GrammarCompiler, GrammarSpec
 from engine.errors import DeviceError, EngineInputError, PrefillStopped
 from engine.kernels import BIKernels, select_kernels
 from engine.kv_pool import BlockPool, KVLayout, KVStorage
+from engine.layer_restore import HostRuns, LayerFeed, feed_applies
 from engine.model import Transformer
 from engine.sampling import RowSampler, SamplingParams, sample_rows
 from engine.sequence import GenerationResult, PrefillResult, Sequence
@@ -137,7 +138,7 @@ class Engine:
     def prefill(self, seq_id: str, tokens: Seq[int], *,
                 sampling: SamplingParams = GREEDY,
                 block_keys: Seq[bytes] | None = None,
-                restored: torch.Tensor | None = None,
+                restored: torch.Tensor | HostRuns | None = None,
                 max_restore_tokens: int | None = None,
                 restored_start_block: int | None = None,
                 stop: Callable[[], bool] | None = None) -> PrefillResult:
@@ -183,20 +184,34 @@ class Engine:
             raise
         blocks = g1[:use_g1] + fresh
         table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        if use_rest:
+        pipelined = bool(use_rest) and self.config.layer_restore and restored is not None \
+            and feed_applies(self.device, restored)
+        if use_rest and not pipelined:
             assert restored is not None
-            self.storage.import_(table[use_g1:reuse], restored[:use_rest])
-        seq = Sequence(seq_id, toks, n, 0, blocks, table, sampling,
-                       self._mirror(table, reuse * B, self._capacity(n)),
+            whole = restored.cat() if isinstance(restored, HostRuns) else restored
+            self.storage.import_(table[use_g1:reuse], whole[:use_rest])
+        mirror = self._mirror(table, (use_g1 if pipelined else reuse) * B, self._capacity(n))
+        seq = Sequence(seq_id, toks, n, 0, blocks, table, sampling, mirror,
                        canonical_full=n // C * C // B)
         self._seqs[seq_id] = seq
+        feed = None
         try:
+            if pipelined:
+                assert restored is not None
+                feed = LayerFeed(self.storage, table[use_g1:reuse], restored, mirror,
+                                 use_g1 * B).start()
             seq.sampler = self._sampler(sampling)
-            hidden = self._run_chunks(seq, reuse * B, n, all_logits=False, stop=stop)
+            hidden = self._run_chunks(seq, reuse * B, n, all_logits=False, stop=stop,
+                                      feed=feed)
+            if feed is not None:
+                feed.finish()
             first = seq.sampler.sample(self.model.logits(hidden[-1:])[0])
         except BaseException:
             self.free(seq_id)
             raise
+        finally:
+            if feed is not None:
+                feed.close()
         seq.kv_len = n
         seq.tokens.append(first)
         for i in range(use_g1, min(len(keys), seq.canonical_full)):
@@ -222,9 +237,12 @@ class Engine:
     def _run_chunks(self, seq: Sequence, start: int, end: int, *, all_logits: bool,
                     table: torch.Tensor | None = None,
                     mirror: torch.Tensor | None = None,
-                    stop: Callable[[], bool] | None = None) -> torch.Tensor:
+                    stop: Callable[[], bool] | None = None,
+                    feed: LayerFeed | None = None) -> torch.Tensor:
         """Compute tokens [start, end) of ``seq`` in chunks aligned to absolute
-        positions; returns the last chunk's hidden states (or all logits)."""
+        positions; returns the last chunk's hidden states (or all logits).
+        ``feed``: restored layers still arriving (each waited for before its
+        attention first reads the prefix)."""
         chunk = self._chunk
         table = seq.table if table is None else table
         mirror = seq.mirror if mirror is None else mirror
@@ -239,7 +257,8 @@ class Engine:
             pos = torch.arange(s, e, device=self.device)
             attn = BatchAttention(self.storage, [Segment(0, e - s, s, table, mirror)],
                                   self._windows, self.model_config.num_heads, e - s,
-                                  self.invariant)
+                                  self.invariant,
+                                  before_layer=None if feed is None else feed.ready)
             hidden = self.model.forward(toks, pos, attn, e - s, self._counts)
             if all_logits:
                 outs.append(self.model.logits(hidden))
@@ -460,18 +479,25 @@ class Engine:
 
     # --------------------------------------------------------------- helpers
     def _paged_runner(self, cfg: EngineConfig) -> DecodeRunner | None:
-        """CUDA with Triton: batched paged decode (graphs for dense models)."""
+        """CUDA with Triton: batched paged decode (graphs for dense models). With
+        invariant kernels (``triton_bi``) its attention is theirs (the prefill
+        kernel), so decode KV is prefill KV and padding rows change no bits."""
         if self.device.type != "cuda" or not cfg.paged_decode:
             return None
         try:
-            from engine.paged_decode import DecodeRunner
+            from engine.paged_decode import AttentionFactory, DecodeRunner, PagedDecodeAttention
         except ImportError:                 # no Triton: the per-sequence SDPA path
             return None
+        attention: AttentionFactory = PagedDecodeAttention
+        if self.invariant:
+            from engine.triton_invariant import DecodeAttention
+            attention = DecodeAttention
         mc = self.model_config
         scratch = self.blocks.allocate(1)[0]  # padding rows write here, never live KV
         return DecodeRunner(self.storage, self._windows, mc.num_heads,
                             -(-mc.max_position // cfg.block_tokens), scratch,
-                            self._paged_forward, cfg.cuda_graphs and mc.moe is None)
+                            self._paged_forward, cfg.cuda_graphs and mc.moe is None,
+                            attention)
 
     @property
     def _canon_unit(self) -> int:
@@ -529,8 +555,13 @@ class Engine:
                                    f"is {ctx} tokens (at most {ctx - 1} leave room to generate)")
         return toks
 
-    def _check_blocks(self, blocks: torch.Tensor, what: str) -> int:
+    def _check_blocks(self, blocks: torch.Tensor | HostRuns, what: str) -> int:
         want = self.layout.block_shape
+        if isinstance(blocks, HostRuns):
+            if blocks.block_shape != want or blocks.dtype != self.dtype:
+                raise EngineInputError(f"{what} blocks are {blocks.block_shape} {blocks.dtype}; "
+                                       f"expected [n, {', '.join(map(str, want))}] {self.dtype}")
+            return blocks.n_blocks
         if (not isinstance(blocks, torch.Tensor) or blocks.dim() != 6
                 or tuple(blocks.shape[1:]) != want or blocks.dtype != self.dtype):
             got = (f"{tuple(blocks.shape)} {blocks.dtype}" if isinstance(blocks, torch.Tensor)

@@ -12,7 +12,7 @@ directory (``file://``); no Redis, no sockets. Per prompt length:
   ``Engine.prefill`` of the rest;
 - restore bandwidth (the arena -> device copies alone) against the pinned
   memcpy peak of the same byte count measured in the same run;
-- the cost-aware rule (prefill_svc.cost) when the only copy is in G3: its
+- the cost-aware rule (service.cost) when the only copy is in G3: its
   inputs are measured here (a probe read with the page cache dropped for the
   files, the cold prefill speed), its choice is compared with both actual
   alternatives, fetch-then-compute and recompute.
@@ -49,6 +49,7 @@ class LengthResult:
     restore_copies: int
     compute_s: float                # the hit's prefill alone, restored KV already on the device
     single_shot_s: float            # the same prompt cold in ONE chunk (the prefill limit)
+    ttft_hit_staged_s: float        # the hit with every block copied before the compute
 
     @property
     def speedup(self) -> float:
@@ -114,13 +115,13 @@ def run(args: Any) -> tuple[list[LengthResult], list[DiskResult]]:
     longest = max(lengths)
     eng = Engine(EngineConfig(model=args.model, dtype=dtype, device=args.device,
                                block_tokens=B, num_blocks=-(-longest // B) + 8,
-                               prefill_chunk=chunk))
+                               prefill_chunk=chunk, kernels=args.kernels))
     limit = eng.model_config.max_position - 1
     lengths = [min(n, limit) for n in lengths]
     # The prefill limit measured in the same run: each prompt cold in a single chunk.
     single = Engine(EngineConfig(model=args.model, dtype=dtype, device=args.device,
                                  block_tokens=B, num_blocks=-(-longest // B) + 8,
-                                 prefill_chunk=-(-longest // B) * B))
+                                 prefill_chunk=-(-longest // B) * B, kernels=args.kernels))
     with tempfile.TemporaryDirectory(prefix="kvserve-g3-", dir=args.g3_dir) as g3_dir:
         return _bench(eng, lengths, fractions, Path(g3_dir), single)
 
@@ -184,11 +185,14 @@ def _warmup(eng: Any, g2: Any, restore: ArenaRestore, gen: torch.Generator) -> N
     keys = _store(eng, g2, toks, blocks)
     _prefill(eng, "warmup", toks, restored=restore(keys))
     eng.free("warmup")
+    _prefill(eng, "warmup", toks, restored=restore.host_runs(keys))
+    restore.release()
+    eng.free("warmup")
     for k in keys:
         g2.delete(k)
 
 
-def _prefill(eng: Any, seq: str, toks: list[int], restored: torch.Tensor | None = None,
+def _prefill(eng: Any, seq: str, toks: list[int], restored: Any = None,
              cap: int | None = None) -> float:
     from engine import SamplingParams
 
@@ -232,38 +236,70 @@ class ArenaRestore:
         self.copy_s = 0.0
         self.copies = 0
 
-    def __call__(self, keys: Sequence[bytes]) -> torch.Tensor:
-        """[n, *block_shape] on the device for the leading stored keys."""
-        eng, g2 = self.eng, self.g2
+    def _slots(self, keys: Sequence[bytes]) -> list[Any]:
         slots = []
         for key in keys[:self.staging.shape[0]]:
-            slot = g2.locate(key)
+            slot = self.g2.locate(key)
             if slot is None:
                 break
             slots.append(slot)
+        return slots
+
+    def _runs(self, slots: list[Any]) -> list[tuple[int, int, int]]:
+        """(first block, blocks, arena offset) of each run of adjacent slots."""
+        nbytes, out, i = self.eng.layout.block_nbytes, [], 0
+        while i < len(slots):
+            j = i + 1
+            while j < len(slots) and slots[j].offset == slots[j - 1].offset + nbytes:
+                j += 1
+            out.append((i, j - i, slots[i].offset))
+            i = j
+        return out
+
+    def _check(self, slots: list[Any], gen: int) -> None:
+        # Trust the copy only if no slot can have been reused meanwhile (kvstore.tiers.shm).
+        if self.g2._generation != gen or time.monotonic() >= min(
+                (s.valid_until for s in slots), default=float("inf")):
+            raise RuntimeError("G2 slots were reused during the restore (arena too small)")
+
+    def __call__(self, keys: Sequence[bytes]) -> torch.Tensor:
+        """[n, *block_shape] on the device for the leading stored keys."""
+        eng, g2 = self.eng, self.g2
+        slots = self._slots(keys)
         n, nbytes = len(slots), eng.layout.block_nbytes
         dst = self.staging[:n].view(-1).view(torch.uint8)
         # The tier's own mapping: the address range its cudaHostRegister pinned.
         arena = torch.frombuffer(g2._live_buf(), dtype=torch.uint8)
         gen = g2._generation
         t0 = time.perf_counter()
-        self.copies, i = 0, 0
-        while i < n:
-            j = i + 1
-            while j < n and slots[j].offset == slots[j - 1].offset + nbytes:
-                j += 1
-            start = slots[i].offset
-            dst[i * nbytes:j * nbytes].copy_(arena[start:start + (j - i) * nbytes],
-                                             non_blocking=True)
-            self.copies += 1
-            i = j
+        runs = self._runs(slots)
+        for i, k, start in runs:
+            dst[i * nbytes:(i + k) * nbytes].copy_(arena[start:start + k * nbytes],
+                                                   non_blocking=True)
+        self.copies = len(runs)
         _sync(eng)
         self.copy_s = time.perf_counter() - t0
-        # Trust the copy only if no slot can have been reused meanwhile (kvstore.tiers.shm).
-        if g2._generation != gen or time.monotonic() >= min(
-                (s.valid_until for s in slots), default=float("inf")):
-            raise RuntimeError("G2 slots were reused during the restore (arena too small)")
+        self._check(slots, gen)
         return self.staging[:n]
+
+    def host_runs(self, keys: Sequence[bytes]) -> Any:
+        """The leading stored keys as views of the pinned arena itself
+        (engine.layer_restore.HostRuns): the engine copies them layer by layer
+        under the suffix's compute."""
+        from engine.layer_restore import HostRuns
+
+        eng = self.eng
+        slots = self._slots(keys)
+        self._gen, self._held = self.g2._generation, slots
+        arena = torch.frombuffer(self.g2._live_buf(), dtype=torch.uint8)
+        nbytes = eng.layout.block_nbytes
+        return HostRuns(tuple(
+            arena[start:start + k * nbytes].view(eng.dtype).view(k, *eng.layout.block_shape)
+            for _, k, start in self._runs(slots)))
+
+    def release(self) -> None:
+        """After a ``host_runs`` prefill: the slots must not have been reused."""
+        self._check(self._held, self._gen)
 
 
 def _memcpy_peak(eng: Any, nbytes: int) -> float:
@@ -300,17 +336,27 @@ def _one_length(eng: Any, g2: Any, g3: Any, restore: ArenaRestore, n: int,
     results, suffix_s = [], 0.0
     for f, prefix in zip(fractions, prefixes, strict=True):
         hit_toks = toks[:prefix * B] + _tokens(eng, n - prefix * B, gen)
+        hit_keys = _keys(eng, hit_toks)
+        # Staged: every block copied to the device, then the suffix computed.
         _sync(eng)
         t0 = time.perf_counter()
-        restored = restore(_keys(eng, hit_toks))
+        restored = restore(hit_keys)
         cap = eng.hit_rule.usable_tokens(restored.shape[0] * B, n)
         compute_s = _prefill(eng, "hit", hit_toks, restored=restored, cap=cap)
+        ttft_staged = time.perf_counter() - t0
+        eng.free("hit")
+        # Pipelined (the default on CUDA): layer l's copy runs under layer l-1's compute.
+        _sync(eng)
+        t0 = time.perf_counter()
+        runs = restore.host_runs(hit_keys)
+        _prefill(eng, "hit", hit_toks, restored=runs, cap=cap)
         ttft_hit = time.perf_counter() - t0
+        restore.release()
         eng.free("hit")
         nbytes = restored.shape[0] * eng.layout.block_nbytes
         results.append(LengthResult(n, f, cap, ttft_cold, ttft_hit, nbytes, restore.copy_s,
                                     _memcpy_peak(eng, nbytes), restore.copies, compute_s,
-                                    single_s))
+                                    single_s, ttft_staged))
         if f == HIT_FRACTION:
             suffix_s = compute_s
     for k in keys:
@@ -352,8 +398,8 @@ def _read_to_device(eng: Any, g3: Any, keys: Sequence[bytes]) -> float:
 
 def _disk_choice(eng: Any, g3: Any, toks: list[int], blocks: torch.Tensor, ttft_cold: float,
                  suffix_compute_s: float) -> DiskResult:
-    from prefill_svc.config import CostConfig
-    from prefill_svc.cost import CostModel
+    from service.config import CostConfig
+    from service.cost import CostModel
 
     B = eng.layout.block_tokens
     keys = _store(eng, g3, toks, blocks)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import KVServeConfig
+from common.config import KVServeConfig
 from kvserve.launcher import Child, start_children, stop_children, to_toml
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from security.config import TLS_DIR_ENV, SecurityConfig

@@ -18,9 +18,9 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from common.config import ConfigError, KVServeConfig
 from kvserve import launcher
 from kvserve.cli import UsageError
-from kvserve.config import ConfigError, KVServeConfig
 from kvserve.launch_vllm import VLLMError, VLLMProcess, VLLMSpec, security_args
 from security.config import SecurityConfig
 

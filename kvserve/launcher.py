@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from common.config import KVServeConfig
 from kvserve.cli import UsageError, build_registry
-from kvserve.config import KVServeConfig
 from security.config import SecurityConfig
 
 STATE_ENV = "KVSERVE_STATE"
@@ -126,7 +126,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.config import ConfigError
+    from common.config import ConfigError
 
     if getattr(args, "engine", "kvserve") == "vllm":
         from kvserve.launch_vllm import run_up

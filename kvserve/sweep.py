@@ -21,10 +21,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvserve.traces import Trace
+from common.trace_arrays import CompactTrace
+from common.traces import Trace
 from kvstore.eviction import policy_names
 from kvstore.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN, compact_of, replay_cache
-from kvstore.trace_arrays import CompactTrace
 from kvstore.whatif import WhatIfRow
 
 _UNITS_S = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86_400, "w": 604_800}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.trace_arrays import CompactTrace
+from common.trace_arrays import CompactTrace
 
 
 @dataclass(frozen=True, slots=True)

@@ -278,7 +278,7 @@ def _percentiles(times: list[float]) -> tuple[float, float]:
 
 
 async def bench_lookup(url: str, chain: int, lookups: int) -> dict[str, float]:
-    from kvserve.config import TrafficClasses
+    from common.config import TrafficClasses
     from kvstore.index import BlockIndex, IndexRecord
 
     ix = await BlockIndex(url, node="bench", classes=TrafficClasses(),
@@ -305,7 +305,7 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
                         lookups: int) -> dict[str, float]:
     import numpy as np
 
-    from kvserve.config import TrafficClasses
+    from common.config import TrafficClasses
     from kvstore.client import KVStoreClient
     from kvstore.index import BlockIndex, IndexRecord
     from kvstore.redis_server import free_port

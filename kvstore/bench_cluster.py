@@ -23,7 +23,7 @@ import statistics
 import time
 from typing import Any
 
-from kvserve.config import TrafficClasses
+from common.config import TrafficClasses
 from kvstore.errors import StoreUnavailable
 from kvstore.index import BlockIndex, IndexRecord
 from kvstore.redis_cluster import EmbeddedRedisCluster

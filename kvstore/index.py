@@ -38,7 +38,7 @@ from string import Template
 import numpy as np
 from redis.exceptions import RedisError
 
-from kvserve.config import TrafficClasses
+from common.config import TrafficClasses
 from kvstore import events, index_cluster
 from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.keys import DEFAULT_TENANT

@@ -1,9 +1,11 @@
 """The native replay core behind ``kvstore.sim.replay_cache``.
 
 ``native._replaycore`` (native/replaycore.c) runs SimWarehouse's single-tier
-accounting for lru, fifo, prefix_lru, s3fifo and belady, with per-class TTL expiry,
-over a ``CompactTrace``; it mirrors the Python code step for step so every
-hit count is identical (tests/kvstore/test_replay_native.py). Anything else
+accounting for lru, fifo, prefix_lru, s3fifo, belady, hit_density and
+session_density (the policies ``make_policy`` builds: their defaults), with
+per-class TTL expiry, over a ``CompactTrace``; it mirrors the Python code step
+for step, the density policies' float64 arithmetic included, so every hit
+count is identical (tests/kvstore/test_sim.py). Anything else
 (several tiers, other policies, no compiler, ``KVSERVE_NO_NATIVE=1``) takes
 the Python path; ``engine="python"`` forces it.
 """
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore.trace_arrays import CompactTrace
+from common.trace_arrays import CompactTrace
 
 if TYPE_CHECKING:
     from kvstore.sim import ReplayStats
@@ -33,7 +35,7 @@ if os.environ.get("KVSERVE_NO_NATIVE", "") not in ("1", "true", "yes"):
 HAVE_NATIVE: bool = _ext is not None
 # Policy name -> the C core's code (replaycore.c's P_* enum).
 NATIVE_POLICIES: dict[str, int] = {"lru": 0, "prefix_lru": 1, "s3fifo": 2, "belady": 3,
-                                   "fifo": 4}
+                                   "fifo": 4, "hit_density": 5, "session_density": 6}
 ENGINES = ("auto", "native", "python")
 
 
@@ -61,6 +63,28 @@ def next_uses(ct: CompactTrace) -> np.ndarray:
         out[off[i]:off[i + 1]] = last[seg]
         last[seg] = i
     return out
+
+
+def _density_settings(policy: str, ct: CompactTrace) -> tuple[object, ...]:
+    """What the C core needs of a default ``HitDensity`` or ``SessionDensity``:
+    the bin edges (the very float64 table the policies use), the settings and
+    the first refresh; session_density also gets the requests' sessions."""
+    from kvstore.eviction import hit_density as hd
+    from kvstore.eviction import session_density as sd
+
+    names = ct.class_names
+    empty = names.index("") if "" in names else -1
+    pol: hd.HitDensity | sd.SessionDensity
+    if policy == "hit_density":
+        pol = hd.HitDensity()
+        ghost, extra = pol._ghost_factor, ()
+    else:
+        pol, ghost = sd.SessionDensity(), 0.0
+        extra = (np.ascontiguousarray(ct.sessions, dtype=np.uint32), sd._MIN_STARTS)
+    return (np.ascontiguousarray(hd._EDGES, dtype=np.float64),
+            np.ascontiguousarray(hd._WIDTHS, dtype=np.float64), hd._LN_FACTOR, hd._BIN0_S,
+            pol._refresh_every, pol._half_life, ghost, pol._quantile, pol._next_refresh,
+            empty, *extra)
 
 
 def _class_ttls(ct: CompactTrace, ttl_s: float | Mapping[str, float],
@@ -110,9 +134,11 @@ def replay_native(ct: CompactTrace, *, policy: str, capacity_tokens: object,
     hits = np.zeros(ct.n_requests, dtype=np.int32)
     if ct.n_requests == 0:
         raise ValueError("empty trace")
+    extra = ((_density_settings(policy, ct),) if policy in ("hit_density", "session_density")
+             else ())
     r = _ext.replay(ct.ids, ct.offsets, nstore, ct.times, ct.classes, ttls,
                     next_req if policy == "belady" else None, hits, ct.n_keys, cap_bytes,
-                    bt * kv_bytes_per_token, code, expiring)
+                    bt * kv_bytes_per_token, code, expiring, *extra)
     ncls = len(ct.class_names)
     h64 = hits.astype(np.int64)
     per = {

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.trace_arrays import CompactTrace
 from kvstore.replay_core import next_uses
-from kvstore.trace_arrays import CompactTrace
 
 _BINS: dict[str, tuple[float, ...]] = {
     "turn": (1, 2, 4, 8, 16),

@@ -14,7 +14,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from kvserve.config import KVServeConfig
+from common.config import KVServeConfig
 from kvstore.memtune import tune_malloc
 from kvstore.redis_server import EmbeddedRedis
 from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvserve.config import ConfigError
+from common.config import ConfigError
 from kvstore.blockfile import BlockCorruptError, BlockFormatError
 from kvstore.errors import (
     InvalidRequest,

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvserve.config import ConfigError, HitRule, TierConfig, TrafficClasses
+from common.config import ConfigError, HitRule, TierConfig, TrafficClasses
 from kvstore import maintenance
 from kvstore.blockfile import BlockMeta, checksum
 from kvstore.errors import InvalidRequest, StoreDraining, StoreUnavailable

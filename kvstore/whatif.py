@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.traces import Trace
+from common.traces import Trace
 from kvstore.whatif_bins import (
     RT_BINS,
     SD_BINS,

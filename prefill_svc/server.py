@@ -4,11 +4,13 @@ Prefill: tokenize, chain keys (tenant + engine fingerprint), G1 match,
 warehouse lookup, hit rule, cost-aware fetch, ``Engine.prefill`` of the rest,
 then in one engine-thread job the prompt's KV is copied to the host buffer,
 the new full blocks are exported for write-through, and the sequence is freed
-(its blocks stay in G1 under their keys). The reply goes out while the block
-writer puts those blocks into the warehouse.
+(its blocks stay in G1 under their keys). The reply goes out as soon as that
+job has sampled the first token, so the copy-out runs behind it; the block
+writer then puts the new blocks into the warehouse.
 
-PullKV / Release serve that host buffer to decode. Errors become status
-codes only in prefill_svc.errors.
+PullKV / Release serve that host buffer to decode (waiting for a copy-out
+still in progress). Errors become status
+codes only in service.errors.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,18 +29,18 @@ import torch
 from kvstore.client import ctx_to_proto
 from kvstore.keys import chain_keys
 from kvstore.registry import LoadReport
-from kvstore.types import PutResult
+from kvstore.types import PutResult, RequestCtx
 from prefill_svc.config import PrefillConfig
-from prefill_svc.cost import CostModel
-from prefill_svc.engine_thread import EngineThread, Stop
-from prefill_svc.errors import grpc_stream, grpc_unary, status_for
-from prefill_svc.kv_buffer import KVBuffer
-from prefill_svc.metrics import Source
-from prefill_svc.request import ModelIdentity, prefill_input
-from prefill_svc.restore import Restore, Restorer
-from prefill_svc.store_link import StoreLink
-from prefill_svc.writer import BlockWriter, WriteJob
 from proto import common_pb2, prefill_pb2, prefill_pb2_grpc
+from service.cost import CostModel
+from service.engine_thread import EngineThread, Stop
+from service.errors import grpc_stream, grpc_unary, status_for
+from service.kv_buffer import KVBuffer, KVShape
+from service.metrics import Source
+from service.request import ModelIdentity, prefill_input
+from service.restore import Restore, Restorer
+from service.store_link import StoreLink
+from service.writer import BlockWriter, WriteJob
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +65,20 @@ class PrefillStats:
 
 
 @dataclass(frozen=True, slots=True)
-class _Computed:
+class _Sampled:
     result: Any                     # engine.PrefillResult
+    queue_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Computed:
     kv: torch.Tensor                # [layers, 2, kv_heads, L, head_dim] on the host
     new_blocks: torch.Tensor | None  # [n, layers, 2, kv_heads, B, head_dim], blocks write_from..
-    queue_s: float
+
+
+def _resolve(fut: asyncio.Future[_Sampled], first: _Sampled) -> None:
+    if not fut.done():
+        fut.set_result(first)
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -96,7 +107,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                chunk_bytes=cfg.chunk_bytes, shm_dir=cfg.shm_dir)
         self.stats = PrefillStats()
         self._sweeper: asyncio.Task[None] | None = None
-        self._write_tiers = ["warehouse"]          # the store's tiers, asked at start
+        mc = engine.model_config
+        self.token_nbytes = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                    engine.dtype).token_nbytes
+        # Requests whose handle is out while their KV is still being copied out.
+        self._pending: dict[str, asyncio.Task[None]] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -104,7 +119,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if self.cfg.warmup_tokens:
             await self.thread.call(self._warmup, self.cfg.warmup_tokens)
         self.writer.start()
-        self._write_tiers = await self.store.tier_names() or ["warehouse"]
+        await self.store.tier_names()              # learnt now if the store is up
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="kv-sweeper")
 
     async def close(self) -> None:
@@ -166,44 +181,89 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         tokens, ctx, L = inp.tokens, inp.ctx, len(inp.tokens)
         keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
                           fingerprint=self.engine.fingerprint, secret=self.secret)
+        self.buffer.check_room(L * self.token_nbytes)
         self.stats.in_flight_tokens += L
         try:
             g1 = (await self.thread.call(self.engine.g1_match, keys)
                   if self.cfg.local_prefix_cache else 0)
             restore = await self.restorer.restore(keys, prompt_tokens=L, g1_blocks=g1, ctx=ctx)
-            # Blocks the warehouse lacks get written through (none without a warehouse).
-            writing = self.store.enabled and self.cfg.writer.enabled
-            write_from = (restore.stored_blocks or 0) if writing else len(keys)
+        except BaseException:
+            self.stats.in_flight_tokens -= L
+            raise
+        # Blocks the warehouse lacks get written through (none without a warehouse).
+        writing = self.store.enabled and self.cfg.writer.enabled
+        write_from = (restore.stored_blocks or 0) if writing else len(keys)
+        loop = asyncio.get_running_loop()
+        sampled: asyncio.Future[_Sampled] = loop.create_future()
+        expires_at = self.buffer.expiry()
+        job = loop.create_task(self._run(ctx, tokens, inp.sampling, keys, restore, write_from,
+                                         expires_at, sampled))
+        self._pending[ctx.request_id] = job
+        try:
+            # The handle goes out as soon as the first token is sampled; the KV
+            # copy-out for decode finishes behind it (PullKV waits for it).
+            first = await asyncio.shield(sampled)
+        except asyncio.CancelledError:
             # Stoppable: a caller that hangs up (the router's client left) ends the
             # prefill before its next chunk instead of after the whole prompt.
-            computed = await self.thread.call_stoppable(
-                self._compute, ctx.request_id, tokens, inp.sampling, keys, restore, write_from,
-                time.perf_counter())
-        finally:
-            self.stats.in_flight_tokens -= L
-        res = computed.result
-        entry = self.buffer.put(ctx.request_id, computed.kv)
+            job.cancel()
+            raise
+        res = first.result
         written: list[str] = []
-        if computed.new_blocks is not None and self.writer.submit(
-                keys[write_from:], computed.new_blocks, layout=self.engine.layout.name,
-                token_count=self.block_tokens, ctx=ctx):
-            written = self._write_tiers
+        if writing and len(tokens) // self.block_tokens > write_from:
+            written = await self.store.tier_names() or ["warehouse"]
         self._count(restore, res)
         total_s = time.perf_counter() - t0
         return prefill_pb2.KVHandle(
             ctx=ctx_to_proto(ctx), prefill_address=self.address, prompt_ids=tokens,
             block_keys=keys, first_token=res.first_token,
-            cached_tokens=res.restored_tokens + res.g1_tokens, expires_at=entry.expires_at,
+            cached_tokens=res.restored_tokens + res.g1_tokens, expires_at=expires_at,
             layout=self.engine.layout.name,
-            timings=common_pb2.Timings(queue_s=computed.queue_s, lookup_s=restore.lookup_s,
+            timings=common_pb2.Timings(queue_s=first.queue_s, lookup_s=restore.lookup_s,
                                        fetch_s=restore.fetch_s, compute_s=res.compute_s,
                                        total_s=total_s),
             written_tiers=written, fetch_decision=restore.decision)
 
+    async def _run(self, ctx: RequestCtx, tokens: list[int], sampling: Any,
+                   keys: Sequence[bytes], restore: Restore, write_from: int, expires_at: float,
+                   sampled: asyncio.Future[_Sampled]) -> None:
+        """The engine job of one request and what follows it: buffer the KV for
+        decode, queue the new blocks for the warehouse. ``sampled`` resolves
+        (or fails) as soon as the first token is known."""
+        loop = asyncio.get_running_loop()
+
+        def tell(first: _Sampled) -> None:       # engine thread
+            loop.call_soon_threadsafe(_resolve, sampled, first)
+
+        try:
+            computed = await self.thread.call_stoppable(
+                self._compute, ctx.request_id, tokens, sampling, keys, restore, write_from,
+                time.perf_counter(), tell)
+            self.buffer.put(ctx.request_id, computed.kv, expires_at=expires_at)
+            if computed.new_blocks is not None:
+                self.writer.submit(keys[write_from:], computed.new_blocks,
+                                   layout=self.engine.layout.name,
+                                   token_count=self.block_tokens, ctx=ctx)
+        except BaseException as exc:
+            if not sampled.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    sampled.cancel()
+                else:
+                    sampled.set_exception(exc)
+            elif not isinstance(exc, asyncio.CancelledError):
+                # The handle is out: its pull will report the KV as gone.
+                log.warning("KV of prefilled request %s not buffered: %s", ctx.request_id, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self.stats.in_flight_tokens -= len(tokens)
+            self._pending.pop(ctx.request_id, None)
+
     def _compute(self, stop: Stop, seq_id: str, tokens: list[int], sampling: Any,
                  keys: Sequence[bytes], restore: Restore, write_from: int,
-                 t_submit: float) -> _Computed:
-        """Engine thread: prefill, copy the prompt's KV out, free the sequence."""
+                 t_submit: float, tell: Callable[[_Sampled], None]) -> _Computed:
+        """Engine thread: prefill, tell the loop the first token, copy the
+        prompt's KV out, free the sequence."""
         queue_s = time.perf_counter() - t_submit
         eng = self.engine
 
@@ -222,13 +282,14 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                           restored=restore.blocks, max_restore_tokens=restore.usable_tokens,
                           restored_start_block=restore.start_block, stop=next_chunk)
         try:
+            tell(_Sampled(res, queue_s))
             kv = eng.export_tokens(seq_id, 0, len(tokens))
             n_full = len(tokens) // self.block_tokens
             new = (eng.export_blocks(seq_id, write_from, n_full - write_from)
                    if n_full > write_from else None)
         finally:
             eng.free(seq_id, keep_keys=g1_keys)
-        return _Computed(res, kv, new, queue_s)
+        return _Computed(kv, new)
 
     def _count(self, restore: Restore, res: Any) -> None:
         s = self.stats
@@ -252,10 +313,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     @grpc_stream
     async def PullKV(self, request: prefill_pb2.PullKVRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KVChunk]:
+        await self._buffered(request.request_id)
         entry = self.buffer.get(request.request_id)
         if request.use_shm and self.buffer.shm_capable:
             try:
-                p = self.buffer.shm_piece(entry)
+                p = await asyncio.to_thread(self.buffer.shm_piece, entry)
             except OSError as exc:               # /dev/shm full: stream instead
                 log.warning("shared-memory pull of %s failed (%s); streaming", entry.request_id,
                             exc)
@@ -273,5 +335,12 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     @grpc_unary
     async def Release(self, request: prefill_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.ReleaseResponse:
+        await self._buffered(request.request_id)
         return prefill_pb2.ReleaseResponse(released=self.buffer.release(request.request_id))
+
+    async def _buffered(self, request_id: str) -> None:
+        """Wait until a just-prefilled request's KV is in the buffer (or failed to be)."""
+        job = self._pending.get(request_id)
+        if job is not None:
+            await asyncio.wait([job])           # never raises the job's own outcome
 

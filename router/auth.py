@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.config import ConfigError, TrafficClasses
+from common.config import ConfigError, TrafficClasses
 from router.errors import AuthenticationError, InvalidRequestError
 
 DEFAULT_TENANT = "default"

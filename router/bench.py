@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from kvserve.config import HitRule
+from common.config import HitRule
 from kvstore.keys import chain_keys
 from kvstore.registry import InstanceInfo
 from router.placement import Placer, make_router_policy

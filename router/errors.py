@@ -154,7 +154,7 @@ _UPSTREAM: dict[grpc.StatusCode, _UpstreamRule] = {
 }
 _UPSTREAM_DEFAULT = _UpstreamRule(False, 502, grpc.StatusCode.INTERNAL)
 # How the services word a status they pass on from their own upstream call
-# (prefill_svc.errors.status_for).
+# (service.errors.status_for).
 RELAYED_PREFIX = "upstream call failed"
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from kvserve.config import TrafficClasses
+from common.config import TrafficClasses
 from router.auth import ApiKeys, Caller, identify
 from router.body import BodyLimits, install, parse_json_body
 from router.chat_plan import chat_shapes, plan_chat

@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvserve.config import ConfigError, HitRule
+from common.config import ConfigError, HitRule
 from kvstore.events import KIND_DELETED, EventReader, KVEvent
 from kvstore.registry import InstanceInfo, InstanceRegistry
 from router.errors import NoInstanceError

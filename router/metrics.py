@@ -19,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvserve.config import HitRule
+from common.config import HitRule
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -40,7 +40,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvserve.config import HitRule
+from common.config import HitRule
 from router.view import N_TIERS, TIERS, CandidateSet, PrefixView
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class PolicyConfig:
                    block_bytes: int, block_tokens: int, prefill_tokens_per_s: float,
                    fetch_blocks: int = 64, load_weight: float = 1.0) -> PolicyConfig:
         """Tier credits from measured costs (the numbers prefill's cost rule
-        learns, prefill_svc/cost.py): a token restored from tier t saves its
+        learns, service/cost.py): a token restored from tier t saves its
         compute minus its fetch, credit_t = 1 - fetch_s / recompute_s per block,
         where a fetch of ``fetch_blocks`` blocks pays the tier's latency once;
         clamped to [0, 1] and made non-increasing G1 -> G4 (a deeper tier is

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from tqdm import tqdm
 
-from kvserve.config import HitRule
-from kvserve.traces import Trace
+from common.config import HitRule
+from common.traces import Trace
 from kvstore.eviction import policy_names
 from kvstore.sim import SimWarehouse, replay_cache
 from router.placement import (
@@ -58,7 +58,7 @@ ARRIVAL_MODES = ("auto", "scale", "sessions")
 
 def arrival_mode(trace: Trace, mode: str) -> str:
     """"auto": "sessions" when the loader synthesised the session start times
-    (agent archives: a seeded Poisson process, see kvserve.traces), else "scale"."""
+    (agent archives: a seeded Poisson process, see common.traces), else "scale"."""
     if mode != "auto":
         return mode
     return "sessions" if "agent sessions placed" in trace.arrival_note else "scale"

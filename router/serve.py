@@ -21,9 +21,8 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvserve.config import ConfigError, HitRule, TrafficClasses
+from common.config import ConfigError, HitRule, TrafficClasses
 from kvstore.registry import InstanceInfo, LoadReport
-from prefill_svc.hosting import READY_PREFIX, Heartbeat, stop_event_on_signals
 from proto import router_pb2_grpc
 from router.auth import ApiKeys
 from router.backends import make_backend
@@ -39,6 +38,7 @@ from security.authz import Access, AuthInterceptor
 from security.config import SecurityConfig
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
+from service.hosting import READY_PREFIX, Heartbeat, stop_event_on_signals
 
 log = logging.getLogger(__name__)
 # Seconds a drain may run past its grace before the process exits regardless.

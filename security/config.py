@@ -172,7 +172,7 @@ class SecurityConfig:
     def aio_channel(self, address: str, peer_role: str,
                     options: list[tuple[str, object]] | tuple[tuple[str, object], ...] = (),
                     ) -> grpc.aio.Channel:
-        opts = [*options, *self.channel_options(peer_role)]
+        opts = _with_defaults(options, self.channel_options(peer_role))
         if self.insecure:
             return grpc.aio.insecure_channel(address, options=opts)
         return grpc.aio.secure_channel(address, self.channel_credentials(), options=opts)
@@ -180,7 +180,7 @@ class SecurityConfig:
     def sync_channel(self, address: str, peer_role: str,
                      options: list[tuple[str, object]] | tuple[tuple[str, object], ...] = (),
                      ) -> grpc.Channel:
-        opts = [*options, *self.channel_options(peer_role)]
+        opts = _with_defaults(options, self.channel_options(peer_role))
         if self.insecure:
             return grpc.insecure_channel(address, options=opts)
         return grpc.secure_channel(address, self.channel_credentials(), options=opts)
@@ -211,3 +211,22 @@ INSECURE_CONFIG = SecurityConfig(insecure=True)
 
 __all__ = ["INSECURE_CONFIG", "SECRET_FILE_ENV", "TLS_DIR_ENV", "SecurityConfig",
            "SecurityError", "read_secret", "resolve_cert_dir"]
+
+
+# Peers inside one deployment start in parallel and restart in seconds; gRPC's
+# default reconnect backoff (1 s growing to 120 s) would keep a channel that
+# dialled too early failing fast long after its server is up.
+_CHANNEL_DEFAULTS: tuple[tuple[str, object], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+
+def _with_defaults(options: list[tuple[str, object]] | tuple[tuple[str, object], ...],
+                   security: list[tuple[str, str]]) -> list[tuple[str, object]]:
+    """Caller options over the deployment defaults, security options last."""
+    merged = dict(_CHANNEL_DEFAULTS)
+    merged.update(options)
+    merged.update(security)
+    return list(merged.items())

@@ -54,6 +54,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
     inproc.add_argument("--g3-dir", default=None,
                         help="parent of the G3 directory (default $TMPDIR)")
     inproc.add_argument("--dtype", default=None, help="engine dtype (default bfloat16 on cuda)")
+    inproc.add_argument("--kernels", default="auto",
+                        help="engine kernel family (engine/kernels.py); with an invariant one "
+                             "(triton_bi, bik) restores need no cut to a chunk boundary")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -128,11 +131,13 @@ def _report_restore(args: argparse.Namespace, restores: list[Any], disks: list[A
         print(f"kvserve bench pd: {args.model} on {args.device}, tiers in-process "
               "(G2 pinned host arena, G3 disk)")
         print(f"{'tokens':>7} {'hit':>5} {'cached':>7} {'TTFT cold':>10} {'TTFT hit':>9} "
+              f"{'staged':>8} {'compute':>8} {'vs limit':>8} "
               f"{'speedup':>8} {'restore':>11} {'memcpy peak':>12} {'ratio':>6} {'copies':>7}")
         for r in restores:
             print(f"{r.tokens:>7} {r.hit_fraction:>5.0%} {r.cached_tokens:>7} "
-                  f"{r.ttft_cold_s:>9.3f}s "
-                  f"{r.ttft_hit_s:>8.3f}s {r.speedup:>7.1f}x {r.restore_GBps:>7.1f} GB/s "
+                  f"{r.ttft_cold_s:>9.3f}s {r.ttft_hit_s:>8.3f}s {r.ttft_hit_staged_s:>7.3f}s "
+                  f"{r.compute_s:>7.3f}s {r.ttft_hit_vs_limit:>8.2f} "
+                  f"{r.speedup:>7.1f}x {r.restore_GBps:>7.1f} GB/s "
                   f"{r.memcpy_GBps:>7.1f} GB/s {r.restore_vs_peak:>6.2f} {r.restore_copies:>7}")
         print("only copy on disk (G3, page cache dropped): the cost-aware rule")
         print(f"{'tokens':>7} {'probe':>10} {'rule says':>34} {'fetch+compute':>14} "

@@ -6,8 +6,8 @@ import argparse
 import json
 from dataclasses import asdict
 
+from common.config import ConfigError, KVServeConfig
 from kvserve.cli import CommandRegistry, UsageError
-from kvserve.config import ConfigError, KVServeConfig
 
 
 def _configure(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from common.trace_arrays import CompactTrace, is_compact_dir
+from common.traces import Trace, TraceFormatError, load_trace, merge_traces, rebin
 from kvserve.cli import CommandRegistry, UsageError
 from kvserve.sweep import (
     fmt_seconds,
@@ -23,9 +25,7 @@ from kvserve.sweep import (
     plot_sweep,
     run_sweep,
 )
-from kvserve.traces import Trace, TraceFormatError, load_trace, merge_traces, rebin
 from kvstore.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN
-from kvstore.trace_arrays import CompactTrace, is_compact_dir
 
 
 def _trace_args(p: argparse.ArgumentParser, flag: str = "--trace", grid: bool = True,

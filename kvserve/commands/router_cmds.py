@@ -11,8 +11,8 @@ import asyncio
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from common.config import ConfigError, KVServeConfig
 from kvserve.cli import CommandRegistry, UsageError
-from kvserve.config import ConfigError, KVServeConfig
 from security.flags import add_security_flags, security_from_args
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def _bench_run(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
-    from router.bench_front import FrontBenchConfig, run, table
+    from kvserve.bench_front import FrontBenchConfig, run, table
 
     try:
         cfg = FrontBenchConfig(model=args.model, prompt_tokens=args.prompt_tokens,

@@ -34,8 +34,8 @@ def _eplb_configure(p: argparse.ArgumentParser) -> None:
 
 
 def _eplb_run(args: argparse.Namespace) -> int:
-    from router.eplb import EplbConfig, plan
-    from router.eplb_eval import ExpertLoadError, load_expert_loads, score_plan
+    from eplb.evaluate import ExpertLoadError, load_expert_loads, score_plan
+    from eplb.plan import EplbConfig, plan
 
     try:
         cfg = EplbConfig(ranks=args.ranks, redundant=args.redundant, kappa=args.kappa,
@@ -160,7 +160,7 @@ def _capacities(text: str) -> tuple[int | None, ...]:
 
 
 def _replay_run(args: argparse.Namespace) -> int:
-    from kvserve.traces import TraceFormatError, load_trace, rebin
+    from common.traces import TraceFormatError, load_trace, rebin
     from router.placement import UnknownPolicyError, router_policy_names
     from router.replay import ReplayConfig, policy_kind, replay_cluster, replay_eviction
     from router.replay_cost import CostModel, CostModelError

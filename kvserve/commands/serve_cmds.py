@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from common.config import ConfigError, KVServeConfig
 from kvserve.cli import CommandRegistry, UsageError
-from kvserve.config import ConfigError, KVServeConfig
 from security.config import SecurityError
 from security.flags import add_security_flags, security_from_args
 
@@ -70,9 +70,9 @@ def _configure_prefill(p: argparse.ArgumentParser) -> None:
 
 def _run_prefill(args: argparse.Namespace) -> int:
     from prefill_svc.config import PrefillConfig
-    from prefill_svc.hosting import serve_engine_service
     from prefill_svc.server import SERVICE_NAME, PrefillService
     from proto import prefill_pb2_grpc
+    from service.hosting import serve_engine_service
 
     try:
         cfg = PrefillConfig.from_kvserve(
@@ -93,7 +93,7 @@ def _configure_decode(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep-ranks", type=int, default=None,
                    help="MoE: expert-parallel ranks for the imbalance figure (default 4)")
     p.add_argument("--expert-plan", default=None,
-                   help="MoE: expert placement JSON (router.eplb plan), 'auto' (plan from this "
+                   help="MoE: expert placement JSON (eplb.plan plan), 'auto' (plan from this "
                         "instance's own expert counts), default contiguous")
     p.add_argument("--ep-redundant", type=int, default=None,
                    help="MoE with --expert-plan auto: redundant expert slots (default 0)")
@@ -106,8 +106,8 @@ def _configure_decode(p: argparse.ArgumentParser) -> None:
 def _run_decode(args: argparse.Namespace) -> int:
     from decode_svc.config import DecodeConfig
     from decode_svc.server import SERVICE_NAME, DecodeService
-    from prefill_svc.hosting import serve_engine_service
     from proto import decode_pb2_grpc
+    from service.hosting import serve_engine_service
 
     try:
         cfg = DecodeConfig.from_kvserve(

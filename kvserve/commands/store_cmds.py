@@ -7,8 +7,8 @@ import asyncio
 import dataclasses
 import json
 
+from common.config import ConfigError, KVServeConfig, parse_size
 from kvserve.cli import CommandRegistry, UsageError
-from kvserve.config import ConfigError, KVServeConfig, parse_size
 from security.flags import add_security_flags, security_from_args
 
 

@@ -16,6 +16,10 @@ block that long catches most of its reuses, and a never-reused block is
 charged that long. Keys evicted or refused are remembered (bounded ghost)
 so their use counts and reuse times keep being learned whatever the policy
 evicts.
+
+Replays run a C mirror of this class (native/replaycore.c, ``hd_*``), step for
+step and float for float; a change here needs the same change there
+(tests/kvstore/test_sim.py compares the two).
 """
 
 from __future__ import annotations
@@ -56,17 +60,22 @@ class _Bucket:
 
     def refresh(self, quantile: float) -> None:
         r = self.reuses
-        total = float(r.sum())
+        # Every step below is elementwise IEEE arithmetic or a sequential
+        # cumsum (np.add.accumulate), never a pairwise reduction such as
+        # r.sum(): native/replaycore.c (hd_refresh) repeats the same float64
+        # operations in the same order, so both replays make the same decisions.
+        cum = np.cumsum(r)
+        total = float(cum[-1])
         if self.starts <= 0 or total <= 0:
             self.density[:] = 0.0
             return
         # Horizon: the bucket's own reuse-time quantile. A block kept that long
         # would have caught most of its reuses; the ones after do not pay rent.
-        horizon = _EDGES[1 + int(np.searchsorted(np.cumsum(r), quantile * total))]
+        horizon = _EDGES[1 + int(np.searchsorted(cum, quantile * total))]
         # Periods still idle at each bin's start; never-reused ones stay idle.
-        alive = self.starts - np.concatenate([[0.0], np.cumsum(r)[:-1]])
+        alive = self.starts - np.concatenate([[0.0], cum[:-1]])
         occupancy = np.maximum(alive - r / 2, 0.0) * _WIDTHS
-        hits_c = np.concatenate([[0.0], np.cumsum(r)])
+        hits_c = np.concatenate([[0.0], cum])
         occ_c = np.concatenate([[0.0], np.cumsum(occupancy)])
         end = np.searchsorted(_EDGES, _EDGES[:-1] + horizon, side="right")
         end = np.clip(end, np.arange(_BINS) + 1, _BINS)

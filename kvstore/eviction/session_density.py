@@ -19,6 +19,10 @@ does, and LRU's churn does not).
 Without ``begin_request`` (the live store's tiers, which see no sessions)
 every key is its own session of one turn, and the policy degrades to a
 class-aware hit density over blocks.
+
+Replays run a C mirror of this class (native/replaycore.c, ``sd_*``), step for
+step and float for float; a change here needs the same change there
+(tests/kvstore/test_sim.py compares the two).
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from common.config import ConfigError
 from connectors.vllm_config import ConnectorConfig
 from connectors.vllm_identity import IdentityError, fingerprint, tenant_of, traffic_class_of
 from connectors.vllm_presence import LocalBlocks
-from kvserve.config import ConfigError
 from kvserve.launch_vllm import VLLMSpec
 
 

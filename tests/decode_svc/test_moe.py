@@ -15,11 +15,12 @@ from decode_svc.server import SERVICE_NAME as DECODE
 from decode_svc.server import DecodeService
 from engine import Engine
 from kvstore.registry import InstanceRegistry
-from prefill_svc.config import Endpoint, EngineSpec, PrefillConfig
-from prefill_svc.hosting import ServiceSpec, run_service
+from prefill_svc.config import PrefillConfig
 from prefill_svc.server import SERVICE_NAME as PREFILL
 from prefill_svc.server import PrefillService
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from service.config import Endpoint, EngineSpec
+from service.hosting import ServiceSpec, run_service
 from tests.tls import aio_channel
 
 

@@ -24,6 +24,40 @@ def test_restore_on_gpu_is_exact_and_export_is_pinned() -> None:
         assert b.generate(prompt, sp, restored=blocks).tokens == cold.tokens
 
 
+def test_layer_pipelined_restore_equals_the_one_copy_restore() -> None:
+    """Per-layer copies on a side stream (from one pinned tensor, from runs of
+    it, and the pageable fallback) leave the same pool bits and tokens as the
+    one-copy import."""
+    from dataclasses import replace
+
+    from engine import Engine
+    from engine.layer_restore import HostRuns, feed_applies
+
+    a = make_engine("tiny-hybrid", device="cuda")
+    staged = Engine(replace(a.config, layer_restore=False))
+    piped = Engine(a.config)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    for prompt in random_prompts(3, 90, 200, 256, seed=3):
+        want = a.generate(prompt, sp).tokens
+        a.prefill("x", prompt)
+        blocks = a.export_blocks("x")
+        a.free("x")
+        assert feed_applies(piped.device, blocks)
+        half = blocks.shape[0] // 2
+        sources = [blocks, HostRuns((blocks[:half].clone().pin_memory(),
+                                     blocks[half:].clone().pin_memory())),
+                   blocks.clone()]                                   # pageable: one copy
+        ref = staged.prefill("r", prompt, restored=blocks)
+        ref_kv = staged.export_blocks("r")
+        staged.free("r")
+        for src in sources:
+            got = piped.prefill("p", prompt, restored=src)
+            assert got.restored_tokens == ref.restored_tokens > 0
+            assert torch.equal(piped.export_blocks("p"), ref_kv)
+            piped.free("p")
+            assert piped.generate(prompt, sp, restored=src).tokens == want
+
+
 def test_llama_8b_shape_builds_on_gpu() -> None:
     eng = make_engine("llama-8b-shape", device="cuda", dtype="bfloat16", block_tokens=64,
                       num_blocks=64)

@@ -11,7 +11,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import KVServeConfig
+from common.config import KVServeConfig
 
 Obj = dict[str, Any]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from common.config import KVServeConfig
 from kvserve.cli import build_parser, main
-from kvserve.config import KVServeConfig
 from tests.k8s.manifests import (
     CONFIG_KEY,
     CONFIG_MAP,

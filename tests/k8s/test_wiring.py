@@ -173,10 +173,10 @@ def test_keda_scales_prefill_and_decode_separately(rendered: dict[str, Manifest]
 
 def exported_metrics() -> dict[str, set[str]]:
     """Metric names the engines' /metrics serve (prefix kvserve_<role>, one group
-    per stats source, as prefill_svc/hosting.py and the services' metric_sources)."""
+    per stats source, as service/hosting.py and the services' metric_sources)."""
     from decode_svc.batcher import BatcherStats
-    from prefill_svc.metrics import StatsCollector
     from prefill_svc.server import PrefillStats
+    from service.metrics import StatsCollector
 
     sources = {"prefill": {"prefill": PrefillStats}, "decode": {"batch": BatcherStats}}
     return {role: {fam.name for fam in StatsCollector(f"kvserve_{role}", src).collect()}

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from common.config import ConfigError, HitRule, KVServeConfig, TrafficClasses, parse_size
 from kvserve.cli import main
-from kvserve.config import ConfigError, HitRule, KVServeConfig, TrafficClasses, parse_size
 
 
 def test_defaults_are_deepseeks_ttls() -> None:

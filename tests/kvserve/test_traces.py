@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.traces import (
+from common.traces import (
     FILE_SHIFT,
     SESSION_SHIFT,
     ClassRule,
@@ -244,7 +244,7 @@ def test_parquet_needs_pyarrow_or_loads(tmp_path: Path) -> None:
 
 
 def test_compact_directory_loads_as_a_trace(tmp_path: Path) -> None:
-    from kvstore.trace_arrays import CompactTrace
+    from common.trace_arrays import CompactTrace
 
     src = _jsonl(tmp_path / "m.jsonl", [
         {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},

@@ -132,8 +132,8 @@ def test_store_whatif_reads_a_running_store(redis_url: str, tmp_path: Path,
 
 @needs_conv
 def test_parallel_sweep_rows_equal_serial() -> None:
+    from common.traces import load_trace
     from kvserve.sweep import run_sweep
-    from kvserve.traces import load_trace
 
     tr = load_trace(CONV, max_requests=2000)
     kw = dict(ttls=[60.0, float("inf")], capacities=[5e5, float("inf")],
@@ -143,13 +143,18 @@ def test_parallel_sweep_rows_equal_serial() -> None:
 
 @needs_conv
 def test_bench_policies_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.replay_core import HAVE_NATIVE
+
     rows = _run_json(capsys, ["bench", "policies", "--trace", CONV, "--max-requests", "3000",
-                              "--capacity", "1e6,inf", "--policy", "lru,s3fifo", "--json"])
-    assert len(rows) == 2 * 3
+                              "--capacity", "1e6,inf", "--policy",
+                              "lru,s3fifo,hit_density,session_density", "--json"])
+    assert len(rows) == 2 * 5
     for r in rows:
         assert {"policy", "capacity_tokens", "hit_rate", "block_uses_per_s"} <= set(r)
         assert r["block_uses_per_s"] > 0
         assert r["hit_rate"] <= r["belady_hit_rate"] + 1e-12
+        # every policy, the density ones included, replays in the C core when it is built
+        assert r["engine"] == ("native" if HAVE_NATIVE else "python")
     by = {(r["policy"], r["capacity_tokens"]): r for r in rows}
     assert by[("lru", None)]["hit_rate"] == by[("belady", None)]["hit_rate"]
     assert by[("lru", 1e6)]["ratio_to_belady"] < 1.0

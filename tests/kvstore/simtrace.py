@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvserve.traces import Trace, TraceRequest
+from common.traces import Trace, TraceRequest
 from tests.shared_data import shared_dir
 
 MOONCAKE_CONV = str(shared_dir() / "traces/mooncake-fast25/conversation_trace.jsonl")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.config import HitRule, TierConfig, TrafficClasses
+from common.config import HitRule, TierConfig, TrafficClasses
 from kvstore.warehouse import WarehouseConfig
 
 LAYOUT = "L2xH2xT4xD8:float32"          # 2*2*2*4*8*4 = 1,024 bytes per block

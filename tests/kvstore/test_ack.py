@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.config import ConfigError, HitRule, KVServeConfig, TierConfig, TrafficClasses
+from common.config import ConfigError, HitRule, KVServeConfig, TierConfig, TrafficClasses
 from kvstore.blockfile import decode_block
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError

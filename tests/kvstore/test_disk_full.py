@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.config import HitRule, TierConfig
+from common.config import HitRule, TierConfig
 from kvstore.blockfile import BlockMeta, decode_block
 from kvstore.tiers.base import key_relpath
 from kvstore.tiers.disk import DiskTier

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.traces import Trace, TraceRequest
+from common.traces import Trace, TraceRequest
 from kvstore.eviction import CapacityCache, make_policy, policy_names
 from kvstore.sim import Future, replay_cache
 from tests.kvstore.simtrace import random_prefix_trace

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from kvserve.config import ConfigError, HitRule
+from common.config import ConfigError, HitRule
 from kvstore.types import RequestCtx
 from kvstore.warehouse import Warehouse
 from tests.kvstore.storeproc import blocks, keys, wh_config

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
-from kvserve.config import TrafficClasses
+from common.config import TrafficClasses
 from kvstore.errors import InvalidRequest
 from kvstore.events import EventReader
 from kvstore.index import BlockIndex, IndexRecord, index_key

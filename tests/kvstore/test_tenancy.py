@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvserve.config import TierConfig
+from common.config import TierConfig
 from kvstore.client import KVStoreClient, ctx_to_proto
 from kvstore.errors import AccessDenied
 from kvstore.keys import chain_keys
@@ -148,7 +148,7 @@ def test_services_act_for_the_tenant_they_name_and_only_operators_delete(
 
 def test_the_index_records_each_blocks_tenant_namespace(redis_url: str,
                                                        idents: dict[str, SecurityConfig]) -> None:
-    from kvserve.config import TrafficClasses
+    from common.config import TrafficClasses
     from kvstore.index import BlockIndex
 
     keys = [bytes([i]) * 16 for i in range(1, 4)]

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.config import TrafficClasses
 from engine import Engine, EngineConfig, SamplingParams
-from kvserve.config import TrafficClasses
 from kvstore.events import EventReader
 from kvstore.index import BlockIndex
 from kvstore.registry import InstanceInfo

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from common.config import ConfigError, KVServeConfig
 from decode_svc.config import DecodeConfig
-from kvserve.config import ConfigError, KVServeConfig
-from prefill_svc.config import CostConfig, Endpoint, EngineSpec, PrefillConfig
+from prefill_svc.config import PrefillConfig
+from service.config import CostConfig, Endpoint, EngineSpec
 
 
 def test_from_kvserve_applies_sections_and_overrides() -> None:

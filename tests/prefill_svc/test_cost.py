@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefill_svc.config import CostConfig
-from prefill_svc.cost import CostModel
+from service.config import CostConfig
+from service.cost import CostModel
 
 MB = 1_000_000
 

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from prefill_svc.errors import HandleExpired, Overloaded
-from prefill_svc.kv_buffer import KVAssembler, KVBuffer, KVShape
+from service.errors import HandleExpired, Overloaded
+from service.kv_buffer import KVAssembler, KVBuffer, KVShape
 
 
 class Clock:
@@ -62,10 +62,32 @@ def test_shared_memory_piece_and_cleanup() -> None:
     asm = KVAssembler(KVShape.of(kv), 20)
     assert asm.shm_visible(piece.shm_name)
     asm.add(piece)
-    assert torch.equal(asm.done(), kv)
+    got = asm.done()
+    assert torch.equal(got, kv)
     assert buf.release("r") is True
     assert not os.path.exists(f"/dev/shm/{piece.shm_name}")
     assert buf.stats().bytes == 0
+    # The whole-prompt piece is mapped, not copied: it stays readable after the
+    # file is gone, and writing to it never reaches another reader.
+    assert torch.equal(got, kv)
+    got.zero_()
+    assert torch.equal(got, torch.zeros_like(kv))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
+def test_short_or_released_shared_memory_is_refused() -> None:
+    kv = _kv(20)
+    buf = KVBuffer(ttl_s=10, max_bytes=1 << 20, chunk_bytes=1 << 20, shm_dir="/dev/shm")
+    piece = buf.shm_piece(buf.put("r", kv))
+    os.truncate(f"/dev/shm/{piece.shm_name}", piece.size // 2)
+    with pytest.raises(ValueError, match="short"):
+        KVAssembler(KVShape.of(kv), 20).add(piece)
+    buf.release("r")
+    gone = buf.put("g", kv)
+    buf.release("g")                    # released before its first pull
+    with pytest.raises(HandleExpired, match="released"):
+        buf.shm_piece(gone)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvserve-kv-{os.getpid()}-")]
 
 
 def test_expiry_and_release_say_why() -> None:

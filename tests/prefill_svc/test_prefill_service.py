@@ -14,11 +14,12 @@ import torch
 
 from engine import Engine, SamplingParams
 from kvstore.keys import chain_keys
-from prefill_svc.config import Endpoint, EngineSpec, PrefillConfig
-from prefill_svc.hosting import ServiceSpec, run_service
-from prefill_svc.kv_buffer import KVAssembler, KVPiece, KVShape
+from prefill_svc.config import PrefillConfig
 from prefill_svc.server import SERVICE_NAME, PrefillService
 from proto import prefill_pb2, prefill_pb2_grpc
+from service.config import Endpoint, EngineSpec
+from service.hosting import ServiceSpec, run_service
+from service.kv_buffer import KVAssembler, KVPiece, KVShape
 from tests.tls import aio_channel, secret
 
 SPEC = EngineSpec(model="tiny-dense", block_tokens=16, num_blocks=256)

@@ -63,6 +63,37 @@ def test_prefill_degrades_to_recompute_and_recovers(redis_url: str, tmp_path: Pa
             p.kill()
 
 
+def test_prefill_started_before_its_store_hits_on_the_first_request(
+        redis_url: str, tmp_path: Path) -> None:
+    """Services start in parallel: a prefill that came up before its store
+    must not carry the failed first dial into its first real requests."""
+    config = procs.write_config(tmp_path / "kvserve.toml")
+    store = procs.store(config, redis_url, tmp_path)
+    pre = procs.engine_service("prefill", config, redis_url, tmp_path,
+                               store_address=store.address,
+                               extra=("--no-local-prefix-cache", "--fetch-policy", "always"))
+    dec = procs.engine_service("decode", config, redis_url, tmp_path,
+                               store_address=store.address)
+    procs.start_all(pre, dec)                       # the store's port is still closed
+    ref = Engine(EngineConfig(model="tiny-dense", block_tokens=B, num_blocks=256))
+    tokens = [(i * 7) % 250 + 3 for i in range(70)]
+    want = ref.generate(tokens, SamplingParams(max_tokens=6)).tokens
+    try:
+        store.start()
+        store.wait_ready()
+        with channel(pre.address) as pch, channel(dec.address) as dch:
+            p_stub, d_stub = prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch)
+            h, out = _generate(p_stub, d_stub, tokens)
+            assert out == want
+            assert h.fetch_decision != "warehouse unavailable: recompute"
+            assert list(h.written_tiers) != ["warehouse"]          # the store's real tiers
+            h = _wait_hit(p_stub, d_stub, tokens, want)
+            assert h.cached_tokens == (len(tokens) - 1) // B * B
+    finally:
+        for p in (dec, pre, store):
+            p.kill()
+
+
 def _wait_hit(pre: prefill_pb2_grpc.PrefillStub, dec: decode_pb2_grpc.DecodeStub,
               tokens: list[int], want: list[int], timeout_s: float = 20.0) -> prefill_pb2.KVHandle:
     deadline = time.monotonic() + timeout_s

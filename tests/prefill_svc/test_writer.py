@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvstore.types import PutResult, RequestCtx
-from prefill_svc.writer import BlockWriter, WriteJob
+from service.writer import BlockWriter, WriteJob
 
 CTX = RequestCtx(request_id="r")
 

@@ -9,9 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvserve.cli import main
-from router.eplb import EplbConfig, plan
-from router.eplb_eval import (
+from eplb.evaluate import (
     ExpertLoadError,
     LayerPlacement,
     dispatch_rank_loads,
@@ -19,6 +17,8 @@ from router.eplb_eval import (
     score_plan,
     static_rank_loads,
 )
+from eplb.plan import EplbConfig, plan
+from kvserve.cli import main
 from tests.shared_data import shared_dir
 
 DATA = shared_dir() / "expert_loads/deepseek_v3"

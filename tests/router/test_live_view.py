@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvserve.config import TrafficClasses
+from common.config import TrafficClasses
 from kvstore.events import KIND_DELETED, KIND_STORED, KVEvent
 from kvstore.index import BlockIndex, IndexRecord
 from kvstore.registry import InstanceInfo, InstanceRegistry

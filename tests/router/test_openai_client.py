@@ -106,7 +106,7 @@ def test_agent_loop_with_zero_think_time_hits_the_previous_turn(client: openai.O
     """Six turns, each sent the moment the previous answer ends: from turn 2
     cached_tokens is at least the hit rule on the previous prompt + output
     (decode stores those blocks before it finishes the answer)."""
-    from kvserve.config import HitRule
+    from common.config import HitRule
 
     rule = HitRule(block_tokens=64)               # SmolLM2: full attention, reserve 1
     messages = _ask("List three rivers of Europe.")

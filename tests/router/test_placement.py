@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvserve.config import HitRule
+from common.config import HitRule
 from kvstore.events import KVEvent
 from kvstore.keys import chain_keys
 from kvstore.registry import InstanceInfo

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.traces import load_trace, rebin
 from kvserve.cli import main
-from kvserve.traces import load_trace, rebin
 from router.replay import (
     ReplayConfig,
     arrival_times,

@@ -124,11 +124,12 @@ async def engine_server(role: str, store_address: str) -> AsyncIterator[str]:
     from decode_svc.server import SERVICE_NAME as DECODE
     from decode_svc.server import DecodeService
     from engine import Engine
-    from prefill_svc.config import Endpoint, EngineSpec, PrefillConfig
-    from prefill_svc.hosting import ServiceSpec, run_service
+    from prefill_svc.config import PrefillConfig
     from prefill_svc.server import SERVICE_NAME as PREFILL
     from prefill_svc.server import PrefillService
     from proto import decode_pb2_grpc, prefill_pb2_grpc
+    from service.config import Endpoint, EngineSpec
+    from service.hosting import ServiceSpec, run_service
 
     spec = EngineSpec(model="tiny-dense", block_tokens=16, num_blocks=128)
     endpoint = Endpoint(port=0, store_address=store_address, call_timeout_s=3.0)

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kvserve.config import TrafficClasses
+from common.config import TrafficClasses
 from kvstore.index import BlockIndex, IndexRecord
 from kvstore.redis_server import EmbeddedRedis, free_port
 

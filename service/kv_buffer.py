@@ -15,8 +15,10 @@ out with one read; the file goes away on release or expiry.
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import re
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -26,10 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prefill_svc.errors import HandleExpired, InvalidRequest, Overloaded
+from service.errors import HandleExpired, InvalidRequest, Overloaded
 
 _SHM_NAME = re.compile(r"^kvserve-kv-[0-9]+-[0-9]+$")
 _counter = itertools.count()
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)     # Linux; elsewhere pages fault in on use
 # Expired entries are remembered (without their tensors) for a while so that a
 # late pull says "expired" rather than "unknown".
 _TOMBSTONE_S = 600.0
@@ -113,6 +116,7 @@ class KVBuffer:
         self._shm_dir = Path(shm_dir) if usable else None
         self._clock = clock
         self._entries: dict[str, BufferEntry] = {}
+        self._shm_lock = threading.Lock()
         self._gone: dict[str, tuple[float, str]] = {}   # request id -> (when, "expired"/"released")
         self._bytes = 0
         self._expired = 0
@@ -126,20 +130,31 @@ class KVBuffer:
     def bytes(self) -> int:
         return self._bytes
 
-    def put(self, request_id: str, kv: torch.Tensor) -> BufferEntry:
+    def expiry(self) -> float:
+        """When an entry put now expires (unix seconds)."""
+        return self._clock() + self._ttl_s
+
+    def check_room(self, nbytes: int) -> None:
+        """Raise Overloaded unless ``nbytes`` more would fit now (asked before
+        the handle goes out, while the caller can still be told to retry)."""
+        if self._bytes + nbytes > self._max_bytes:
+            raise Overloaded(
+                f"KV host buffer full: {self._bytes} of {self._max_bytes} bytes held, "
+                f"request needs {nbytes}; retry after decode pulls pending handles")
+
+    def put(self, request_id: str, kv: torch.Tensor, *,
+            expires_at: float | None = None) -> BufferEntry:
         """Keep ``kv`` (moved to host if needed) for ``request_id``; replaces an
-        entry of the same id. Raises Overloaded when the buffer is full."""
+        entry of the same id. Raises Overloaded when the buffer is full.
+        ``expires_at``: the expiry already promised in the handle."""
         self.sweep()
         kv = kv.detach().to("cpu").contiguous()
         KVShape.of(kv)
         nbytes = kv.numel() * kv.element_size()
         if request_id in self._entries:
             self._drop(request_id, "released")
-        if self._bytes + nbytes > self._max_bytes:
-            raise Overloaded(
-                f"KV host buffer full: {self._bytes} of {self._max_bytes} bytes held, "
-                f"request needs {nbytes}; retry after decode pulls pending handles")
-        entry = BufferEntry(request_id, kv, self._clock() + self._ttl_s)
+        self.check_room(nbytes)
+        entry = BufferEntry(request_id, kv, self.expiry() if expires_at is None else expires_at)
         self._entries[request_id] = entry
         self._gone.pop(request_id, None)
         self._bytes += nbytes
@@ -169,19 +184,28 @@ class KVBuffer:
             yield KVPiece(start, end - start, data=_raw(part).tobytes())
 
     def shm_piece(self, entry: BufferEntry) -> KVPiece:
-        """The whole entry as one shared-memory region (written on first use)."""
+        """The whole entry as one shared-memory region (written on first use).
+        Safe to call from a worker thread (the write is long: the event loop
+        need not wait on it)."""
         if self._shm_dir is None:
             raise InvalidRequest("this prefill instance offers no shared-memory pulls")
-        if not entry.shm_name:
-            name = f"kvserve-kv-{os.getpid()}-{next(_counter)}"
-            path = self._shm_dir / name
-            try:
-                with open(path, "wb") as f:
-                    f.write(_raw(entry.kv).data)
-            except OSError:
-                path.unlink(missing_ok=True)     # never leave a torn file behind
-                raise
-            entry.shm_name = name
+        with self._shm_lock:
+            if not entry.shm_name:
+                name = f"kvserve-kv-{os.getpid()}-{next(_counter)}"
+                path = self._shm_dir / name
+                try:
+                    with open(path, "wb") as f:
+                        f.write(_raw(entry.kv).data)
+                except OSError:
+                    path.unlink(missing_ok=True)     # never leave a torn file behind
+                    raise
+                # Name first, then look: a drop after this line unlinks the file
+                # itself, one before it is seen here.
+                entry.shm_name = name
+                if self._entries.get(entry.request_id) is not entry:
+                    path.unlink(missing_ok=True)     # released or expired meanwhile
+                    raise HandleExpired(f"KV handle of request {entry.request_id!r} was "
+                                        "released while it was being pulled")
         return KVPiece(0, entry.n_tokens, shm_name=entry.shm_name, size=entry.nbytes)
 
     def release(self, request_id: str) -> bool:
@@ -224,14 +248,25 @@ class KVBuffer:
 
 
 class KVAssembler:
-    """Decode side: places pieces into one ``[layers, 2, kv_heads, n, head_dim]`` tensor."""
+    """Decode side: places pieces into one ``[layers, 2, kv_heads, n, head_dim]`` tensor.
+
+    A shared-memory piece that holds the whole prompt is not copied at all:
+    ``kv`` is then a private mapping of the file, read once by whoever
+    consumes it (``Engine.adopt`` copies it into the KV cache). The mapping
+    outlives the file's removal on Release."""
 
     def __init__(self, shape: KVShape, n_tokens: int, *, shm_dir: str = "/dev/shm") -> None:
         self._shape = shape
         self._n = n_tokens
         self._shm_dir = Path(shm_dir)
-        self.kv = torch.empty(shape.dims(n_tokens), dtype=shape.dtype)
+        self._kv: torch.Tensor | None = None
         self._filled = 0
+
+    @property
+    def kv(self) -> torch.Tensor:
+        if self._kv is None:
+            self._kv = torch.empty(self._shape.dims(self._n), dtype=self._shape.dtype)
+        return self._kv
 
     def add(self, piece: KVPiece) -> None:
         start, count = piece.start_token, piece.token_count
@@ -239,6 +274,11 @@ class KVAssembler:
             raise ValueError(f"KV piece [{start}, {start + count}) out of order or out of range "
                              f"(have {self._filled} of {self._n} tokens)")
         want = count * self._shape.token_nbytes
+        if piece.shm_name and start == 0 and count == self._n:
+            raw = self._map_shm(piece, want)
+            self._kv = raw.view(self._shape.dtype).view(self._shape.dims(count))
+            self._filled = count
+            return
         if piece.shm_name:
             raw = self._read_shm(piece, want)
         else:
@@ -253,12 +293,31 @@ class KVAssembler:
         self.kv[:, :, :, start:start + count, :].copy_(part)
         self._filled += count
 
-    def _read_shm(self, piece: KVPiece, want: int) -> torch.Tensor:
+    def _shm_path(self, piece: KVPiece, want: int) -> Path:
         if not _SHM_NAME.match(piece.shm_name):
             raise ValueError(f"bad shared-memory name {piece.shm_name!r}")
         if piece.size != want:
             raise ValueError(f"shared-memory region of {piece.size} bytes, expected {want}")
-        path = self._shm_dir / piece.shm_name
+        if piece.shm_offset < 0:
+            raise ValueError(f"shared-memory offset {piece.shm_offset} is negative")
+        return self._shm_dir / piece.shm_name
+
+    def _map_shm(self, piece: KVPiece, want: int) -> torch.Tensor:
+        """The region as a copy-on-write mapping, its pages populated up front
+        (one call instead of a fault per page on first read)."""
+        path = self._shm_path(piece, want)
+        end = piece.shm_offset + want
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < end:
+                raise ValueError(f"shared-memory file {path} is short: {size} of {end} bytes")
+            mm = mmap.mmap(f.fileno(), end, flags=mmap.MAP_PRIVATE | _MAP_POPULATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # frombuffer keeps ``mm`` alive as long as the tensor (and its views) are.
+        return torch.frombuffer(mm, dtype=torch.uint8, count=want, offset=piece.shm_offset)
+
+    def _read_shm(self, piece: KVPiece, want: int) -> torch.Tensor:
+        path = self._shm_path(piece, want)
         arr = np.fromfile(path, dtype=np.uint8, count=want, offset=piece.shm_offset)
         if arr.size != want:
             raise ValueError(f"shared-memory file {path} is short: {arr.size} of {want} bytes")

@@ -2,7 +2,7 @@
 
 Every check that can reject a request lives here, before any engine or
 warehouse work, and each raises an error naming the problem: the error
-mapping (prefill_svc.errors) turns it into INVALID_ARGUMENT or
+mapping (service.errors) turns it into INVALID_ARGUMENT or
 FAILED_PRECONDITION.
 """
 
@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import TrafficClasses
+from common.config import TrafficClasses
 from kvstore.keys import validate_tenant
 from kvstore.types import RequestCtx
-from prefill_svc.errors import InvalidRequest, PreconditionFailed
 from proto import common_pb2, prefill_pb2
+from service.errors import InvalidRequest, PreconditionFailed
 
 log = logging.getLogger(__name__)
 

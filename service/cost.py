@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prefill_svc.config import CostConfig
+from service.config import CostConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
-from prefill_svc.config import Endpoint, EngineSpec
-from prefill_svc.metrics import Source, serve_metrics
 from security.authz import Access, AuthInterceptor
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
+from service.config import Endpoint, EngineSpec
+from service.metrics import Source, serve_metrics
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Setting: ``ranks`` expert-parallel ranks with ``slots_per_rank`` expert slots
 each; ``ranks * slots_per_rank = experts + redundant``. Every expert gets at
 least one replica; the ``redundant`` extra replicas go to the hottest experts.
 
-Why the plan is shaped as it is: the runtime dispatcher (router.eplb_eval)
+Why the plan is shaped as it is: the runtime dispatcher (eplb.evaluate)
 can move an expert's tokens only between that expert's replicas, so ranks
 linked by shared experts form groups that balance among themselves, and
 nothing balances across groups. Each redundant replica can join at most one
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from router.eplb_eval import ExpertLoadError, LayerPlacement, moe_layers
+from eplb.evaluate import ExpertLoadError, LayerPlacement, moe_layers
 
 METHODS = ("robust", "greedy")
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvserve.traces import Trace
+    from common.traces import Trace
 
 FORMAT = "kvtrace"
 _ARRAYS = ("ids", "offsets", "times", "input_length", "classes", "sessions")
@@ -100,7 +100,7 @@ class CompactTrace:
 
     def to_trace(self) -> Trace:
         """Back to request objects (interned ids as hash ids), for the Python policies."""
-        from kvserve.traces import Trace, TraceRequest
+        from common.traces import Trace, TraceRequest
 
         ids = self.ids.tolist()
         off = self.offsets.tolist()

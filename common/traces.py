@@ -12,7 +12,7 @@ Formats (detected from the file; where each public trace comes from: README.md,
 - **CSV / Parquet** (operators' own logs): one row per request with ``time``
   (s), ``session``, ``hashes`` (block hashes root first) and optional
   ``input_length``, ``output_length``, ``class``; see ``_load_table``.
-- **Compact trace directory** (``kvstore.trace_arrays``, written by
+- **Compact trace directory** (``common.trace_arrays``, written by
   ``kvserve trace synth`` or ``kvserve trace compact``): arrays mapped from disk.
 - **Claude Code agent sessions** (weka-claude-code): a ``traces.tar.xz`` of
   ``trace_NNNN.json``, a directory of them, or one such file. Hash ids are
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.trace_arrays import CompactTrace, is_compact_dir
+from common.trace_arrays import CompactTrace, is_compact_dir
 
 FILE_SHIFT = 48
 SESSION_SHIFT = 32

@@ -70,7 +70,7 @@ def register_status(exc_type: type[BaseException], code: grpc.StatusCode) -> Non
 
 
 def _register_known() -> None:
-    from kvserve.config import ConfigError
+    from common.config import ConfigError
 
     register_status(ConfigError, grpc.StatusCode.INVALID_ARGUMENT)
     try:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import HitRule
+from common.config import HitRule
 from kvstore.types import RequestCtx
-from prefill_svc.cost import CostModel, FetchPlan, tier_counts
-from prefill_svc.store_link import StoreLink
+from service.cost import CostModel, FetchPlan, tier_counts
+from service.store_link import StoreLink
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ class StoreLink:
         self._timeout_s = timeout_s
         self._use_shm = use_shm
         self._client: object | None = None
+        self._tiers: list[str] = []
         self.stats = StoreStats(available=1 if address else 0)
 
     @property
@@ -62,6 +63,9 @@ class StoreLink:
             log.warning("warehouse %s unavailable (%s: %s); recomputing until it returns",
                         self.address, op, exc)
         self.stats.available = 0
+        await self._reset()
+
+    async def _reset(self) -> None:
         # A fresh channel next time: it dials at once instead of waiting out the
         # old channel's reconnect backoff, so hits return as soon as the store does.
         client, self._client = self._client, None
@@ -118,14 +122,22 @@ class StoreLink:
         return res
 
     async def tier_names(self) -> list[str]:
-        """The store's tiers ("G2", "G3", ...), or [] when it does not answer."""
+        """The store's tiers ("G2", "G3", ...), or [] when it does not answer.
+        Asked once successfully, then remembered; a store that is not up yet
+        (services start in parallel) is asked again on the next call."""
         if not self.enabled:
             return []
+        if self._tiers:
+            return self._tiers
         try:
             stats = await self._c().stats()  # type: ignore[attr-defined]
         except _STORE_DOWN:
+            # Drop the channel: one that failed its first dial sits in reconnect
+            # backoff and would fail the first real lookup fast.
+            await self._reset()
             return []
-        return [t.tier for t in stats.tiers]
+        self._tiers = [t.tier for t in stats.tiers]
+        return self._tiers
 
     async def close(self) -> None:
         if self._client is not None:
