@@ -161,6 +161,7 @@ class Batcher:
         if seq is not None and not seq.done:
             seq.done = True
             self.stats.cancelled_total += 1
+        self._update_gauges()            # out of the active set now, not after the step
         self._thread.submit(self._free_quietly, seq_id)
 
     # -- engine thread ---------------------------------------------------------

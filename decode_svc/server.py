@@ -170,18 +170,24 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         chk = self._check(handle, request)
         stream = TextStream(chk.sampling.stop)
         early = self._early(handle, chk)
-        if early is not None:
-            self.stats.early_first_total += 1
-            yield self._event(decode_pb2.DecodeEvent(
-                token_ids=[early.token], text=stream.delta(early.text, False),
-                t_s=time.monotonic() - t0))
-        make_live = await self._obtain_kv(handle, chk)
+        try:
+            if early is not None:
+                self.stats.early_first_total += 1
+                yield self._event(decode_pb2.DecodeEvent(
+                    token_ids=[early.token], text=stream.delta(early.text, False),
+                    t_s=time.monotonic() - t0))
+            make_live = await self._obtain_kv(handle, chk)
+        except BaseException:
+            # The caller left (or the pull failed) before the KV was here: free the
+            # prefill's buffer now rather than at its expiry.
+            self._release_later(handle)
+            raise
         seq_id = f"{chk.ctx.request_id}#{next(self._ids)}"
         written: asyncio.Event | None = None
         on_finish = None
         if self.cfg.canonical_write:
             written = asyncio.Event()
-            on_finish = self._canonical_writer(chk.ctx, written)
+            on_finish = self._canonical_writer(chk.ctx, written, list(handle.block_keys))
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
                 stop=chk.sampling.stop, on_finish=on_finish, t0=t0, stream=stream,
@@ -254,17 +260,24 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             log.info("pull of %s from %s failed (%s); rebuilding from the warehouse",
                      chk.ctx.request_id, handle.prefill_address, exc)
             return await self._rebuild(handle, chk)
-        task = asyncio.get_running_loop().create_task(self.puller.release(handle))
-        self._releases.add(task)                 # keep a reference until it is done
-        task.add_done_callback(self._releases.discard)
+        self._release_later(handle)
         self._source(pulled.path)
         self.stats.pull_bytes_total += pulled.nbytes
         self.stats.pull_seconds_total += pulled.seconds
 
+        # Held only until adopt copied it: the sequence lives on in the KV cache,
+        # and the pulled tensor (a /dev/shm mapping) need not live as long.
+        held = [pulled.kv]
+
         def adopt(seq_id: str) -> None:
-            self.engine.adopt(seq_id, chk.tokens, pulled.kv, handle.first_token, chk.sampling)
+            self.engine.adopt(seq_id, chk.tokens, held.pop(), handle.first_token, chk.sampling)
 
         return adopt
+
+    def _release_later(self, handle: prefill_pb2.KVHandle) -> None:
+        task = asyncio.get_running_loop().create_task(self.puller.release(handle))
+        self._releases.add(task)                 # keep a reference until it is done
+        task.add_done_callback(self._releases.discard)
 
     async def _rebuild(self, handle: prefill_pb2.KVHandle,
                        chk: _Checked) -> Callable[[str], None]:
@@ -290,15 +303,22 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
     # -- after a sequence --------------------------------------------------------
 
-    def _canonical_writer(self, ctx: RequestCtx,
-                          written: asyncio.Event) -> Callable[[Finished], Any]:
+    def _canonical_writer(self, ctx: RequestCtx, written: asyncio.Event,
+                          prompt_keys: list[bytes]) -> Callable[[Finished], Any]:
         """The finish hook: compute the canonical blocks, put them (acknowledged
         by the store, so they are in the index), then set ``written``, which the
-        final event waits for."""
+        final event waits for.
+
+        The prompt's own blocks are prefill's write-through, which runs behind
+        its reply and may not have landed yet (or may have failed): the leading
+        prompt blocks the warehouse lacks are put here too, so a next turn sent
+        the moment this one ends finds the whole chain."""
         async def write(done: Finished) -> None:
             t0 = time.monotonic()
             try:
-                first, blocks, tokens = await self.thread.call(self._canonical, done.seq_id)
+                stored = await self._stored_prefix(prompt_keys, ctx)
+                first, blocks, tokens = await self.thread.call(self._canonical, done.seq_id,
+                                                               stored)
                 if blocks.shape[0] == 0 or not self.store.enabled:
                     return
                 keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
@@ -326,12 +346,26 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             log.warning("canonical blocks of %s not stored within %.1fs; answering anyway",
                         ctx.request_id, self.cfg.canonical_wait_s)
 
-    def _canonical(self, seq_id: str) -> tuple[int, torch.Tensor, list[int]]:
-        """Engine thread: the canonical blocks of prompt + output, then free."""
+    async def _stored_prefix(self, keys: list[bytes], ctx: RequestCtx) -> int:
+        """Leading ``keys`` the warehouse holds; all of them when it does not
+        answer (the put that follows would fail too)."""
+        if not keys or not self.store.enabled:
+            return len(keys)
+        res = await self.store.lookup(keys, prompt_tokens=len(keys) * self.block_tokens,
+                                      ctx=ctx, touch=False)
+        return len(keys) if res is None else res.matched_blocks
+
+    def _canonical(self, seq_id: str, stored: int) -> tuple[int, torch.Tensor, list[int]]:
+        """Engine thread: the canonical blocks of prompt + output (from block
+        ``stored`` on, when the warehouse lacks prompt blocks), then free."""
         try:
             if not self.store.enabled:
                 return 0, torch.empty(0), []
             first, blocks = self.engine.canonical_blocks(seq_id)
+            if stored < first:
+                # The prompt's blocks arrived from prefill's chunked path: canonical as held.
+                head = self.engine.export_blocks(seq_id, stored, first - stored)
+                first, blocks = stored, torch.cat([head.to("cpu"), blocks.to("cpu")])
             return first, blocks.to("cpu"), self.engine.seq_tokens(seq_id)
         finally:
             self.engine.free(seq_id)

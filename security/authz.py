@@ -10,6 +10,7 @@ method, in this one place. Handlers then read ``current_identity()`` and ask
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import enum
 import inspect
@@ -155,8 +156,11 @@ def _wrap(handler: grpc.RpcMethodHandler, admit: Callable[[Any], Identity],
         return [_CURRENT.set(ident), _TENANT_OVERRIDE.set(tenant)]
 
     def leave(tokens: list[contextvars.Token[Any]]) -> None:
-        _TENANT_OVERRIDE.reset(tokens[1])
-        _CURRENT.reset(tokens[0])
+        # A cancelled stream's generator is closed by grpc from another task, whose
+        # Context never held these values: nothing to undo there (reset would raise).
+        with contextlib.suppress(ValueError):
+            _TENANT_OVERRIDE.reset(tokens[1])
+            _CURRENT.reset(tokens[0])
 
     def unary_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def call(request: Any, context: Any) -> Any:

@@ -79,13 +79,13 @@ class StoreLink:
         self.stats.available = 1
 
     async def lookup(self, keys: Sequence[bytes], *, prompt_tokens: int,
-                     ctx: RequestCtx) -> LookupResult | None:
+                     ctx: RequestCtx, touch: bool = True) -> LookupResult | None:
         if not self.enabled or not keys:
             return None
         self.stats.lookups_total += 1
         try:
             res = await self._c().lookup(list(keys), prompt_tokens=prompt_tokens,  # type: ignore[attr-defined]
-                                         ctx=ctx, touch=True)
+                                         ctx=ctx, touch=touch)
         except _STORE_DOWN as exc:
             await self._degraded("lookup", exc)
             return None

@@ -3,6 +3,9 @@ say exactly what the engine says once the sequence is live."""
 
 from __future__ import annotations
 
+import time
+
+import grpc
 import torch
 
 from decode_svc.first_event import early_first
@@ -54,3 +57,26 @@ def test_first_event_does_not_wait_for_the_kv(stack: Stack) -> None:
     assert out.tokens == want and len(out.events) == len(want)
     assert list(out.events[0].token_ids) == [h.first_token]
     assert stack.decode.metrics()["kvserve_decode_decode_early_first_total"] == before + 1
+
+
+def test_client_gone_after_the_first_event_frees_the_prefill_buffer(stack: Stack) -> None:
+    from proto import decode_pb2
+    from tests.decode_svc.stack import sampling
+
+    h = prefill(stack.prefill_stub(), prompt(92, 40), max_tokens=50)
+    call = stack.decode_stub().Decode(decode_pb2.DecodeRequest(handle=h, sampling=sampling(50)),
+                                      timeout=TIMEOUT)
+    first = next(call)
+    assert list(first.token_ids) == [h.first_token]
+    call.cancel()
+    deadline = time.monotonic() + 10
+    pull = prefill_pb2.PullKVRequest(request_id=h.ctx.request_id, use_shm=False)
+    while True:
+        try:
+            list(stack.prefill_stub().PullKV(pull, timeout=TIMEOUT))    # still buffered
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "released" in (exc.details() or "")
+            break
+        assert time.monotonic() < deadline, "decode never released the prefill buffer"
+        time.sleep(0.05)

@@ -121,6 +121,24 @@ def test_full_buffer_refuses_and_frees_on_expiry() -> None:
     assert buf.stats().entries == 1 and buf.stats().expired == 2
 
 
+def test_room_is_checked_before_the_handle_and_its_expiry_is_kept() -> None:
+    """Prefill answers before the KV is buffered: the room check and the expiry
+    it promises in the handle must hold for the put that follows."""
+    clock = Clock()
+    one = _kv(16).numel() * 4
+    buf = KVBuffer(ttl_s=5, max_bytes=2 * one, chunk_bytes=1 << 20, clock=clock)
+    promised = buf.expiry()
+    buf.check_room(2 * one)
+    clock.t += 1                                   # the copy-out takes a while
+    assert buf.put("a", _kv(16), expires_at=promised).expires_at == promised == 1005.0
+    buf.put("b", _kv(16))
+    with pytest.raises(Overloaded, match="buffer full"):
+        buf.check_room(1)
+    clock.t += 4
+    with pytest.raises(HandleExpired, match="expired"):
+        buf.get("a")                               # at the promised time, not a second later
+
+
 def test_assembler_rejects_bad_pieces() -> None:
     kv = _kv(8)
     shape = KVShape.of(kv)
