@@ -15,6 +15,16 @@ from tests.tls import channel
 B = procs.BLOCK
 
 
+def _services(redis_url: str, tmp_path: Path, **config: str) -> tuple[procs.Proc, ...]:
+    """A store, a prefill that always fetches (no G1) and a decode, not started."""
+    cfg = procs.write_config(tmp_path / "kvserve.toml", **config)
+    store = procs.store(cfg, redis_url, tmp_path)
+    pre = procs.engine_service("prefill", cfg, redis_url, tmp_path, store_address=store.address,
+                               extra=("--no-local-prefix-cache", "--fetch-policy", "always"))
+    dec = procs.engine_service("decode", cfg, redis_url, tmp_path, store_address=store.address)
+    return store, pre, dec
+
+
 def _generate(pre: prefill_pb2_grpc.PrefillStub, dec: decode_pb2_grpc.DecodeStub,
               tokens: list[int]) -> tuple[prefill_pb2.KVHandle, list[int]]:
     sp = common_pb2.SamplingParams(max_tokens=6)
@@ -24,13 +34,7 @@ def _generate(pre: prefill_pb2_grpc.PrefillStub, dec: decode_pb2_grpc.DecodeStub
 
 
 def test_prefill_degrades_to_recompute_and_recovers(redis_url: str, tmp_path: Path) -> None:
-    config = procs.write_config(tmp_path / "kvserve.toml", g3_path=str(tmp_path / "g3"))
-    store = procs.store(config, redis_url, tmp_path)
-    pre = procs.engine_service("prefill", config, redis_url, tmp_path,
-                               store_address=store.address,
-                               extra=("--no-local-prefix-cache", "--fetch-policy", "always"))
-    dec = procs.engine_service("decode", config, redis_url, tmp_path,
-                               store_address=store.address)
+    store, pre, dec = _services(redis_url, tmp_path, g3_path=str(tmp_path / "g3"))
     procs.start_all(store, pre, dec)
     ref = Engine(EngineConfig(model="tiny-dense", block_tokens=B, num_blocks=256))
     tokens = [(i * 13) % 250 + 1 for i in range(90)]
@@ -67,13 +71,7 @@ def test_prefill_started_before_its_store_hits_on_the_first_request(
         redis_url: str, tmp_path: Path) -> None:
     """Services start in parallel: a prefill that came up before its store
     must not carry the failed first dial into its first real requests."""
-    config = procs.write_config(tmp_path / "kvserve.toml")
-    store = procs.store(config, redis_url, tmp_path)
-    pre = procs.engine_service("prefill", config, redis_url, tmp_path,
-                               store_address=store.address,
-                               extra=("--no-local-prefix-cache", "--fetch-policy", "always"))
-    dec = procs.engine_service("decode", config, redis_url, tmp_path,
-                               store_address=store.address)
+    store, pre, dec = _services(redis_url, tmp_path)
     procs.start_all(pre, dec)                       # the store's port is still closed
     ref = Engine(EngineConfig(model="tiny-dense", block_tokens=B, num_blocks=256))
     tokens = [(i * 7) % 250 + 3 for i in range(70)]
