@@ -362,11 +362,12 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             if not self.store.enabled:
                 return 0, torch.empty(0), []
             first, blocks = self.engine.canonical_blocks(seq_id)
+            blocks = blocks.to("cpu")
             if stored < first:
                 # The prompt's blocks arrived from prefill's chunked path: canonical as held.
-                head = self.engine.export_blocks(seq_id, stored, first - stored)
-                first, blocks = stored, torch.cat([head.to("cpu"), blocks.to("cpu")])
-            return first, blocks.to("cpu"), self.engine.seq_tokens(seq_id)
+                head = self.engine.export_blocks(seq_id, stored, first - stored).to("cpu")
+                first, blocks = stored, torch.cat([head, blocks])
+            return first, blocks, self.engine.seq_tokens(seq_id)
         finally:
             self.engine.free(seq_id)
 

@@ -106,11 +106,12 @@ def _memcpy2d() -> object | None:
 def feed_applies(device: torch.device, restored: torch.Tensor | HostRuns) -> bool:
     if device.type != "cuda":
         return False
-    runs = restored.runs if isinstance(restored, HostRuns) else (restored,)
-    if any(r.device.type != "cpu" or not r.is_contiguous() for r in runs):
+    # HostRuns are host and contiguous by construction and pinned by their contract
+    # (views of a cudaHostRegister'ed arena); a plain tensor is checked, since a
+    # pageable source would make every copy synchronous.
+    if isinstance(restored, torch.Tensor) and not (
+            restored.device.type == "cpu" and restored.is_contiguous() and restored.is_pinned()):
         return False
-    if not isinstance(restored, HostRuns) and not restored.is_pinned():
-        return False                  # a pageable source would make every copy synchronous
     return _memcpy2d() is not None
 
 

@@ -188,8 +188,9 @@ class Engine:
             and feed_applies(self.device, restored)
         if use_rest and not pipelined:
             assert restored is not None
-            whole = restored.cat() if isinstance(restored, HostRuns) else restored
-            self.storage.import_(table[use_g1:reuse], whole[:use_rest])
+            used = (restored.head(use_rest).cat() if isinstance(restored, HostRuns)
+                    else restored[:use_rest])
+            self.storage.import_(table[use_g1:reuse], used)
         mirror = self._mirror(table, (use_g1 if pipelined else reuse) * B, self._capacity(n))
         seq = Sequence(seq_id, toks, n, 0, blocks, table, sampling, mirror,
                        canonical_full=n // C * C // B)
