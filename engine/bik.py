@@ -95,7 +95,7 @@ def threads() -> int:
 @contextmanager
 def build(path: str) -> Iterator[None]:
     """Runs the block on another build of these kernels (an older .so, timed
-    against this one in alternation by engine/bench_bik.py), with the same
+    against this one in alternation by benchmarks/bik.py), with the same
     thread count and SIMD path."""
     global _ext
     before = _lib()

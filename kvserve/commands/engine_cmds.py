@@ -119,7 +119,7 @@ def _bench_configure(p: argparse.ArgumentParser) -> None:
 
 
 def _bench_run(args: argparse.Namespace) -> int:
-    from engine.bench import BenchOptions, print_table, run_engine_bench
+    from benchmarks.engine import BenchOptions, print_table, run_engine_bench
 
     try:
         opts = BenchOptions(model=args.model, device=args.device, dtype=args.dtype,

@@ -15,7 +15,8 @@ from typing import Any
 from common.trace_arrays import CompactTrace, is_compact_dir
 from common.traces import Trace, TraceFormatError, load_trace, merge_traces, rebin
 from kvserve.cli import CommandRegistry, UsageError
-from kvserve.sweep import (
+from studies.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN
+from studies.sweep import (
     fmt_seconds,
     fmt_tokens,
     format_table,
@@ -25,7 +26,6 @@ from kvserve.sweep import (
     plot_sweep,
     run_sweep,
 )
-from kvstore.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN
 
 
 def _trace_args(p: argparse.ArgumentParser, flag: str = "--trace", grid: bool = True,
@@ -163,8 +163,8 @@ def _configure_whatif(p: argparse.ArgumentParser) -> None:
 
 
 def _whatif(args: argparse.Namespace) -> int:
-    from kvstore.sim import replay_cache
     from kvstore.whatif import WhatIfEstimator, fit_trace
+    from studies.sim import replay_cache
 
     ttls, caps = _grid(args)
     loaded = _load(args)
@@ -333,7 +333,7 @@ def _bench_policies(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from kvstore.sim import compact_of, replay_cache
+    from studies.sim import compact_of, replay_cache
 
     try:
         caps = parse_capacities(args.capacity)
@@ -380,7 +380,7 @@ def _bench_policies(args: argparse.Namespace) -> int:
                              "block_uses_per_cpu_s": uses / cpu if cpu > 0 else math.inf,
                              "engine": _engine_used(args.engine, policy)})
     if args.plot:
-        from kvserve.sweep import plot_policies
+        from studies.sweep import plot_policies
 
         plot_policies(rows, args.plot)
         print(f"# plot: {args.plot}", file=sys.stderr)
@@ -392,7 +392,7 @@ def _bench_policies(args: argparse.Namespace) -> int:
 
 
 def _engine_used(engine: str, policy: str) -> str:
-    from kvstore.replay_core import native_supports
+    from studies.replay_core import native_supports
 
     return "native" if engine != "python" and native_supports(policy, None) else "python"
 
@@ -428,7 +428,7 @@ def _median(xs: list[float]) -> float:
 # ------------------------------------------------------------ trace files
 
 def _configure_synth(p: argparse.ArgumentParser) -> None:
-    from kvserve.trace_synth import SynthConfig
+    from studies.trace_synth import SynthConfig
 
     p.add_argument("--out", required=True, metavar="DIR", help="compact trace directory to write")
     for f in dataclasses.fields(SynthConfig):
@@ -448,7 +448,7 @@ def _int_arg(text: str) -> int:
 def _synth(args: argparse.Namespace) -> int:
     import time
 
-    from kvserve.trace_synth import SynthConfig, synth
+    from studies.trace_synth import SynthConfig, synth
 
     try:
         cfg = SynthConfig(**{f.name: getattr(args, f.name)
@@ -483,7 +483,7 @@ def _configure_reuse(p: argparse.ArgumentParser) -> None:
 
 
 def _reuse(args: argparse.Namespace) -> int:
-    from kvstore.reuse_study import reuse_features
+    from studies.reuse import reuse_features
 
     loaded = _load(args)
     ct = loaded if isinstance(loaded, CompactTrace) else CompactTrace.from_trace(loaded)

@@ -108,7 +108,7 @@ def _bench_run(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
-    from kvserve.bench_front import FrontBenchConfig, run, table
+    from benchmarks.front import FrontBenchConfig, run, table
 
     try:
         cfg = FrontBenchConfig(model=args.model, prompt_tokens=args.prompt_tokens,

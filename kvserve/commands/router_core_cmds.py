@@ -162,8 +162,8 @@ def _capacities(text: str) -> tuple[int | None, ...]:
 def _replay_run(args: argparse.Namespace) -> int:
     from common.traces import TraceFormatError, load_trace, rebin
     from router.placement import UnknownPolicyError, router_policy_names
-    from router.replay import ReplayConfig, policy_kind, replay_cluster, replay_eviction
-    from router.replay_cost import CostModel, CostModelError
+    from studies.replay import ReplayConfig, policy_kind, replay_cluster, replay_eviction
+    from studies.replay_cost import CostModel, CostModelError
 
     names = router_policy_names() if args.policy == "all" else [
         s.strip() for s in args.policy.split(",") if s.strip()]
@@ -265,7 +265,7 @@ def _bench_configure(p: argparse.ArgumentParser) -> None:
 
 
 def _bench_run(args: argparse.Namespace) -> int:
-    from router.bench import BenchConfig, run_bench
+    from benchmarks.router import BenchConfig, run_bench
     from router.placement import UnknownPolicyError
 
     try:

@@ -158,13 +158,13 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _configure_bench(p: argparse.ArgumentParser) -> None:
-    from kvstore.bench import configure
+    from benchmarks.store import configure
 
     configure(p)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvstore.bench import run
+    from benchmarks.store import run
 
     return run(args)
 

@@ -47,8 +47,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError("--reps must be >= 1")
     import os
 
+    from benchmarks.vllm import main
     from connectors.vllm import _client_takes_security
-    from kvserve.bench_vllm import main
 
     tls = args.tls_dir or os.environ.get("KVSERVE_TLS_DIR", "")
     insecure = args.insecure or not (tls and _client_takes_security())

@@ -20,7 +20,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("service",),
     ("prefill_svc", "decode_svc"),
     ("router", "connectors"),
+    ("studies",),
     ("kvserve",),
+    ("benchmarks",),
 )
 LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 

@@ -26,7 +26,7 @@ moments of a shared machine):
   shm_get_vs_memcpy: shm get (every copy verified against its checksum) over
   the memcpy of the same bytes in the same rounds;
 - ack_g2_put / ack_durable_put: puts acknowledged at G2 vs after the G3 fsync
-  (kvstore/bench_ack.py), ack_durable_vs_g2 their ratio.
+  (benchmarks/store_ack.py), ack_durable_vs_g2 their ratio.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def check_goals(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each goal's measured value, target and verdict (negative bound = a floor;
     a negative multiple of a reference row = at most that row)."""
     out = {}
-    from kvstore.bench_cluster import CLUSTER_GOALS
+    from benchmarks.store_cluster import CLUSTER_GOALS
 
     goals = GOALS + (_PEER_GOALS if "mooncake_put_gbps" in res else ()) + \
         (CLUSTER_GOALS if "cluster_lookup_p99_ms" in res else ())
@@ -104,7 +104,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
                    help="also start a local Redis Cluster of N masters (+N replicas, N >= 3) "
                         "and report its lookup, bytes per block and failover time "
-                        "(kvstore/bench_cluster.py)")
+                        "(benchmarks/store_cluster.py)")
     p.add_argument("--g4", default="", metavar="URL",
                    help="also put/get the blocks through a G4 tier at URL (e.g. s3://bucket/p; "
                         "endpoint and credentials from KVSERVE_G4_OPTIONS / AWS_* env)")
@@ -527,18 +527,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 elif step == "lookup":
                     res.update(asyncio.run(bench_lookup(url, args.chain, args.lookups)))
                 elif step == "cluster":
-                    from kvstore.bench_cluster import bench_cluster
+                    from benchmarks.store_cluster import bench_cluster
 
                     res.update(bench_cluster(args.redis_cluster, url, args.chain, args.lookups))
                 elif step == "g4":
-                    from kvstore.bench_cluster import bench_g4
+                    from benchmarks.store_cluster import bench_g4
 
                     res.update(bench_g4(args.g4, d.views, args.repeats))
                 elif step == "service":
                     res.update(asyncio.run(bench_service(d, args.repeats, url, args.chain,
                                                          args.lookups)))
                 elif step == "ack":                 # issue 10: ack = "g2" vs "durable"
-                    from kvstore.bench_ack import bench_ack
+                    from benchmarks.store_ack import bench_ack
 
                     res.update(asyncio.run(bench_ack(d.arr, args.repeats, url, Path(tmp))))
                 else:

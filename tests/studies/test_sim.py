@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from common.trace_arrays import CompactTrace
 from common.traces import Trace, load_trace, merge_traces
-from kvstore.replay_core import HAVE_NATIVE, NATIVE_POLICIES
-from kvstore.sim import Future, ReplayStats, SimWarehouse, replay_cache
+from studies.replay_core import HAVE_NATIVE, NATIVE_POLICIES
+from studies.sim import Future, ReplayStats, SimWarehouse, replay_cache
 from tests.kvstore.simtrace import MOONCAKE_CONV, make_trace, random_prefix_trace
 
 KVB = 2  # bytes per token in these tests: a 4-token block is 8 bytes
@@ -287,7 +287,7 @@ def test_native_core_errors_and_fallback_switch() -> None:
         replay_cache(make_trace([(0, [1])]), capacity_tokens=[4, 8], engine="native")
     with pytest.raises(ValueError, match="engine must be one of"):
         replay_cache(make_trace([(0, [1])]), engine="fast")
-    out = subprocess.run([sys.executable, "-c", "import kvstore.replay_core as r; "
+    out = subprocess.run([sys.executable, "-c", "import studies.replay_core as r; "
                           "print(r.HAVE_NATIVE)"], env={**os.environ, "KVSERVE_NO_NATIVE": "1"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

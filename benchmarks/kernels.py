@@ -3,7 +3,7 @@ batch-invariant ``triton_bi`` against ``triton``): prefill tok/s and decode
 tok/s per batch, each family on its own engine, built and timed one after the
 other in one process.
 
-``python3 -m engine.bench_kernels --device cuda --model llama-8b-shape --dtype bfloat16``
+``python3 -m benchmarks.kernels --device cuda --model llama-8b-shape --dtype bfloat16``
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from engine.bench import _bench_decode, _bench_prefill
+from benchmarks.engine import _bench_decode, _bench_prefill
 from engine.config import EngineConfig
 from engine.runner import Engine
 

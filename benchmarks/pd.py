@@ -3,9 +3,9 @@
 Two modes, chosen by the device:
 
 - CPU (default): the 6-turn agent conversation through the real services
-  (kvserve.bench_pd_services), smollm2 by default;
+  (benchmarks.pd_services), smollm2 by default;
 - ``--device cuda`` (or ``--inproc`` anywhere): the restore path in one
-  process, engine on the device and tiers in-process (kvserve.bench_pd_restore):
+  process, engine on the device and tiers in-process (benchmarks.pd_restore):
   TTFT cold vs a 90 % prefix hit at several lengths, restore bandwidth against
   the pinned memcpy peak, and the cost-aware rule when the only copy is on disk.
 
@@ -65,17 +65,17 @@ def _run(args: argparse.Namespace) -> int:
     inproc = args.inproc or args.device.startswith("cuda")
     args.block_tokens = load_config(args.config).blocks.block_tokens
     if inproc:
-        from kvserve import bench_pd_restore
+        from benchmarks import pd_restore
 
-        bench_pd_restore.check_device(args.device)
+        pd_restore.check_device(args.device)
         args.model = args.model or "llama-8b-shape"
-        restores, disks = bench_pd_restore.run(args)
+        restores, disks = pd_restore.run(args)
         _report_restore(args, restores, disks)
     else:
-        from kvserve import bench_pd_services
+        from benchmarks import pd_services
 
         args.model = args.model or "smollm2"
-        turns = bench_pd_services.run(args)
+        turns = pd_services.run(args)
         _report_turns(args, turns)
     return 0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli import main
-from kvserve.sweep import parse_capacities, parse_ttls
+from studies.sweep import parse_capacities, parse_ttls
 from tests.shared_data import shared_dir
 
 CONV = str(shared_dir() / "traces/mooncake-fast25/conversation_trace.jsonl")
@@ -133,7 +133,7 @@ def test_store_whatif_reads_a_running_store(redis_url: str, tmp_path: Path,
 @needs_conv
 def test_parallel_sweep_rows_equal_serial() -> None:
     from common.traces import load_trace
-    from kvserve.sweep import run_sweep
+    from studies.sweep import run_sweep
 
     tr = load_trace(CONV, max_requests=2000)
     kw = dict(ttls=[60.0, float("inf")], capacities=[5e5, float("inf")],
@@ -143,7 +143,7 @@ def test_parallel_sweep_rows_equal_serial() -> None:
 
 @needs_conv
 def test_bench_policies_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvstore.replay_core import HAVE_NATIVE
+    from studies.replay_core import HAVE_NATIVE
 
     rows = _run_json(capsys, ["bench", "policies", "--trace", CONV, "--max-requests", "3000",
                               "--capacity", "1e6,inf", "--policy",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.trace_arrays import CompactTrace
-from kvstore.replay_core import next_uses
+from studies.replay_core import next_uses
 
 _BINS: dict[str, tuple[float, ...]] = {
     "turn": (1, 2, 4, 8, 16),

@@ -5,7 +5,7 @@ taken on another build of the kernels in the same process, the two timed in
 alternation (on a shared host the load moves between runs; alternating keeps
 the ratio fair). Timing is the best of several rounds.
 
-    python -m engine.bench_bik [--against /path/to/old/_bik.so] [--ttft] [--json]
+    python -m benchmarks.bik [--against /path/to/old/_bik.so] [--ttft] [--json]
         [--threads 1]   # one thread, timed by its CPU time: steady on a loaded host
 """
 
@@ -168,7 +168,7 @@ def _rows(res: BenchBikResult) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.bench_bik", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bik", description=__doc__)
     ap.add_argument("--against", default="", help="another build's _bik .so, timed alongside")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ttft", action="store_true", help="also cold TTFT of SmolLM2 (loads it)")

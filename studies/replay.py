@@ -4,7 +4,7 @@ simulated warehouse, with no tensors (``kvserve replay``).
 Model (a discrete-event simulation, documented in docs/router.md):
 
 * ``instances`` prefill instances, each a single FIFO server with its own
-  ``kvstore.sim.SimWarehouse`` (tier capacities per instance, eviction policy
+  ``studies.sim.SimWarehouse`` (tier capacities per instance, eviction policy
   and TTL as configured);
 * a request arrives at ``t0 + (t - t0) / load`` (``load`` multiplies the
   trace's arrival rate); the router scores every instance with the same
@@ -15,7 +15,7 @@ Model (a discrete-event simulation, documented in docs/router.md):
 * the request starts when its instance is free; its store is accessed then
   (hit = leading resident blocks; then its blocks are stored or touched);
   service = fetch of the restored tokens at the tier's bandwidth + compute of
-  the rest (``router.replay_cost.CostModel``);
+  the rest (``studies.replay_cost.CostModel``);
 * TTFT = finish - arrival (queue wait + fetch + compute); decode is not
   modelled.
 
@@ -37,7 +37,6 @@ from tqdm import tqdm
 from common.config import HitRule
 from common.traces import Trace
 from kvstore.eviction import policy_names
-from kvstore.sim import SimWarehouse, replay_cache
 from router.placement import (
     PlacementRequest,
     PolicyConfig,
@@ -46,8 +45,9 @@ from router.placement import (
     restorable_tokens,
     router_policy_names,
 )
-from router.replay_cost import CostModel
 from router.view import N_TIERS, CandidateSet
+from studies.replay_cost import CostModel
+from studies.sim import SimWarehouse, replay_cache
 
 # Simulated store tier k is view tier G(k+2): tier 0 = G2 host DRAM, 1 = G3 disk, 2 = G4.
 _VIEW_TIER_OFFSET = 1
@@ -341,7 +341,7 @@ def replay_cluster(trace: Trace, policies: Sequence[str], cfg: ReplayConfig,
 
 @dataclass(frozen=True, slots=True)
 class CacheResult:
-    """Single-store replay of an eviction policy (``kvstore.sim.replay_cache``)."""
+    """Single-store replay of an eviction policy (``studies.sim.replay_cache``)."""
 
     policy: str
     requests: int

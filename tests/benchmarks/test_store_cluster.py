@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from kvstore.bench_cluster import _lookups, _memory, bench_g4
+from benchmarks.store_cluster import _lookups, _memory, bench_g4
 from kvstore.redis_cluster import EmbeddedRedisCluster
 from kvstore.tiers.objstore import OPTIONS_ENV
 from tests.kvstore.s3proc import MotoS3

@@ -24,8 +24,8 @@ from tqdm import tqdm
 from common.trace_arrays import CompactTrace
 from common.traces import Trace
 from kvstore.eviction import policy_names
-from kvstore.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN, compact_of, replay_cache
 from kvstore.whatif import WhatIfRow
+from studies.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN, compact_of, replay_cache
 
 _UNITS_S = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86_400, "w": 604_800}
 _UNITS_TOK = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}

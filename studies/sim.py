@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from common.trace_arrays import CompactTrace
 from common.traces import Trace, TraceRequest
 from kvstore.eviction import CapacityCache, make_policy
-from kvstore.replay_core import ENGINES, native_supports, replay_native
+from studies.replay_core import ENGINES, native_supports, replay_native
 
 # Llama-3-70B: 80 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes (bf16).
 LLAMA3_70B_KV_BYTES_PER_TOKEN = 327_680

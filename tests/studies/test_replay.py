@@ -12,7 +12,7 @@ import pytest
 
 from common.traces import load_trace, rebin
 from kvserve.cli import main
-from router.replay import (
+from studies.replay import (
     ReplayConfig,
     arrival_times,
     calibrate_load,
@@ -20,7 +20,7 @@ from router.replay import (
     replay_cluster,
     simulate,
 )
-from router.replay_cost import DESIGN_POINTS, CostModel, CostModelError
+from studies.replay_cost import DESIGN_POINTS, CostModel, CostModelError
 from tests.shared_data import shared_dir
 
 TRACES = shared_dir() / "traces"

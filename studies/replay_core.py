@@ -1,11 +1,11 @@
-"""The native replay core behind ``kvstore.sim.replay_cache``.
+"""The native replay core behind ``studies.sim.replay_cache``.
 
 ``native._replaycore`` (native/replaycore.c) runs SimWarehouse's single-tier
 accounting for lru, fifo, prefix_lru, s3fifo, belady, hit_density and
 session_density (the policies ``make_policy`` builds: their defaults), with
 per-class TTL expiry, over a ``CompactTrace``; it mirrors the Python code step
 for step, the density policies' float64 arithmetic included, so every hit
-count is identical (tests/kvstore/test_sim.py). Anything else
+count is identical (tests/studies/test_sim.py). Anything else
 (several tiers, other policies, no compiler, ``KVSERVE_NO_NATIVE=1``) takes
 the Python path; ``engine="python"`` forces it.
 """
@@ -23,7 +23,7 @@ import numpy as np
 from common.trace_arrays import CompactTrace
 
 if TYPE_CHECKING:
-    from kvstore.sim import ReplayStats
+    from studies.sim import ReplayStats
 
 _ext: ModuleType | None = None
 if os.environ.get("KVSERVE_NO_NATIVE", "") not in ("1", "true", "yes"):
@@ -89,7 +89,7 @@ def _density_settings(policy: str, ct: CompactTrace) -> tuple[object, ...]:
 
 def _class_ttls(ct: CompactTrace, ttl_s: float | Mapping[str, float],
                 offline: bool) -> tuple[np.ndarray, bool]:
-    from kvstore.sim import _ttl_map
+    from studies.sim import _ttl_map
 
     ttls, default = _ttl_map(ttl_s)
     expiring = any(math.isfinite(v) for v in ttls.values()) or (
@@ -112,7 +112,7 @@ def replay_native(ct: CompactTrace, *, policy: str, capacity_tokens: object,
                   cache_partial: bool = False,
                   next_req: np.ndarray | None = None) -> ReplayStats:
     """One replay in C; the same ``ReplayStats`` as the Python loop, to the bit."""
-    from kvstore.sim import UNLIMITED, ClassStats, ReplayStats
+    from studies.sim import UNLIMITED, ClassStats, ReplayStats
 
     if _ext is None:
         raise RuntimeError("native._replaycore is unavailable (not built or KVSERVE_NO_NATIVE)")

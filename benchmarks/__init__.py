@@ -1,0 +1,6 @@
+"""Every ``kvserve bench …`` command, one module each, named as the command
+(``kvserve bench store`` is ``benchmarks/store.py``), plus the GPU kernel
+scripts (``python -m benchmarks.bik``, ``python -m benchmarks.kernels``).
+
+The top floor: a benchmark may start a whole stack through the launcher, so
+it stands above everything it measures and nothing imports it."""
