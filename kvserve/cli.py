@@ -1,8 +1,9 @@
 """The ``kvserve`` command line: a registry of subcommands built into argparse.
 
-Each module in ``kvserve.commands`` registers its commands by space-separated
-path ("bench engine", "store serve"), so groups such as ``bench`` collect
-subcommands from several modules without an if/elif chain anywhere.
+Each module in ``kvserve.commands`` (and ``benchmarks.commands``, every
+``kvserve bench …``) registers its commands by space-separated path ("bench
+engine", "store serve"), so groups such as ``store`` collect subcommands from
+several modules without an if/elif chain anywhere.
 """
 
 from __future__ import annotations
@@ -91,11 +92,18 @@ class CommandRegistry:
                 self._attach(p, child, f"{dest}_{name}")
 
 
+# Modules outside kvserve.commands that register commands. The benchmarks stand
+# on the floor above this package (they start stacks through its launcher), so
+# they are found by name here, never imported by a statement.
+EXTRA_COMMAND_MODULES = ("benchmarks.commands",)
+
+
 def build_registry() -> CommandRegistry:
     reg = CommandRegistry()
-    for info in pkgutil.iter_modules(kvserve.commands.__path__):
-        module = importlib.import_module(f"kvserve.commands.{info.name}")
-        register = getattr(module, "register", None)
+    names = [f"kvserve.commands.{info.name}"
+             for info in pkgutil.iter_modules(kvserve.commands.__path__)]
+    for name in [*names, *EXTRA_COMMAND_MODULES]:
+        register = getattr(importlib.import_module(name), "register", None)
         if register is not None:
             register(reg)
     return reg

@@ -1,5 +1,4 @@
-"""``kvserve router serve`` (the OpenAI HTTP front and the gRPC Router service)
-and ``kvserve bench front`` (what the front adds to time-to-first-token).
+"""``kvserve router serve`` (the OpenAI HTTP front and the gRPC Router service).
 
 The config is built here from the TOML file plus flags and passed down.
 """
@@ -94,36 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-dense",
-                   help="model of the stack it starts (default tiny-dense: the front's cost "
-                        "stands out against a small compute)")
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--requests", type=int, default=40, help="timed requests per path")
-    p.add_argument("--rejects", type=int, default=400, help="timed 400 answers")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _bench_run(args: argparse.Namespace) -> int:
-    import json
-    from dataclasses import asdict
-
-    from benchmarks.front import FrontBenchConfig, run, table
-
-    try:
-        cfg = FrontBenchConfig(model=args.model, prompt_tokens=args.prompt_tokens,
-                               requests=args.requests, rejects=args.rejects)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    res = run(cfg)
-    print(json.dumps(asdict(res), indent=1) if args.json else table(res))
-    return 0
-
-
 def register(reg: CommandRegistry) -> None:
     reg.group("router", help="the router (OpenAI HTTP front + gRPC Router)")
     reg.add("router serve", help="run the router: OpenAI HTTP front and gRPC Router service",
             configure=_configure, run=_run)
-    reg.group("bench", help="benchmarks (tables; --json for machines)")
-    reg.add("bench front", help="router front overhead on TTFT, and its 400 path",
-            configure=_bench_configure, run=_bench_run)

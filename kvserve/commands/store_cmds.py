@@ -1,4 +1,4 @@
-"""``kvserve store serve|reindex|stats`` and ``kvserve bench store``."""
+"""``kvserve store serve|reindex|stats``."""
 
 from __future__ import annotations
 
@@ -157,18 +157,6 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configure_bench(p: argparse.ArgumentParser) -> None:
-    from benchmarks.store import configure
-
-    configure(p)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from benchmarks.store import run
-
-    return run(args)
-
-
 def register(reg: CommandRegistry) -> None:
     reg.group("store", help="the KV-cache warehouse")
     reg.add("store serve", help="run the kvstore gRPC service", configure=_configure_serve,
@@ -177,6 +165,3 @@ def register(reg: CommandRegistry) -> None:
             configure=_configure_reindex, run=_reindex)
     reg.add("store stats", help="tier and class counters of a running kvstore",
             configure=_configure_stats, run=_stats)
-    reg.group("bench", help="benchmarks (tables; --json for machines)")
-    reg.add("bench store", help="warehouse throughput and lookup latency against raw baselines",
-            configure=_configure_bench, run=_bench)
