@@ -2,9 +2,10 @@
 
 ``VLLMSpec`` is one server's whole command line and environment (the connector's
 ``--kv-transfer-config`` included); ``VLLMProcess`` starts it, waits for its
-``/health`` and stops it. ``run_up`` is ``kvserve up --engine vllm``: Redis,
-one kvstore, ``--vllm-instances`` vLLM servers (``kv_both``, or with ``--pd``
-one ``kv_producer`` + one ``kv_consumer``) and the router with its vLLM backend.
+``/health`` and stops it. ``configure_up`` adds the flags of ``kvserve up
+--engine vllm`` (kvserve/launch_vllm_up.py): Redis, one kvstore,
+``--vllm-instances`` vLLM servers (``kv_both``, or with ``--pd`` one
+``kv_producer`` + one ``kv_consumer``) and the router with its vLLM backend.
 Tests and ``kvserve bench vllm`` start servers through the same spec.
 
 vLLM is started as ``python -m connectors.vllm_cli serve`` (the ``vllm``
@@ -189,9 +190,3 @@ def configure_up(p: argparse.ArgumentParser) -> None:
                    "(decode) that loads the prefill's KV through the warehouse")
     p.add_argument("--vllm-kv-cache-mib", type=int, default=2048,
                    help="KV cache of each vLLM server, MiB (--kv-cache-memory-bytes)")
-
-
-def run_up(args: argparse.Namespace) -> int:
-    from kvserve.launch_vllm_up import run
-
-    return run(args)

@@ -56,14 +56,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = KVServeConfig.load(args.config) if args.config else KVServeConfig()
-        cfg = launcher._effective(cfg, args)
+        cfg = launcher.effective_config(cfg, args)
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
     if args.vllm_instances < 1:
         raise UsageError("--vllm-instances must be >= 1")
     run_dir = Path(args.run_dir) if args.run_dir else launcher.state_path().parent / "run-vllm"
     run_dir.mkdir(parents=True, exist_ok=True)
-    stop = launcher._stop_on_signals()
+    stop = launcher.stop_on_signals()
     redis = None
     redis_url = args.redis_url or cfg.redis.effective_url()
     if not redis_url:
@@ -109,13 +109,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"  vllm     ready at {v.spec.base_url} ({v.spec.kv_role}, "
                   f"{v.ready_s:.0f}s)", file=sys.stderr, flush=True)
         want = {"kvstore", "prefill"} | ({"decode"} if args.pd else set())
-        launcher._wait_registered(redis_url, want, args.ready_timeout)
+        launcher.wait_registered(redis_url, want, args.ready_timeout)
         launcher.start_children([router], args.ready_timeout, stop)
         state = launcher.UpState(
             redis_url=redis_url, model=cfg.model.name, store=store_addr,
             prefill=vllms[0].spec.base_url, decode=vllms[-1].spec.base_url,
             router_http=f"http://{host}:{p.http}", router_grpc=f"{host}:{p.router_grpc}",
-            tiers="G2 host " + launcher._size(cfg.tiers.g2_bytes), pid=os.getpid(),
+            tiers="G2 host " + launcher.human_size(cfg.tiers.g2_bytes), pid=os.getpid(),
             logs={**{c.name: str(c.log) for c in children},
                   **{v.spec.instance_id: str(v.log) for v in vllms}})
         launcher.state_path().parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         for v in vllms:
             v.stop(args.grace)
         launcher.stop_children([store], args.grace)
-        launcher._remove_state()
+        launcher.remove_state()
         if redis is not None:
             redis.stop()
     print("kvserve up: stopped", flush=True)
@@ -147,7 +147,7 @@ def _print(state: launcher.UpState, vllms: list[VLLMProcess]) -> None:
 
 
 def _supervise(children: list[launcher.Child], vllms: list[VLLMProcess],
-               stop: launcher._Stop) -> int:
+               stop: launcher.Stop) -> int:
     while not stop.requested:
         for c in children:
             if c.proc is not None and c.proc.poll() is not None:

@@ -120,18 +120,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("kvserve", "vllm"), default="kvserve",
                    help="kvserve's own prefill/decode services, or vLLM OpenAI servers with "
                    "the kvserve connector (needs the [vllm] extra; docs/vllm.md)")
-    from kvserve.launch_vllm import configure_up
-
-    configure_up(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from common.config import ConfigError
-
-    if getattr(args, "engine", "kvserve") == "vllm":
-        from kvserve.launch_vllm import run_up
-
-        return run_up(args)
 
     if args.state_dir:
         os.environ[STATE_ENV] = str(Path(args.state_dir).resolve() / "up.json")
@@ -140,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--api-key-file {args.api_key_file}: no such file")
     try:
         cfg = KVServeConfig.load(args.config) if args.config else KVServeConfig()
-        cfg = _effective(cfg, args)
+        cfg = effective_config(cfg, args)
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
     metrics_ports = _metrics_ports(cfg, free=args.free_ports)
@@ -149,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else state_path().parent / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     security = _security(args)
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     redis = None
     redis_url = args.redis_url or cfg.redis.effective_url()
     if not redis_url:
@@ -172,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # The router last: its first view of the registry then holds the others.
         start_children([c for c in children if c.name != "router"], args.ready_timeout, stop)
-        _wait_registered(redis_url, {"kvstore", "prefill", "decode"}, args.ready_timeout)
+        wait_registered(redis_url, {"kvstore", "prefill", "decode"}, args.ready_timeout)
         start_children([c for c in children if c.name == "router"], args.ready_timeout, stop)
         state_path().parent.mkdir(parents=True, exist_ok=True)
         _write_private(state_path(), json.dumps(asdict(state), indent=1))
@@ -180,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         code = _supervise(children, stop)
     finally:
         stop_children(children, args.grace)
-        _remove_state()
+        remove_state()
         if redis is not None:
             redis.stop()
     print("kvserve up: stopped", flush=True)
@@ -225,7 +217,7 @@ def _write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)
 
 
-def _remove_state() -> None:
+def remove_state() -> None:
     """Remove the state file if it is ours (another launcher may have replaced it)."""
     with contextlib.suppress(OSError, ValueError, KeyError):
         if json.loads(state_path().read_text())["pid"] == os.getpid():
@@ -284,7 +276,7 @@ def _metrics_ports(cfg: KVServeConfig, *, free: bool) -> dict[str, int]:
     return {"kvstore": base, "prefill": base + 1, "decode": base + 2}
 
 
-def _effective(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
+def effective_config(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
     if args.model:
         cfg = replace(cfg, model=replace(cfg.model, name=args.model))
     g3 = args.g3_path
@@ -353,9 +345,9 @@ def router_available() -> bool:
 def _state(cfg: KVServeConfig, children: list[Child], metrics: dict[str, int]) -> UpState:
     by = {c.name: c for c in children}
     p = cfg.ports
-    tiers = ["G2 host " + _size(cfg.tiers.g2_bytes)]
+    tiers = ["G2 host " + human_size(cfg.tiers.g2_bytes)]
     if cfg.tiers.g3_path:
-        tiers.append(f"G3 disk {cfg.tiers.g3_path} {_size(cfg.tiers.g3_bytes)}")
+        tiers.append(f"G3 disk {cfg.tiers.g3_path} {human_size(cfg.tiers.g3_bytes)}")
     if cfg.tiers.g4_url:
         tiers.append(f"G4 {cfg.tiers.g4_url}")
     router = "router" in by
@@ -375,7 +367,7 @@ def _metrics_urls(host: str, ports: dict[str, int], http: int) -> dict[str, str]
     return urls
 
 
-def _size(n: int) -> str:
+def human_size(n: int) -> str:
     for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
         if n >= div:
             return f"{n / div:.1f}{unit}"
@@ -401,7 +393,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class _Stop:
+class Stop:
     def __init__(self) -> None:
         self.requested = False
 
@@ -409,8 +401,8 @@ class _Stop:
         self.requested = True
 
 
-def _stop_on_signals() -> _Stop:
-    stop = _Stop()
+def stop_on_signals() -> Stop:
+    stop = Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     return stop
@@ -430,7 +422,7 @@ def _healthy(address: str, security: SecurityConfig | None = None) -> bool:
     return res.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def start_children(children: list[Child], timeout_s: float, stop: _Stop | None = None) -> None:
+def start_children(children: list[Child], timeout_s: float, stop: Stop | None = None) -> None:
     """Spawn every child (they load models in parallel), then wait until each
     answers its health check; a child that exits first fails with its log."""
     for c in children:
@@ -438,7 +430,7 @@ def start_children(children: list[Child], timeout_s: float, stop: _Stop | None =
     _wait_ready(children, timeout_s, stop)
 
 
-def _wait_ready(children: list[Child], timeout_s: float, stop: _Stop | None) -> None:
+def _wait_ready(children: list[Child], timeout_s: float, stop: Stop | None) -> None:
     deadline = time.monotonic() + timeout_s
     pending = [c for c in children if c.health]
     while pending:
@@ -460,7 +452,7 @@ def _wait_ready(children: list[Child], timeout_s: float, stop: _Stop | None) -> 
             time.sleep(0.2)
 
 
-def _wait_registered(redis_url: str, roles: set[str], timeout_s: float) -> None:
+def wait_registered(redis_url: str, roles: set[str], timeout_s: float) -> None:
     """Until every role has a live entry in the instance registry."""
     import asyncio
 
@@ -502,7 +494,7 @@ def _print_started(state: UpState, children: list[Child]) -> None:
     print("  try:      kvserve chat --prompt 'Hello'   |   kvserve status", flush=True)
 
 
-def _supervise(children: list[Child], stop: _Stop) -> int:
+def _supervise(children: list[Child], stop: Stop) -> int:
     while not stop.requested:
         for c in children:
             assert c.proc is not None

@@ -21,14 +21,12 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from common.config import TrafficClasses
-from router.auth import ApiKeys, Caller, identify
-from router.body import BodyLimits, install, parse_json_body
+from router.auth import Caller, identify
+from router.body import install, parse_json_body
 from router.chat_plan import chat_shapes, plan_chat
 from router.errors import (
     MethodNotAllowedError,
@@ -38,6 +36,7 @@ from router.errors import (
     RouterError,
     http_error,
 )
+from router.front_config import FrontConfig, Generator
 from router.generation import GenEvent, RouteRequest, Usage
 from router.messages_api import MessagesApi
 from router.metrics import RouterMetrics
@@ -62,41 +61,6 @@ PREFILL_HEADER = "X-KV-Prefill-Instance"
 DECODE_HEADER = "X-KV-Decode-Instance"
 
 
-class Generator(Protocol):
-    """What the front needs from the request flow (router.core.RouterCore)."""
-
-    def generate(self, req: RouteRequest) -> AsyncGenerator[GenEvent, None]: ...
-
-    def live_counts(self) -> dict[str, int]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class FrontConfig:
-    model_name: str
-    max_context: int
-    vocab_size: int
-    classes: TrafficClasses = field(default_factory=TrafficClasses)
-    api_keys: ApiKeys = field(default_factory=ApiKeys)
-    max_body_bytes: int = 16 * 2**20
-    created: int = field(default_factory=lambda: int(time.time()))
-    body: BodyLimits | None = None   # None: the defaults, with max_body_bytes as the size cap
-
-    def __post_init__(self) -> None:
-        if not self.model_name:
-            raise ValueError("FrontConfig.model_name must not be empty")
-        if self.max_context < 2 or self.vocab_size < 1:
-            raise ValueError("FrontConfig.max_context must be >= 2 and vocab_size >= 1")
-        if self.max_body_bytes < 1024:
-            raise ValueError("FrontConfig.max_body_bytes must be >= 1024")
-
-    def body_limits(self) -> BodyLimits:
-        if self.body is not None:
-            return self.body
-        from router.body_decode import DecodeLimits
-
-        return BodyLimits(decode=DecodeLimits(max_bytes=self.max_body_bytes))
-
-
 _APP_KEY = web.AppKey("kvserve_front", object)
 _ENDPOINT_KEY = "kvserve_endpoint"
 
@@ -113,7 +77,7 @@ class Front:
         return identify(request.headers, self.cfg.api_keys, self.cfg.classes)
 
     @staticmethod
-    def _request_id(request: web.Request) -> str:
+    def request_id(request: web.Request) -> str:
         """Ours, always (internal keys derive from it and must be unguessable);
         the client's own id is only logged beside it and echoed back."""
         rid = secrets.token_hex(16)
@@ -132,7 +96,7 @@ class Front:
                                        max_context=self.cfg.max_context)
         # Tools rendered in, the grammar of a forced call or response_format set.
         plan = plan_chat(parsed.messages, parsed.sampling, parsed.tools, parsed.response_format)
-        route = RouteRequest(request_id=self._request_id(request), tenant=caller.tenant,
+        route = RouteRequest(request_id=self.request_id(request), tenant=caller.tenant,
                              traffic_class=caller.traffic_class, sampling=plan.sampling,
                              messages=plan.messages)
         shapes = chat_shapes(ChatShapes(ResponseIds(self.cfg.model_name, chat=True),
@@ -147,7 +111,7 @@ class Front:
                                        vocab_size=self.cfg.vocab_size)
         prompt, token_ids = ((parsed.prompt, ()) if isinstance(parsed.prompt, str)
                              else ("", parsed.prompt))
-        route = RouteRequest(request_id=self._request_id(request), tenant=caller.tenant,
+        route = RouteRequest(request_id=self.request_id(request), tenant=caller.tenant,
                              traffic_class=caller.traffic_class, sampling=parsed.sampling,
                              prompt=prompt, token_ids=token_ids)
         shapes = CompletionShapes(ResponseIds(self.cfg.model_name, chat=False),
@@ -209,7 +173,7 @@ class Front:
         async for ev in events:
             parts.append(ev.text)
             last = ev
-        usage = self._finish(last)
+        usage = self.finish(last)
         body = shapes.whole("".join(parts), last.finish_reason or "stop", usage)
         return web.json_response(body, headers=self._headers(request, route, first))
 
@@ -234,7 +198,7 @@ class Front:
             if not last.finished:
                 raise RouterError("the generation stream ended before it finished")
             await resp.write(sse(shapes.chunk(last.text, last.finish_reason or "stop")))
-            usage = self._finish(last)
+            usage = self.finish(last)
             if shapes.include_usage:
                 await resp.write(sse(shapes.usage_chunk(usage)))
         except ConnectionError:
@@ -264,7 +228,7 @@ class Front:
         return out
 
 
-    def _finish(self, last: GenEvent) -> Usage:
+    def finish(self, last: GenEvent) -> Usage:
         if not last.finished or last.usage is None:
             raise RouterError("the generation stream ended without its usage")
         usage = last.usage

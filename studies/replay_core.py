@@ -16,14 +16,11 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.trace_arrays import CompactTrace
-
-if TYPE_CHECKING:
-    from studies.sim import ReplayStats
+from studies.replay_stats import UNLIMITED, ClassStats, ReplayStats, ttl_map
 
 _ext: ModuleType | None = None
 if os.environ.get("KVSERVE_NO_NATIVE", "") not in ("1", "true", "yes"):
@@ -89,9 +86,7 @@ def _density_settings(policy: str, ct: CompactTrace) -> tuple[object, ...]:
 
 def _class_ttls(ct: CompactTrace, ttl_s: float | Mapping[str, float],
                 offline: bool) -> tuple[np.ndarray, bool]:
-    from studies.sim import _ttl_map
-
-    ttls, default = _ttl_map(ttl_s)
+    ttls, default = ttl_map(ttl_s)
     expiring = any(math.isfinite(v) for v in ttls.values()) or (
         default is not None and math.isfinite(default))
     out = np.empty(len(ct.class_names), dtype=np.float64)
@@ -112,8 +107,6 @@ def replay_native(ct: CompactTrace, *, policy: str, capacity_tokens: object,
                   cache_partial: bool = False,
                   next_req: np.ndarray | None = None) -> ReplayStats:
     """One replay in C; the same ``ReplayStats`` as the Python loop, to the bit."""
-    from studies.sim import UNLIMITED, ClassStats, ReplayStats
-
     if _ext is None:
         raise RuntimeError("native._replaycore is unavailable (not built or KVSERVE_NO_NATIVE)")
     code = NATIVE_POLICIES[policy]

@@ -26,10 +26,10 @@ from common.trace_arrays import CompactTrace
 from common.traces import Trace, TraceRequest
 from kvstore.eviction import CapacityCache, make_policy
 from studies.replay_core import ENGINES, native_supports, replay_native
+from studies.replay_stats import UNLIMITED, ClassStats, ReplayStats, ttl_map
 
 # Llama-3-70B: 80 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes (bf16).
 LLAMA3_70B_KV_BYTES_PER_TOKEN = 327_680
-UNLIMITED = 1 << 62
 # An order key for Belady: request ordinal, then depth (a child sorts after its parent).
 _DEPTH_SLOTS = 1 << 20
 
@@ -43,43 +43,6 @@ class AccessResult:
     stored_blocks: int       # newly stored by this request
     evicted_blocks: int      # dropped from the last tier by this request
     tier_hits: tuple[int, ...]   # hit blocks served by each tier
-
-
-@dataclass(slots=True)
-class ClassStats:
-    requests: int = 0
-    blocks: int = 0
-    hit_blocks: int = 0
-    tokens: int = 0
-    hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_blocks / self.blocks if self.blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.tokens if self.tokens else 0.0
-
-    def add(self, other: ClassStats) -> None:
-        self.requests += other.requests
-        self.blocks += other.blocks
-        self.hit_blocks += other.hit_blocks
-        self.tokens += other.tokens
-        self.hit_tokens += other.hit_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayStats:
-    hit_rate: float                  # block hit rate, all classes
-    token_hit_rate: float
-    per_class: dict[str, ClassStats]
-    bytes_peak: int
-    bytes_mean: float                # time-weighted over the replayed span
-    evictions: int                   # capacity evictions out of the last tier
-    expirations: int                 # blocks removed by their TTL
-    requests: int
-    tier_hits: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,18 +63,6 @@ class Future:
             for h in ids:
                 last[h] = i
         return cls(tuple(out), tuple(r.t for r in trace.requests))
-
-
-def _ttl_map(ttl_s: float | Mapping[str, float]) -> tuple[dict[str, float], float | None]:
-    if isinstance(ttl_s, Mapping):
-        ttls = {str(k): float(v) for k, v in ttl_s.items()}
-        default = ttls.pop("*", None)
-    else:
-        ttls, default = {}, float(ttl_s)
-    for name, v in [*ttls.items(), ("*", default if default is not None else math.inf)]:
-        if not v > 0:
-            raise ValueError(f"ttl for class {name!r} must be > 0 seconds (inf = none), got {v}")
-    return ttls, default
 
 
 class SimWarehouse:
@@ -143,7 +94,7 @@ class SimWarehouse:
         self.tiers = [CapacityCache(c, make_policy(policy)) for c in caps]
         self.offline = bool(getattr(self.tiers[0].policy, "offline", False))
         self.future = future
-        self._ttls, self._ttl_default = _ttl_map(ttl_s)
+        self._ttls, self._ttl_default = ttl_map(ttl_s)
         self._expiring = any(math.isfinite(v) for v in self._ttls.values()) or (
             self._ttl_default is not None and math.isfinite(self._ttl_default))
         self._where: dict[int, int] = {}                 # key -> tier index

@@ -124,14 +124,19 @@ def _run_decode(args: argparse.Namespace) -> int:
 
 
 def _configure_up(p: argparse.ArgumentParser) -> None:
+    from kvserve.launch_vllm import configure_up
     from kvserve.launcher import configure
 
     configure(p)
+    configure_up(p)
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from kvserve.launcher import run
-
+    # --engine: kvserve's own services, or vLLM servers with the kvserve connector.
+    if args.engine == "vllm":
+        from kvserve.launch_vllm_up import run
+    else:
+        from kvserve.launcher import run
     return run(args)
 
 
