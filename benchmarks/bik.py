@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks.harness import Chart, Report, Table, emit, interleaved, output_flags
 from engine import bik
 
 # (M, K, N): q/o (576 -> 576), k/v (576 -> 192), gate_up (576 -> 3072), down (1536 -> 576)
@@ -60,17 +58,10 @@ def _clock() -> Callable[[], float]:
 
 def _best(fns: dict[str, Callable[[], object]], reps: int, rounds: int) -> dict[str, float]:
     """Best seconds per call of each fn, the fns interleaved round by round."""
-    clock = _clock()
-    best = dict.fromkeys(fns, math.inf)
-    for fn in fns.values():
-        fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = clock()
-            for _ in range(reps):
-                fn()
-            best[name] = min(best[name], (clock() - t0) / reps)
-    return best
+    timings = interleaved({name: (lambda _r, fn=fn: fn()) for name, fn in fns.items()},
+                          rounds=rounds, warmup=True, calls=dict.fromkeys(fns, reps),
+                          clock=_clock())
+    return {name: tm.min for name, tm in timings.items()}
 
 
 Ctx = Callable[[], contextlib.AbstractContextManager[None]]
@@ -161,27 +152,24 @@ def run_bench_bik(opts: BenchBikOptions) -> BenchBikResult:
     return res
 
 
-def _rows(res: BenchBikResult) -> Iterator[str]:
-    yield f"bik kernels on {res.machine}"
-    for k, v in res.values.items():
-        yield f"  {k:48s} {v:10.3f}"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bik", description=__doc__)
     ap.add_argument("--against", default="", help="another build's _bik .so, timed alongside")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ttft", action="store_true", help="also cold TTFT of SmolLM2 (loads it)")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--json", action="store_true")
+    output_flags(ap)
     a = ap.parse_args(argv)
     res = run_bench_bik(BenchBikOptions(against=a.against, rounds=a.rounds, ttft=a.ttft,
                                         threads=a.threads))
-    if a.json:
-        json.dump({"machine": res.machine, "values": res.values}, sys.stdout, indent=1)
-        print()
-    else:
-        print("\n".join(_rows(res)))
+    ratios = {k.removeprefix("gemm_").removesuffix("_bik_vs_mkl"): v
+              for k, v in res.values.items() if k.endswith("_bik_vs_mkl")}
+    emit(Report(f"bik kernels on {res.machine}", {"machine": res.machine, "values": res.values},
+                [Table(("metric", "value"), list(res.values.items()))],
+                chart=Chart("bik GEMM / torch.mm (MKL), same run", tuple(ratios),
+                            {"bik / MKL": list(ratios.values())}, kind="barh",
+                            xlabel="throughput ratio")),
+         as_json=a.json, png=a.png)
     return 0
 
 

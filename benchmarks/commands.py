@@ -1,25 +1,26 @@
-"""Every ``kvserve bench …`` command: its flags, and a run that imports its
-benchmark only when it runs (importing torch would slow every kvserve
-command down). ``kvserve/cli.py`` finds this module by name: the benchmarks
-stand above the CLI's package, so the CLI cannot import them.
+"""Every ``kvserve bench …`` command: its flags, and a run on the harness
+(``benchmarks/harness.py``) that imports its benchmark only when it runs
+(importing torch would slow every kvserve command down). Each benchmark
+module ``benchmarks/<command>.py`` has ``report(args) -> Report``.
+
+``kvserve/cli.py`` finds this module by name: the benchmarks stand above the
+CLI's package (they start stacks through its launcher), so it cannot import them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from dataclasses import asdict
+import importlib
+from collections.abc import Callable
 
-from kvserve.cli import CommandRegistry, UsageError
-from kvserve.commands.engine_cmds import engine_args, engine_user_errors
-from kvserve.commands.vllm_cmds import need_vllm
+from benchmarks.harness import Report, output_flags, runner
+from kvserve.cli import CommandRegistry
+from kvserve.commands.engine_cmds import engine_args
+from kvserve.trace_args import add_trace_args
 
-# ------------------------------------------------------------ bench engine
 
-def _engine_configure(p: argparse.ArgumentParser) -> None:
+def _engine(p: argparse.ArgumentParser) -> None:
     engine_args(p)
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="prefill chunk, a multiple of --block-tokens (default: the block on "
                         "CPU, 2048 on CUDA); restores snap to chunk boundaries")
@@ -33,147 +34,138 @@ def _engine_configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     p.add_argument("--decode-bucket", type=int, default=0,
                    help="decode rows per forward (default 8 on CPU, the biggest batch on CUDA)")
+    output_flags(p)
 
 
-def _engine_run(args: argparse.Namespace) -> int:
-    from benchmarks.engine import BenchOptions, print_table, run_engine_bench
-
-    try:
-        opts = BenchOptions(model=args.model, device=args.device, dtype=args.dtype,
-                            block_tokens=args.block_tokens, num_blocks=args.num_blocks,
-                            prefill_chunk=args.prefill_chunk,
-                            prefill_tokens=tuple(args.prefill_tokens or ()),
-                            decode_batches=tuple(args.decode_batches or ()),
-                            decode_steps=args.decode_steps, big_model=args.big_model,
-                            threads=args.threads, decode_bucket=args.decode_bucket)
-        result = run_engine_bench(opts)
-    except engine_user_errors() as exc:
-        raise UsageError(str(exc)) from exc
-    print_table(result, file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2))
-    return 0
-
-
-# ------------------------------------------------------------ bench front
-
-def _front_configure(p: argparse.ArgumentParser) -> None:
+def _front(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-dense",
                    help="model of the stack it starts (default tiny-dense: the front's cost "
                         "stands out against a small compute)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--requests", type=int, default=40, help="timed requests per path")
     p.add_argument("--rejects", type=int, default=400, help="timed 400 answers")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    output_flags(p)
 
 
-def _front_run(args: argparse.Namespace) -> int:
-    from benchmarks.front import FrontBenchConfig, run, table
-
-    try:
-        cfg = FrontBenchConfig(model=args.model, prompt_tokens=args.prompt_tokens,
-                               requests=args.requests, rejects=args.rejects)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    res = run(cfg)
-    print(json.dumps(asdict(res), indent=1) if args.json else table(res))
-    return 0
+def _hashing(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
+    p.add_argument("--rounds", type=int, default=100, help="interleaved timing rounds")
+    p.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep")
+    output_flags(p)
 
 
-# ------------------------------------------------------------ bench router
+def _pd(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="kvserve TOML config file ([blocks] block size etc.)")
+    p.add_argument("--model", default=None,
+                   help="model (default smollm2 on CPU, llama-8b-shape in-process)")
+    p.add_argument("--device", default="cpu", help="cpu (services benchmark) or cuda[:N]")
+    p.add_argument("--inproc", action="store_true",
+                   help="run the in-process restore benchmark even on CPU")
+    output_flags(p, png_default="bench-pd.png")
+    services = p.add_argument_group("services mode (CPU)")
+    services.add_argument("--turns", type=int, default=6)
+    services.add_argument("--max-tokens", type=int, default=32, help="answer length per turn")
+    services.add_argument("--tool-lines", type=int, default=6, help="lines of each tool result")
+    services.add_argument("--ready-timeout", type=float, default=600.0)
+    services.add_argument("--canonical-wait", type=float, default=10.0,
+                          help="decode's --canonical-wait (0: the old write after the answer, "
+                               "to see the next turn miss)")
+    inproc = p.add_argument_group("in-process mode (--device cuda or --inproc)")
+    inproc.add_argument("--lengths", default="4096,16384,32768",
+                        help="prompt lengths, capped below the model's context")
+    inproc.add_argument("--hit-fractions", default="0.9,0.99",
+                        help="prefix-hit fractions to time (0.9 is the goal's case)")
+    inproc.add_argument("--prefill-chunk", type=int, default=2048,
+                        help="engine prefill chunk in tokens (a block multiple)")
+    inproc.add_argument("--g3-dir", default=None,
+                        help="parent of the G3 directory (default $TMPDIR)")
+    inproc.add_argument("--dtype", default=None, help="engine dtype (default bfloat16 on cuda)")
+    inproc.add_argument("--kernels", default="auto",
+                        help="engine kernel family (engine/kernels.py); with an invariant one "
+                             "(triton_bi, bik) restores need no cut to a chunk boundary")
 
-def _router_configure(p: argparse.ArgumentParser) -> None:
+
+def _policies(p: argparse.ArgumentParser) -> None:
+    add_trace_args(p, grid=False)                   # its --capacity comes with --json
+    p.add_argument("--ttl", default="inf", help="one TTL for every replay (default inf)")
+    p.add_argument("--policy", default="all", help="policies to compare (Belady is always run)")
+    p.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
+                   help="replay core: native C where it has the policy (auto), or the "
+                        "Python loop (python: the 'before' figures)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="time each replay N times and report the best (default 1)")
+    output_flags(p, png=("--plot", "--png"), json_flag=False)
+
+
+def _router(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--decisions", type=int, default=5000)
     p.add_argument("--policy", default="cache_aware")
     p.add_argument("--cpu", type=int, default=0, help="core to pin to (-1: no pinning)")
-    p.add_argument("--json", action="store_true", help="print results as JSON")
+    output_flags(p)
 
 
-def _router_run(args: argparse.Namespace) -> int:
-    from benchmarks.router import BenchConfig, run_bench
-    from router.placement import UnknownPolicyError
-
-    try:
-        cfg = BenchConfig(instances=args.instances, prompt_tokens=args.prompt_tokens,
-                          decisions=args.decisions, policy=args.policy,
-                          cpu=None if args.cpu < 0 else args.cpu,
-                          progress=sys.stderr.isatty())
-        res = run_bench(cfg)
-    except (UnknownPolicyError, ValueError) as exc:
-        raise UsageError(str(exc)) from exc
-    out = asdict(res) | {"instances": cfg.instances, "prompt_tokens": cfg.prompt_tokens,
-                         "policy": cfg.policy,
-                         "goal": {"decisions_per_s": 5000, "p99_ms": 2.0},
-                         "goal_met": res.decisions_per_s >= 5000 and res.p99_ms < 2.0}
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"{cfg.policy}, {cfg.instances} instances, {cfg.prompt_tokens}-token prompts, "
-          f"{res.cpu}, {res.keys_in_view} block keys in the view")
-    print(f"{'decisions/s':>12}{'p50 ms':>9}{'p99 ms':>9}{'hash ms':>9}{'tokenize ms':>13}")
-    print(f"{res.decisions_per_s:>12.0f}{res.p50_ms:>9.3f}{res.p99_ms:>9.3f}"
-          f"{res.hash_ms_p50:>9.3f}{res.tokenize_ms_p50:>13.2f}  ({res.tokenizer})")
-    return 0
+def _store(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-bytes", type=int, default=2 * 2**20, help="bytes per block")
+    p.add_argument("--blocks", type=int, default=64, help="blocks per pass")
+    p.add_argument("--repeats", type=int, default=3, help="passes per row (best is reported)")
+    p.add_argument("--chain", type=int, default=2048, help="blocks per lookup chain")
+    p.add_argument("--lookups", type=int, default=300, help="lookups timed")
+    p.add_argument("--dir", default="", help="directory for disk rows (default: a temp dir)")
+    p.add_argument("--redis-url", default="", help="Redis (default: an embedded server)")
+    output_flags(p)
+    p.add_argument("--mooncake-python", default="",
+                   help="a Python with mooncake-transfer-engine-non-cuda installed (its bin/ "
+                        "holds mooncake_master): adds Mooncake Store rows side by side")
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                   help="also start a local Redis Cluster of N masters (+N replicas, N >= 3) "
+                        "and report its lookup, bytes per block and failover time "
+                        "(benchmarks/store_cluster.py)")
+    p.add_argument("--g4", default="", metavar="URL",
+                   help="also put/get the blocks through a G4 tier at URL (e.g. s3://bucket/p; "
+                        "endpoint and credentials from KVSERVE_G4_OPTIONS / AWS_* env)")
+    p.add_argument("--only", default="",
+                   help="comma-separated steps to run (memory,disk,redis,lookup,service,"
+                        "ack,mooncake,cluster,g4); default: all that apply")
 
 
-# ------------------------------------------------------------ bench store
-
-def _store_configure(p: argparse.ArgumentParser) -> None:
-    from benchmarks.store import configure
-
-    configure(p)
-
-
-def _store_run(args: argparse.Namespace) -> int:
-    from benchmarks.store import run
-
-    return run(args)
-
-
-# ------------------------------------------------------------ bench vllm
-
-def _vllm_configure(p: argparse.ArgumentParser) -> None:
+def _vllm(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="prompts timed (medians over them)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--tls-dir", default="", help="mTLS deployment directory for the kvstore")
     p.add_argument("--insecure", action="store_true", help="plain text to the kvstore")
+    output_flags(p)
 
 
-def _vllm_run(args: argparse.Namespace) -> int:
-    need_vllm()
-    if args.reps < 1:
-        raise UsageError("--reps must be >= 1")
-    import os
+# command -> (help, flags); the benchmark is benchmarks/<command>.py
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "engine": ("engine prefill/decode throughput and KV export/import", _engine),
+    "front": ("router front overhead on TTFT, and its 400 path", _front),
+    "hashing": ("block-key chain: native vs hashlib ceiling vs fallback", _hashing),
+    "pd": ("prefill/decode TTFT cold vs warm (services on CPU; restore path in-process with "
+           "--device cuda)", _pd),
+    "policies": ("eviction policies against Belady's optimum on trace replays (hit rate and "
+                 "ratio per capacity)", _policies),
+    "router": ("placement decisions per second on one core", _router),
+    "store": ("warehouse throughput and lookup latency against raw baselines", _store),
+    "vllm": ("vLLM TTFT: cold, warm from the warehouse in a fresh process, warm from its own "
+             "cache", _vllm),
+}
 
-    from benchmarks.vllm import main
-    from connectors.vllm import _client_takes_security
 
-    tls = args.tls_dir or os.environ.get("KVSERVE_TLS_DIR", "")
-    insecure = args.insecure or not (tls and _client_takes_security())
-    return main(args.reps, args.json, tls_dir="" if insecure else tls, insecure=insecure)
+def _measure(command: str) -> Callable[[argparse.Namespace], Report]:
+    def measure(args: argparse.Namespace) -> Report:
+        report: Callable[[argparse.Namespace], Report] = importlib.import_module(
+            f"benchmarks.{command}").report
+        return report(args)
+
+    return measure
 
 
 def register(reg: CommandRegistry) -> None:
-    from benchmarks import hashing, pd, policies
-
     reg.group("bench", help="benchmarks (tables; --json for machines)")
-    reg.add("bench engine", help="engine prefill/decode throughput and KV export/import",
-            configure=_engine_configure, run=_engine_run)
-    reg.add("bench front", help="router front overhead on TTFT, and its 400 path",
-            configure=_front_configure, run=_front_run)
-    reg.add("bench policies", help="eviction policies against Belady's optimum on trace "
-                                   "replays (hit rate and ratio per capacity)",
-            configure=policies.configure, run=policies.run)
-    reg.add("bench router", help="placement decisions per second on one core",
-            configure=_router_configure, run=_router_run)
-    reg.add("bench store", help="warehouse throughput and lookup latency against raw baselines",
-            configure=_store_configure, run=_store_run)
-    reg.add("bench vllm", help="vLLM TTFT: cold, warm from the warehouse in a fresh process, "
-            "warm from its own cache", configure=_vllm_configure, run=_vllm_run)
-    hashing.register(reg)
-    pd.register(reg)
+    for command, (text, flags) in COMMANDS.items():
+        reg.add(f"bench {command}", help=text, configure=flags, run=runner(_measure(command)))
 
 
-__all__ = ["register"]
+__all__ = ["COMMANDS", "register"]

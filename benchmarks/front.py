@@ -18,18 +18,20 @@ the HTTP layer alone.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
 
+from benchmarks.harness import Chart, Report, Table, quantile
+from kvserve.cli import UsageError
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from security.config import TLS_DIR_ENV, SecurityConfig
 
@@ -64,13 +66,8 @@ class FrontBenchResult:
     rejects_per_s: float
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
-
-
 def _ms(xs: list[float], q: float) -> float:
-    return round(_pct(xs, q) * 1e3, 2)
+    return round(quantile(xs, q) * 1e3, 2)
 
 
 async def _direct(prefill: prefill_pb2_grpc.PrefillStub, decode: decode_pb2_grpc.DecodeStub,
@@ -150,7 +147,7 @@ async def _measure(cfg: FrontBenchConfig, prefill_addr: str, decode_addr: str, h
         model=cfg.model, prompt_tokens=cfg.prompt_tokens, requests=cfg.requests,
         ttft_direct_p50_ms=_ms(direct, 0.5), ttft_direct_p90_ms=_ms(direct, 0.9),
         ttft_router_p50_ms=_ms(routed, 0.5), ttft_router_p90_ms=_ms(routed, 0.9),
-        overhead_p50_ms=round((statistics.median(routed) - statistics.median(direct)) * 1e3, 2),
+        overhead_p50_ms=round((quantile(routed, 0.5) - quantile(direct, 0.5)) * 1e3, 2),
         reject_p50_ms=_ms(rejects, 0.5), reject_p99_ms=_ms(rejects, 0.99),
         rejects_per_s=round(cfg.rejects / rejects_s, 1))
 
@@ -206,14 +203,23 @@ def run(cfg: FrontBenchConfig) -> FrontBenchResult:
             stop_children(children, 10.0)
 
 
-def table(r: FrontBenchResult) -> str:
-    rows = [("direct gRPC Prefill+Decode", r.ttft_direct_p50_ms, r.ttft_direct_p90_ms),
-            ("router HTTP /v1/completions", r.ttft_router_p50_ms, r.ttft_router_p90_ms)]
-    out = [f"model {r.model}, {r.prompt_tokens}-token fresh prompts, {r.requests} requests "
-           "per path, interleaved", "",
-           "| path | TTFT p50 ms | TTFT p90 ms |", "|---|---|---|"]
-    out += [f"| {name} | {p50:.2f} | {p90:.2f} |" for name, p50, p90 in rows]
-    out += ["", f"front overhead (p50 difference): {r.overhead_p50_ms:.2f} ms",
-            f"rejected by validation (400): p50 {r.reject_p50_ms:.2f} ms, p99 "
-            f"{r.reject_p99_ms:.2f} ms, {r.rejects_per_s:.0f} requests/s sequential"]
-    return "\n".join(out)
+def report(args: argparse.Namespace) -> Report:
+    """``kvserve bench front``: the flags in, the harness's report out."""
+    try:
+        cfg = FrontBenchConfig(model=args.model, prompt_tokens=args.prompt_tokens,
+                               requests=args.requests, rejects=args.rejects)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    r = run(cfg)
+    table = Table(("path", "TTFT p50 ms", "TTFT p90 ms"))
+    table.add("direct gRPC Prefill+Decode", r.ttft_direct_p50_ms, r.ttft_direct_p90_ms)
+    table.add("router HTTP /v1/completions", r.ttft_router_p50_ms, r.ttft_router_p90_ms)
+    return Report(f"model {r.model}, {r.prompt_tokens}-token fresh prompts, {r.requests} "
+                  "requests per path, interleaved", asdict(r), [table], notes=[
+                      f"front overhead (p50 difference): {r.overhead_p50_ms:.2f} ms",
+                      f"rejected by validation (400): p50 {r.reject_p50_ms:.2f} ms, p99 "
+                      f"{r.reject_p99_ms:.2f} ms, {r.rejects_per_s:.0f} requests/s sequential"],
+                  chart=Chart(f"TTFT through the front, {r.model}", ("p50", "p90"),
+                              {"direct gRPC": [r.ttft_direct_p50_ms, r.ttft_direct_p90_ms],
+                               "router HTTP": [r.ttft_router_p50_ms, r.ttft_router_p90_ms]},
+                              ylabel="ms"))

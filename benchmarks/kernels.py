@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-from benchmarks.engine import _bench_decode, _bench_prefill
+from benchmarks.engine import bench_decode, bench_prefill
+from benchmarks.harness import Chart, Report, Table, emit
 from engine.config import EngineConfig
 from engine.runner import Engine
 
@@ -25,9 +26,9 @@ def bench_family(model: str, dtype: str, device: str, kernels: str, prefill: int
     eng = Engine(EngineConfig(model=model, dtype=dtype, device=device, kernels=kernels,
                               block_tokens=64, num_blocks=1024, prefill_chunk=2048,
                               decode_bucket=max(batches)))
-    out = {"prefill_tok_s": prefill / _bench_prefill(eng, prefill, repeat=3)}
+    out = {"prefill_tok_s": prefill / bench_prefill(eng, prefill, repeat=3)}
     for b in batches:
-        out[f"decode_tok_s_b{b}"] = _bench_decode(eng, b, steps, ctx)
+        out[f"decode_tok_s_b{b}"] = bench_decode(eng, b, steps, ctx)
     del eng
     gc.collect()
     if device.startswith("cuda"):
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--png", default="", help="also draw the throughputs into this PNG")
     a = p.parse_args(argv)
     res: dict[str, object] = {"model": a.model, "dtype": a.dtype}
     for k in a.kernels:
@@ -55,7 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     fb, fo = res[base], res[other]
     assert isinstance(fb, dict) and isinstance(fo, dict)
     res[f"{other}_vs_{base}"] = {key: fo[key] / fb[key] for key in fb}
-    print(json.dumps(res, indent=1))
+    families = {k: res[k] for k in a.kernels}
+    table = Table(("metric", *a.kernels, f"{other}/{base}"))
+    for key in fb:
+        table.add(key, *[families[k][key] for k in a.kernels], fo[key] / fb[key])
+    # JSON on stdout always (the GPU runs collect it), the table on stderr.
+    emit(Report(f"kernel families on {a.model} {a.dtype}, {a.device}", res, [table],
+                chart=Chart(f"kernel families, {a.model} {a.dtype}", tuple(fb),
+                            {k: list(families[k].values()) for k in a.kernels},
+                            ylabel="tokens/s")), as_json=True, png=a.png)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import timed
 from kvserve.cli import UsageError
 
 HIT_FRACTION = 0.9
@@ -196,12 +197,9 @@ def _prefill(eng: Any, seq: str, toks: list[int], restored: Any = None,
              cap: int | None = None) -> float:
     from engine import SamplingParams
 
-    _sync(eng)
-    t0 = time.perf_counter()
-    eng.prefill(seq, toks, sampling=SamplingParams(max_tokens=1), restored=restored,
-                max_restore_tokens=cap)
-    _sync(eng)
-    return time.perf_counter() - t0
+    return timed(lambda: eng.prefill(seq, toks, sampling=SamplingParams(max_tokens=1),
+                                     restored=restored, max_restore_tokens=cap),
+                 repeats=1, warmup=0, sync=lambda: _sync(eng)).min
 
 
 def _keys(eng: Any, toks: list[int]) -> list[bytes]:
@@ -307,13 +305,8 @@ def _memcpy_peak(eng: Any, nbytes: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=eng.device.type == "cuda")
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=eng.device)
-    best = float("inf")
-    for _ in range(3):
-        _sync(eng)
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        _sync(eng)
-        best = min(best, time.perf_counter() - t0)
+    best = timed(lambda: dst.copy_(src, non_blocking=True), repeats=3, warmup=0,
+                 sync=lambda: _sync(eng)).min
     return nbytes / best / 1e9
 
 

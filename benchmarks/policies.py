@@ -5,33 +5,19 @@ uses per second each replay core runs."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from typing import Any
 
+from benchmarks.harness import Chart, Report, Table, quantile, timed
 from common.trace_arrays import CompactTrace
 from kvserve.cli import UsageError
-from kvserve.trace_args import add_trace_args, load_traces, trace_note
-from studies.sweep import fmt_tokens, parse_capacities, parse_policies, parse_ttls
+from kvserve.trace_args import load_traces, trace_note
+from studies.sweep import fmt_seconds, fmt_tokens, parse_capacities, parse_policies, parse_ttls
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    add_trace_args(p, grid=False)
-    p.add_argument("--ttl", default="inf", help="one TTL for every replay (default inf)")
-    p.add_argument("--policy", default="all", help="policies to compare (Belady is always run)")
-    p.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
-                   help="replay core: native C where it has the policy (auto), or the "
-                        "Python loop (python: the 'before' figures)")
-    p.add_argument("--repeat", type=int, default=1, metavar="N",
-                   help="time each replay N times and report the best (default 1)")
-    p.add_argument("--plot", metavar="PNG",
-                   help="write each policy's ratio to Belady vs capacity here")
-
-
-def run(args: argparse.Namespace) -> int:
-    import time
-
+def report(args: argparse.Namespace) -> Report:
+    """``kvserve bench policies``: the flags in, the harness's report out."""
     from tqdm import tqdm
 
     from studies.sim import compact_of, replay_cache
@@ -59,15 +45,16 @@ def run(args: argparse.Namespace) -> int:
                 if _engine_used(args.engine, policy) == "python" and py_trace is None:
                     py_trace = trace.to_trace()
                 src = py_trace if _engine_used(args.engine, policy) == "python" else trace
-                best_s = best_cpu = math.inf
-                for _ in range(args.repeat):
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    st = replay_cache(src, policy=policy, capacity_tokens=c, ttl_s=ttl,
-                                      kv_bytes_per_token=args.kv_bytes_per_token,
-                                      engine=args.engine)
-                    best_s = min(best_s, time.perf_counter() - t0)
-                    best_cpu = min(best_cpu, time.process_time() - c0)
-                results[policy] = (st, best_s, best_cpu)
+                last: list[Any] = []
+
+                def replay(src: Any = src, policy: str = policy, c: float | None = c,
+                           last: list[Any] = last) -> None:
+                    last[:] = [replay_cache(src, policy=policy, capacity_tokens=c, ttl_s=ttl,
+                                            kv_bytes_per_token=args.kv_bytes_per_token,
+                                            engine=args.engine)]
+
+                tm = timed(replay, repeats=args.repeat, warmup=0)
+                results[policy] = (last[0], tm.min, min(tm.cpu))
             best = results["belady"][0]
             for policy, (st, secs, cpu) in results.items():
                 rows.append({"trace": trace.name, "capacity_tokens": c, "ttl_s":
@@ -80,16 +67,9 @@ def run(args: argparse.Namespace) -> int:
                              # CPU time of this process: one core's rate on a loaded machine
                              "block_uses_per_cpu_s": uses / cpu if cpu > 0 else math.inf,
                              "engine": _engine_used(args.engine, policy)})
-    if args.plot:
-        from studies.sweep import plot_policies
-
-        plot_policies(rows, args.plot)
-        print(f"# plot: {args.plot}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    print(_policy_table(rows, policies))
-    return 0
+    return Report(f"eviction policies against Belady's optimum, TTL {fmt_seconds(ttl)}: hit "
+                  "rate (ratio to Belady); goal: where LRU < 0.9 of Belady, the best policy "
+                  ">= 0.95", rows, [_table(rows, policies)], chart=_chart(rows))
 
 
 def _engine_used(engine: str, policy: str) -> str:
@@ -98,29 +78,38 @@ def _engine_used(engine: str, policy: str) -> str:
     return "native" if engine != "python" and native_supports(policy, None) else "python"
 
 
-def _policy_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
+def _table(rows: list[dict[str, Any]], policies: list[str]) -> Table:
     """One line per trace x capacity: Belady's hit rate, each policy's hit rate
     and ratio to it, and whether the goal holds (LRU < 0.9 -> best >= 0.95)."""
     cells = {(r["trace"], r["capacity_tokens"], r["policy"]): r for r in rows}
-    head = f"{'trace':<26} {'capacity':>9} {'belady':>7} " + " ".join(
-        f"{p:>17}" for p in policies) + "  goal"
-    out = [head, "-" * len(head)]
-    speed = {p: [r["block_uses_per_s"] for r in rows if r["policy"] == p]
-             for p in ["belady", *policies]}
+    table = Table(("trace", "capacity", "belady", *policies, "goal"))
     for trace, cap in dict.fromkeys((r["trace"], r["capacity_tokens"]) for r in rows):
-        bel = cells[(trace, cap, "belady")]["hit_rate"]
         ratios = {p: cells[(trace, cap, p)]["ratio_to_belady"] for p in policies}
-        parts = [f"{cells[(trace, cap, p)]['hit_rate']:.3f} ({ratios[p]:.2f})" for p in policies]
         lru = ratios.get("lru")
         best = max(ratios.values()) if ratios else 0.0
         goal = "n/a (lru>=0.9)" if lru is None or lru >= 0.9 else (
             "met" if best >= 0.95 else "missed")
-        out.append(f"{trace[:26]:<26} {fmt_tokens(math.inf if cap is None else cap):>9} "
-                   f"{bel:7.3f} " + " ".join(f"{x:>17}" for x in parts) + f"  {goal}")
-    out.append(f"{'M block uses/s (median)':<36} " + f"{_median(speed['belady']) / 1e6:7.2f} "
-               + " ".join(f"{_median(speed[p]) / 1e6:>17.2f}" for p in policies))
-    return "\n".join(out)
+        table.add(trace[:26], fmt_tokens(math.inf if cap is None else cap),
+                  f"{cells[(trace, cap, 'belady')]['hit_rate']:.3f}",
+                  *[f"{cells[(trace, cap, p)]['hit_rate']:.3f} ({ratios[p]:.2f})"
+                    for p in policies], goal)
+    speed = {p: [r["block_uses_per_s"] for r in rows if r["policy"] == p]
+             for p in ["belady", *policies]}
+    table.add("M block uses/s (median)", "",
+              *[f"{quantile(speed[p], 0.5) / 1e6:.2f}" if speed[p] else "" for p in speed], "")
+    return table
 
 
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2] if xs else 0.0
+def _chart(rows: list[dict[str, Any]]) -> Chart:
+    """Each policy's hit rate as a fraction of Belady's vs capacity (one line per
+    trace and policy), the 0.95 goal and the 0.9 line drawn."""
+    mine = [r for r in rows if r["policy"] != "belady" and r["capacity_tokens"] is not None]
+    caps = tuple(sorted({r["capacity_tokens"] for r in mine}))
+    cells = {(r["trace"], r["policy"], r["capacity_tokens"]): r["ratio_to_belady"] for r in mine}
+    lines = dict.fromkeys((r["trace"], r["policy"]) for r in mine)
+    many = len({trace for trace, _ in lines}) > 1
+    return Chart("hit rate / Belady's vs capacity", caps,
+                 {(f"{trace[:20]} {policy}" if many else policy):
+                  [cells.get((trace, policy, c)) for c in caps] for trace, policy in lines},
+                 ylabel="hit rate / Belady's", xlabel="capacity (tokens)", kind="line",
+                 logx=10, refs=(("goal 0.95", 0.95), ("0.9", 0.9)))

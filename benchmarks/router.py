@@ -15,21 +15,25 @@ lower bound).
 
 from __future__ import annotations
 
+import argparse
 import os
-import time
-from dataclasses import dataclass
+import sys
+from dataclasses import asdict, dataclass
 
 import numpy as np
-from tqdm import tqdm
 
+from benchmarks.harness import Chart, Goal, Report, Table, check_goals, timed
 from common.config import HitRule
+from kvserve.cli import UsageError
 from kvstore.keys import chain_keys
 from kvstore.registry import InstanceInfo
-from router.placement import Placer, make_router_policy
+from router.placement import Placer, UnknownPolicyError, make_router_policy
 from router.view import GLOBAL, ClusterView, PrefixView
 
 SYSTEM_TOKENS = 1024
 PER_NODE = 8
+GOALS = (Goal("decisions/s >= 5000 on one core", "decisions_per_s", at_least=5000),
+         Goal("decision p99 < 2 ms", "p99_ms", below=2.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +100,7 @@ def time_tokenize(prompt_tokens: int, runs: int = 30) -> tuple[float, str]:
     text = " ".join(words[i % len(words)] + str(i % 97) for i in range(prompt_tokens))
     while len(encode(text)) > prompt_tokens * 1.2:
         text = text[: int(len(text) * 0.8)]
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        encode(text)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times) * 1e3), name
+    return timed(lambda: encode(text), repeats=runs, warmup=0).median * 1e3, name
 
 
 def _build(cfg: BenchConfig, rng: np.random.Generator
@@ -147,30 +146,54 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     is_new = rng.random(cfg.decisions) < 0.125
     work = [fresh[k % len(fresh)] if new else prompts[k] for k, new in zip(pick, is_new,
                                                                          strict=True)]
-    lat = np.empty(cfg.decisions)
-    hashing = []
     for prompt in work[:200]:                         # warm caches and the allocator
         placer.place_prefill(cv.candidates("prefill"), chain_keys(
             prompt, block_tokens=cfg.block_tokens, tenant="bench", fingerprint=fp), len(prompt))
-    clock = time.perf_counter
-    cpu0 = time.thread_time()
-    start = clock()
-    for k, prompt in enumerate(tqdm(work, desc="bench router", disable=not cfg.progress,
-                                    mininterval=1.0)):
-        t = clock()
+    todo = iter(work)
+
+    def decide() -> None:
+        prompt = next(todo)
         keys = chain_keys(prompt, block_tokens=cfg.block_tokens, tenant="bench", fingerprint=fp)
         placer.place_prefill(cv.candidates("prefill"), keys, len(prompt))
-        lat[k] = clock() - t
-    total = clock() - start
-    cpu = time.thread_time() - cpu0
-    for prompt in work[:500]:
-        t = clock()
-        chain_keys(prompt, block_tokens=cfg.block_tokens, tenant="bench", fingerprint=fp)
-        hashing.append(clock() - t)
+
+    lat = timed(decide, repeats=cfg.decisions, warmup=0,
+                progress="bench router" if cfg.progress else "")
+    hashed = iter(work[:500])
+    hashing = timed(lambda: chain_keys(next(hashed), block_tokens=cfg.block_tokens,
+                                       tenant="bench", fingerprint=fp),
+                    repeats=min(500, len(work)), warmup=0)
     tok_ms, tok_name = time_tokenize(cfg.prompt_tokens)
-    return BenchResult(cfg.decisions, cfg.decisions / total, cfg.decisions / max(cpu, 1e-9),
-                       float(np.percentile(lat, 50) * 1e3), float(np.percentile(lat, 99) * 1e3),
-                       float(np.median(hashing) * 1e3), tok_ms, tok_name, pinned, len(pv))
+    return BenchResult(cfg.decisions, cfg.decisions / lat.total,
+                       cfg.decisions / max(sum(lat.cpu), 1e-9), lat.quantile(0.5) * 1e3,
+                       lat.quantile(0.99) * 1e3, hashing.median * 1e3, tok_ms, tok_name,
+                       pinned, len(pv))
 
 
-__all__ = ["BenchConfig", "BenchResult", "run_bench", "time_tokenize"]
+def report(args: argparse.Namespace) -> Report:
+    """``kvserve bench router``: the flags in, the harness's report out."""
+    try:
+        cfg = BenchConfig(instances=args.instances, prompt_tokens=args.prompt_tokens,
+                          decisions=args.decisions, policy=args.policy,
+                          cpu=None if args.cpu < 0 else args.cpu,
+                          progress=sys.stderr.isatty())
+        res = run_bench(cfg)
+    except (UnknownPolicyError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+    verdicts = check_goals(GOALS, asdict(res))
+    out = asdict(res) | {"instances": cfg.instances, "prompt_tokens": cfg.prompt_tokens,
+                         "policy": cfg.policy,
+                         "goal": {"decisions_per_s": 5000, "p99_ms": 2.0},
+                         "goal_met": all(v.met for v in verdicts)}
+    table = Table(("decisions/s", "per CPU s", "p50 ms", "p99 ms", "hash ms", "tokenize ms"))
+    table.add(res.decisions_per_s, res.decisions_per_cpu_s, res.p50_ms, res.p99_ms,
+              res.hash_ms_p50, res.tokenize_ms_p50)
+    return Report(f"{cfg.policy}, {cfg.instances} instances, {cfg.prompt_tokens}-token "
+                  f"prompts, {res.cpu}, {res.keys_in_view} block keys in the view", out,
+                  [table], verdicts, notes=[f"tokenizer: {res.tokenizer}"],
+                  chart=Chart(f"one placement decision, {cfg.instances} instances",
+                              ("decision p50", "decision p99", "hashing p50", "tokenize p50"),
+                              {"ms": [res.p50_ms, res.p99_ms, res.hash_ms_p50,
+                                      res.tokenize_ms_p50]}, kind="barh", xlabel="ms"))
+
+
+__all__ = ["BenchConfig", "BenchResult", "report", "run_bench", "time_tokenize"]

@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -43,87 +42,34 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import Chart, Goal, Report, Table, Timing, check_goals, interleaved
+
 # Mooncake Store over TCP on loopback, measured on these CPU machines
 # (docs/architecture.md#reference-figures):
 # put 1.0-1.5 GB/s, get 1.1-1.8 GB/s, 2,048-key existence check 2.65 ms p99.
 MOONCAKE = {"put_gbps": (1.0, 1.5), "get_gbps": (1.1, 1.8), "lookup_p99_ms": 2.65}
-# (goal, metric, at least this multiple of a reference row, or None = at most `bound`)
-GOALS: tuple[tuple[str, str, str | None, float], ...] = (
-    ("G3 write >= 0.9x raw write", "g3_write_gbps", "raw_write_gbps", 0.9),
-    ("G3 read >= 0.9x raw read", "g3_read_gbps", "raw_read_gbps", 0.9),
-    ("shm get >= 0.9x memcpy (interleaved)", "shm_gbps", "shm_memcpy_gbps", 0.9),
-    ("lookup p99 < 2 ms", "lookup_p99_ms", None, 2.0),
-    ("gRPC put >= 1.5x Mooncake (1.5 GB/s high end)", "grpc_put_gbps", None, -1.5 * 1.5),
-    ("gRPC get >= 1.5x Mooncake (1.8 GB/s high end)", "grpc_gbps", None, -1.5 * 1.8),
+GOALS: tuple[Goal, ...] = (
+    Goal("G3 write >= 0.9x raw write", "g3_write_gbps", at_least=0.9, ref="raw_write_gbps"),
+    Goal("G3 read >= 0.9x raw read", "g3_read_gbps", at_least=0.9, ref="raw_read_gbps"),
+    Goal("shm get >= 0.9x memcpy (interleaved)", "shm_gbps", at_least=0.9, ref="shm_memcpy_gbps"),
+    Goal("lookup p99 < 2 ms", "lookup_p99_ms", below=2.0),
+    Goal("gRPC put >= 1.5x Mooncake (1.5 GB/s high end)", "grpc_put_gbps", at_least=1.5 * 1.5),
+    Goal("gRPC get >= 1.5x Mooncake (1.8 GB/s high end)", "grpc_gbps", at_least=1.5 * 1.8),
+    # Mooncake measured in the same run, when --mooncake-python gives it:
+    Goal("gRPC put >= 1.5x Mooncake put (same run)", "grpc_put_gbps", at_least=1.5,
+         ref="mooncake_put_gbps"),
+    Goal("gRPC get >= 1.5x Mooncake get (same run)", "grpc_gbps", at_least=1.5,
+         ref="mooncake_get_gbps"),
+    Goal("lookup p99 < Mooncake's (same run)", "lookup_p99_ms", below=1.0,
+         ref="mooncake_lookup_p99_ms"),
 )
-
-
-_PEER_GOALS: tuple[tuple[str, str, str | None, float], ...] = (
-    ("gRPC put >= 1.5x Mooncake put (same run)", "grpc_put_gbps", "mooncake_put_gbps", 1.5),
-    ("gRPC get >= 1.5x Mooncake get (same run)", "grpc_gbps", "mooncake_get_gbps", 1.5),
-    ("lookup p99 < Mooncake's (same run)", "lookup_p99_ms", "mooncake_lookup_p99_ms", -1.0),
-)
-
-
-def check_goals(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each goal's measured value, target and verdict (negative bound = a floor;
-    a negative multiple of a reference row = at most that row)."""
-    out = {}
-    from benchmarks.store_cluster import CLUSTER_GOALS
-
-    goals = GOALS + (_PEER_GOALS if "mooncake_put_gbps" in res else ()) + \
-        (CLUSTER_GOALS if "cluster_lookup_p99_ms" in res else ())
-    goals = tuple(g for g in goals if g[1] in res and (g[2] is None or g[2] in res))
-    for name, metric, ref, k in goals:
-        value = float(res[metric])
-        if ref is not None:
-            target = abs(k) * float(res[ref])
-            met = value >= target if k > 0 else value < target
-        elif k < 0:
-            target, met = -k, value >= -k
-        else:
-            target, met = k, value < k
-        out[name] = {"metric": metric, "value": round(value, 3), "target": round(target, 3),
-                     "met": met}
-    return out
-
-
-def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-bytes", type=int, default=2 * 2**20, help="bytes per block")
-    p.add_argument("--blocks", type=int, default=64, help="blocks per pass")
-    p.add_argument("--repeats", type=int, default=3, help="passes per row (best is reported)")
-    p.add_argument("--chain", type=int, default=2048, help="blocks per lookup chain")
-    p.add_argument("--lookups", type=int, default=300, help="lookups timed")
-    p.add_argument("--dir", default="", help="directory for disk rows (default: a temp dir)")
-    p.add_argument("--redis-url", default="", help="Redis (default: an embedded server)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--png", default="", help="also draw the throughput rows into this PNG")
-    p.add_argument("--mooncake-python", default="",
-                   help="a Python with mooncake-transfer-engine-non-cuda installed (its bin/ "
-                        "holds mooncake_master): adds Mooncake Store rows side by side")
-    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
-                   help="also start a local Redis Cluster of N masters (+N replicas, N >= 3) "
-                        "and report its lookup, bytes per block and failover time "
-                        "(benchmarks/store_cluster.py)")
-    p.add_argument("--g4", default="", metavar="URL",
-                   help="also put/get the blocks through a G4 tier at URL (e.g. s3://bucket/p; "
-                        "endpoint and credentials from KVSERVE_G4_OPTIONS / AWS_* env)")
-    p.add_argument("--only", default="",
-                   help="comma-separated steps to run (memory,disk,redis,lookup,service,"
-                        "mooncake,cluster,g4); default: all that apply")
 
 
 def _interleaved(nbytes: int, repeats: int,
                  fns: dict[str, Callable[[int], None]]) -> dict[str, float]:
-    """Best GB/s of each function, running them in turn within every round, so
-    a row and its baseline see the same moments of a shared, busy machine."""
-    best = dict.fromkeys(fns, float("inf"))
-    for r in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn(r)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: nbytes / t / 1e9 for name, t in best.items()}
+    """Best GB/s of each function, the functions run in turn within every round."""
+    return {name: nbytes / tm.min / 1e9
+            for name, tm in interleaved(fns, rounds=repeats).items()}
 
 
 class _Data:
@@ -272,9 +218,9 @@ def bench_redis(d: _Data, repeats: int, url: str) -> dict[str, float]:
 
 
 def _percentiles(times: list[float]) -> tuple[float, float]:
-    times = sorted(times)
-    p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
-    return statistics.median(times) * 1e3, p99 * 1e3
+    """p50 and p99, ms."""
+    tm = Timing(tuple(times))
+    return tm.median * 1e3, tm.quantile(0.99) * 1e3
 
 
 async def bench_lookup(url: str, chain: int, lookups: int) -> dict[str, float]:
@@ -376,9 +322,9 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
                             np.copyto(dst[i], d.arr[i])
                         copy_t.append(time.perf_counter() - t0)
                 for mode, (put_t, get_t, copy_t) in runs.items():
-                    out[f"{mode}_memcpy_gbps"] = d.total / min(copy_t) / 1e9
-                    out[f"{mode}_put_gbps"] = d.total / min(put_t) / 1e9
-                    out[f"{mode}_gbps"] = d.total / min(get_t) / 1e9
+                    out[f"{mode}_memcpy_gbps"] = d.total / Timing(tuple(copy_t)).min / 1e9
+                    out[f"{mode}_put_gbps"] = d.total / Timing(tuple(put_t)).min / 1e9
+                    out[f"{mode}_gbps"] = d.total / Timing(tuple(get_t)).min / 1e9
             finally:
                 for c in clients:
                     await c.close()
@@ -516,33 +462,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(dir=args.dir or None) as tmp, \
                 tqdm(total=len(steps), desc="bench store", file=sys.stderr) as bar:
+            run = _steps(args, d, url, Path(tmp), mooncake)
             for step in steps:
                 bar.set_postfix_str(step)
-                if step == "memory":
-                    res.update(bench_memory(d, args.repeats))
-                elif step == "disk":
-                    res.update(bench_disk(d, args.repeats, Path(tmp)))
-                elif step == "redis":
-                    res.update(bench_redis(d, args.repeats, url))
-                elif step == "lookup":
-                    res.update(asyncio.run(bench_lookup(url, args.chain, args.lookups)))
-                elif step == "cluster":
-                    from benchmarks.store_cluster import bench_cluster
-
-                    res.update(bench_cluster(args.redis_cluster, url, args.chain, args.lookups))
-                elif step == "g4":
-                    from benchmarks.store_cluster import bench_g4
-
-                    res.update(bench_g4(args.g4, d.views, args.repeats))
-                elif step == "service":
-                    res.update(asyncio.run(bench_service(d, args.repeats, url, args.chain,
-                                                         args.lookups)))
-                elif step == "ack":                 # issue 10: ack = "g2" vs "durable"
-                    from benchmarks.store_ack import bench_ack
-
-                    res.update(asyncio.run(bench_ack(d.arr, args.repeats, url, Path(tmp))))
-                else:
-                    res.update(bench_mooncake(mooncake, d, args.repeats))
+                res.update(run[step]())
                 bar.update()
     finally:
         if embedded is not None:
@@ -551,43 +474,46 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         res["mooncake"] = "not installed: pass --mooncake-python (see docs/BENCHMARKS.md)"
     if "shm_gbps" in res:   # every shm copy verified (xxh3 while copying), same run
         res["shm_get_vs_memcpy"] = res["shm_gbps"] / res["shm_memcpy_gbps"]
-    res["goals"] = check_goals(res)
+    res["goals"] = {v.goal: v.as_json() for v in check_goals(_goals(), res)}
     return res
 
 
-def _table(res: dict[str, Any]) -> str:
-    rows = [(k, v) for k, v in res.items() if isinstance(v, float)]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -------"]
-    lines += [f"{k:<{width}}  {v:8.3f}" for k, v in rows]
-    lines.append(f"(blocks {res['blocks']} x {res['block_bytes']} B; best of repeats)")
-    lines.append("")
-    for name, g in res["goals"].items():
-        lines.append(f"{'met ' if g['met'] else 'MISS'}  {name}: {g['value']} "
-                     f"(target {g['target']})")
-    return "\n".join(lines)
+def _goals() -> tuple[Goal, ...]:
+    from benchmarks.store_cluster import CLUSTER_GOALS
+
+    return GOALS + CLUSTER_GOALS
 
 
-def _plot(res: dict[str, Any], path: str) -> None:
-    import matplotlib
+def _steps(args: argparse.Namespace, d: _Data, url: str, tmp: Path,
+           mooncake: str) -> dict[str, Callable[[], dict[str, Any]]]:
+    """Each step of ``--only`` and what it measures."""
+    from benchmarks.store_ack import bench_ack
+    from benchmarks.store_cluster import bench_cluster, bench_g4
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    return {
+        "memory": lambda: bench_memory(d, args.repeats),
+        "disk": lambda: bench_disk(d, args.repeats, tmp),
+        "redis": lambda: bench_redis(d, args.repeats, url),
+        "lookup": lambda: asyncio.run(bench_lookup(url, args.chain, args.lookups)),
+        "service": lambda: asyncio.run(bench_service(d, args.repeats, url, args.chain,
+                                                     args.lookups)),
+        # issue 10: puts acknowledged at G2 vs after the G3 fsync
+        "ack": lambda: asyncio.run(bench_ack(d.arr, args.repeats, url, tmp)),
+        "mooncake": lambda: bench_mooncake(mooncake, d, args.repeats),
+        "cluster": lambda: bench_cluster(args.redis_cluster, url, args.chain, args.lookups),
+        "g4": lambda: bench_g4(args.g4, d.views, args.repeats),
+    }
 
-    rows = [(k.removesuffix("_gbps"), v) for k, v in res.items()
-            if k.endswith("_gbps") and isinstance(v, float)]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.barh([k for k, _ in rows], [v for _, v in rows])
-    ax.set_xlabel("GB/s")
-    ax.set_title(f"kvserve bench store ({res['blocks']} x {res['block_bytes'] // 2**20} MiB)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
-
-def run(args: argparse.Namespace) -> int:
+def report(args: argparse.Namespace) -> Report:
+    """``kvserve bench store``: the flags in, the harness's report out."""
     res = measure(args)
-    if args.png:
-        _plot(res, args.png)
-    print(json.dumps(res, indent=None) if args.json else _table(res))
-    return 0
+    rows = [(k, v) for k, v in res.items() if isinstance(v, float)]
+    table = Table(("metric", "value"), rows)
+    verdicts = check_goals(_goals(), res)
+    gbps = [(k.removesuffix("_gbps"), v) for k, v in rows if k.endswith("_gbps")]
+    return Report(f"kvserve bench store: blocks {res['blocks']} x {res['block_bytes']} B, "
+                  "best of repeats", res, [table], verdicts,
+                  chart=Chart(f"kvserve bench store ({res['blocks']} x "
+                              f"{res['block_bytes'] // 2**20} MiB)", tuple(k for k, _ in gbps),
+                              {"GB/s": [v for _, v in gbps]}, kind="barh", xlabel="GB/s"))

@@ -16,9 +16,10 @@ Medians over ``--reps`` prompts; the target is warehouse-warm <= 1.3 x local-war
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import Chart, Goal, Report, Table, check_goals, quantile
+from kvserve.cli import UsageError
 from kvserve.launch_vllm import VLLMProcess, VLLMSpec
 
 PROMPT_TOKENS = 1493
@@ -116,7 +119,7 @@ def run_bench(model_dir: str, *, reps: int, work: Path, store_address: str, redi
         warm = [timed_completion(spec2.base_url, p) for p in prompts]
     finally:
         two.stop()
-    med = lambda xs: statistics.median(x.ttft_s for x in xs)  # noqa: E731
+    med = lambda xs: quantile([x.ttft_s for x in xs], 0.5)  # noqa: E731
     ratio = med(warm) / med(local)
     return VLLMBenchResult(
         prompt_tokens=PROMPT_TOKENS, reps=reps, ttft_cold_s=med(cold),
@@ -129,7 +132,37 @@ def run_bench(model_dir: str, *, reps: int, work: Path, store_address: str, redi
         start_s=[round(one.ready_s, 1), round(two.ready_s, 1)])
 
 
-def main(reps: int, as_json: bool, *, tls_dir: str = "", insecure: bool = False) -> int:
+def report(args: argparse.Namespace) -> Report:
+    """``kvserve bench vllm``: the flags in, the harness's report out."""
+    from connectors.vllm import _client_takes_security
+    from kvserve.commands.vllm_cmds import need_vllm
+
+    need_vllm()
+    if args.reps < 1:
+        raise UsageError("--reps must be >= 1")
+    tls = args.tls_dir or os.environ.get("KVSERVE_TLS_DIR", "")
+    insecure = args.insecure or not (tls and _client_takes_security())
+    r = measure(args.reps, tls_dir="" if insecure else tls, insecure=insecure)
+    table = Table(("", "TTFT s", ""))
+    table.add("TTFT cold", r.ttft_cold_s, "")
+    table.add("TTFT warm, vLLM's own prefix cache", r.ttft_warm_local_s,
+              f"cached {r.cached_tokens_local}")
+    table.add("TTFT warm, fresh process via warehouse", r.ttft_warm_warehouse_s,
+              f"cached {r.cached_tokens_warehouse}")
+    table.add("identical tokens", "", f"{r.identical}: {r.reps} prompts of {r.prompt_tokens}")
+    verdicts = check_goals((Goal(f"warehouse-warm TTFT <= {r.target_ratio} x local-warm "
+                                 "(same run)", "ttft_warm_warehouse_s",
+                                 at_most=r.target_ratio, ref="ttft_warm_local_s"),), asdict(r))
+    return Report(f"kvserve bench vllm: ratio warehouse / local {r.ratio_warehouse_to_local:.2f}"
+                  f" x, target <= {r.target_ratio} ({'met' if r.met else 'missed'})",
+                  asdict(r), [table], verdicts, notes=[f"vLLM start: {r.start_s} s"],
+                  chart=Chart(f"vLLM TTFT, {r.prompt_tokens}-token prompts",
+                              ("cold", "warm: own cache", "warm: warehouse"),
+                              {"TTFT s": [r.ttft_cold_s, r.ttft_warm_local_s,
+                                          r.ttft_warm_warehouse_s]}, ylabel="s"))
+
+
+def measure(reps: int, *, tls_dir: str = "", insecure: bool = False) -> VLLMBenchResult:
     from engine.fetch import fetch_model
     from kvserve import launcher
     from kvstore.redis_server import EmbeddedRedis, free_port
@@ -153,9 +186,8 @@ def main(reps: int, as_json: bool, *, tls_dir: str = "", insecure: bool = False)
                                tls_dir=tls_dir, insecure=insecure, port=free_port(), log=_log)
         finally:
             launcher.stop_children([store], 10.0)
-    print_result(result, as_json)
     _log(f"logs in {work}")
-    return 0
+    return result
 
 
 def _wait_saved(redis_url: str, instance: str, blocks: int, timeout_s: float = 120.0) -> None:
@@ -178,27 +210,6 @@ def _wait_saved(redis_url: str, instance: str, blocks: int, timeout_s: float = 1
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def table(r: VLLMBenchResult) -> str:
-    rows = [("TTFT cold", f"{r.ttft_cold_s:.3f} s", ""),
-            ("TTFT warm, vLLM's own prefix cache", f"{r.ttft_warm_local_s:.3f} s",
-             f"cached {r.cached_tokens_local}"),
-            ("TTFT warm, fresh process via warehouse", f"{r.ttft_warm_warehouse_s:.3f} s",
-             f"cached {r.cached_tokens_warehouse}"),
-            ("warehouse / local", f"{r.ratio_warehouse_to_local:.2f} x",
-             f"target <= {r.target_ratio} ({'met' if r.met else 'missed'})"),
-            ("identical tokens", str(r.identical), f"{r.reps} prompts of {r.prompt_tokens}")]
-    w = max(len(a) for a, _, _ in rows)
-    return "\n".join(f"{a:<{w}}  {b:>10}  {c}" for a, b, c in rows)
-
-
-def print_result(r: VLLMBenchResult, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(asdict(r), indent=1))
-    else:
-        print(table(r))
-    sys.stdout.flush()
 
 
 def work_dir() -> Path:

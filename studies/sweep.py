@@ -242,39 +242,3 @@ def plot_sweep(rows: Sequence[Any], path: str | Path, *, title: str = "") -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def plot_policies(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
-    """``bench policies`` rows: each policy's hit rate as a fraction of
-    Belady's vs capacity, one panel per trace, the 0.95 goal and 0.9 line drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    traces = list(dict.fromkeys(r["trace"] for r in rows))
-    if not traces:
-        raise ValueError("no rows to plot")
-    fig, axes = plt.subplots(1, len(traces), figsize=(5.5 * len(traces), 4.2), squeeze=False)
-    for ax, trace in zip(axes[0], traces, strict=True):
-        mine = [r for r in rows if r["trace"] == trace and r["policy"] != "belady"]
-        caps = sorted({r["capacity_tokens"] for r in mine if r["capacity_tokens"] is not None})
-        for policy in dict.fromkeys(r["policy"] for r in mine):
-            pts = sorted((r["capacity_tokens"], r["ratio_to_belady"]) for r in mine
-                         if r["policy"] == policy and r["capacity_tokens"] is not None)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", ms=3, label=policy)
-        ax.axhline(0.95, color="k", linestyle="--", linewidth=0.8, label="goal 0.95")
-        ax.axhline(0.9, color="grey", linestyle=":", linewidth=0.8)
-        ax.set_xscale("log")
-        ax.set_xticks(caps)
-        ax.set_xticklabels([fmt_tokens(c) for c in caps], rotation=45)
-        ax.set_ylim(0, 1.05)
-        ax.set_xlabel("capacity (tokens)")
-        ax.set_ylabel("hit rate / Belady's")
-        ax.set_title(trace, fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -9,7 +9,7 @@ import time
 from kvserve.cli import CommandRegistry, UsageError
 
 
-def engine_user_errors() -> tuple[type[Exception], ...]:
+def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that mean "bad input or bad model", printed without a traceback
     (imported late: importing torch would slow every kvserve command down)."""
     from engine.errors import EngineError
@@ -57,7 +57,7 @@ def _gen_run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         res = eng.generate(tokens, sampling)
         dt = time.perf_counter() - t0
-    except engine_user_errors() as exc:
+    except _user_errors() as exc:
         raise UsageError(str(exc)) from exc
     print(res.text)
     if args.stats:
@@ -78,7 +78,7 @@ def _fetch_run(args: argparse.Namespace) -> int:
 
     try:
         print(fetch_model(args.name))
-    except engine_user_errors() as exc:
+    except _user_errors() as exc:
         raise UsageError(str(exc)) from exc
     return 0
 
@@ -93,7 +93,7 @@ def _import_run(args: argparse.Namespace) -> int:
 
     try:
         res = import_gguf(args.file, args.out)
-    except engine_user_errors() as exc:
+    except _user_errors() as exc:
         raise UsageError(str(exc)) from exc
     print(f"{res.out_dir}: {res.tensors} tensors, {res.params / 1e6:.1f}M parameters")
     return 0
