@@ -1,7 +1,7 @@
 """Running one admitted request on the instances: Prefill, then the Decode
 stream up to its first event, with retries, under one end-to-end budget.
 
-What an instance's answer means here (contracts.md, "Busy instance"):
+What an instance's answer means here (docs/services.md, "Busy"):
 
 * busy (RESOURCE_EXHAUSTED, refused before any work, ``retry-after-ms``):
   try another instance of the role; when every one is busy, wait for the

@@ -143,8 +143,8 @@ class UpstreamError(RouterError):
         super().__init__(message, code="upstream_error")
         self.retryable = retryable
         self.instance = instance
-        # The instance refused before doing any work (RESOURCE_EXHAUSTED, contracts.md):
-        # busy, not broken; try again after busy_s (its retry-after-ms).
+        # The instance refused before doing any work (RESOURCE_EXHAUSTED; docs/services.md,
+        # "Busy"): busy, not broken; try again after busy_s (its retry-after-ms).
         self.busy_s = busy_s
         # The instance answered, but with the failure of a call it made itself
         # (decode's PullKV from prefill): the instance it called is to blame.
