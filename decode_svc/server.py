@@ -323,7 +323,13 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     def _release_later(self, handle: prefill_pb2.KVHandle) -> None:
         task = asyncio.get_running_loop().create_task(self.puller.release(handle))
         self._releases.add(task)                 # keep a reference until it is done
-        task.add_done_callback(self._releases.discard)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task[None]) -> None:
+        """Best effort, but never an unretrieved exception: log what went wrong."""
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("release of a prefill buffer failed: %r", task.exception())
 
     async def _rebuild(self, handle: prefill_pb2.KVHandle,
                        chk: _Checked) -> Callable[[str], None]:

@@ -184,7 +184,7 @@ class Admission:
             now = self._clock()
             self._rate.dispatched(now, w.cost, backlogged=self._standing)
             self._standing = bool(self._queue)
-            self._start(w.key, w.tenant, w.cost, w.arrived, now, gauge=False)
+            self._start(w.key, w.tenant, w.cost, w.arrived, now)
             w.admitted.set_result(None)
             self._gauge(w.tenant)
 
@@ -199,8 +199,7 @@ class Admission:
     def _eligible_waiting(self) -> bool:
         return any(self._keys.may_start(w.key) for w in self._queue)
 
-    def _start(self, key: str, tenant: str, cost: int, arrived: float, now: float, *,
-               gauge: bool = True) -> Ticket:
+    def _start(self, key: str, tenant: str, cost: int, arrived: float, now: float) -> Ticket:
         self._in_prefill += 1
         self._prefill_tokens += cost
         self._in_service += 1
