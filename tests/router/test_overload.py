@@ -95,10 +95,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str) -> Iterato
             start_all(*procs)
             wait_until(lambda: live_counts(router.http) == {"prefill": 1, "decode": 1}, 60,
                        "router sees prefill and decode")
+            wait_until(lambda: _answers(router.http), 90, "router answers", 1.0)
             yield Overload(router, pre, dec)
         finally:
             for p in procs:
                 p.kill()
+
+
+def _answers(base: str) -> bool:
+    try:
+        return _send(base, LOAD_KEYS[-1], [1_000, 2_000, 3_000], max_tokens=1).status == 200
+    except OSError:
+        return False
 
 
 def _trace_prompts(n: int) -> list[tuple[str, list[int]]]:
