@@ -34,17 +34,16 @@ from kvstore.redis_server import EmbeddedRedis
 from tests.prefill_svc.procs import Proc, engine_service, start_all, store, write_config
 from tests.router.front_stack import (
     RouterProc,
-    http,
     live_counts,
     metric_sum,
     router_proc,
     wait_until,
 )
+from tests.shared_data import SHARED
 
 MODEL = "smollm2"
 BLOCK = 64
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-fast25" / \
-    "conversation_trace.jsonl"
+TRACE = SHARED / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
 ADMISSION = """
 [admission]
 max_queue_wait_s = 1.5
