@@ -31,7 +31,13 @@ from kvstore.keys import chain_keys
 from proto import common_pb2, decode_pb2, prefill_pb2
 from router.admission import Admission
 from router.dispatch import Budget, Dispatcher
-from router.errors import ContextLengthError, InvalidRequestError, UpstreamError, upstream_error
+from router.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    NoInstanceError,
+    UpstreamError,
+    upstream_error,
+)
 from router.generation import GenEvent, RouteRequest, Usage
 from router.live_view import LiveView
 from router.metrics import RouterMetrics
@@ -126,7 +132,11 @@ class RouterCore:
                                          self.meta.max_context)
         sampling = self.sampling(req.sampling, len(tokens),
                                  prompt_param="messages" if req.messages else "prompt")
-        fingerprint = self.view.fingerprint()
+        try:
+            fingerprint = self.view.fingerprint()
+        except NoInstanceError:           # no prefill at all: a 503, counted like admission's
+            self.metrics.rejected.labels(reason="no_instance").inc()
+            raise
         keys = chain_keys(tokens, block_tokens=self.cfg.block_tokens, tenant=req.tenant,
                           fingerprint=bytes.fromhex(fingerprint), secret=self.cfg.secret)
         ctx = common_pb2.RequestContext(request_id=req.request_id, tenant=req.tenant,
