@@ -205,6 +205,52 @@ class RouterSection:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionSection:
+    """The router's one admission layer (docs/router.md, "Admission"): per-tenant
+    fair queues with a bounded wait, per-API-key rate and concurrency limits,
+    429 + Retry-After for backpressure. Every decision is taken before any
+    instance does work for the request."""
+
+    max_queue_wait_s: float = 30.0    # the queue-wait SLO: refused up front when the wait
+                                      # it would see exceeds it, 429 if still queued at it
+    request_timeout_s: float = 3600.0  # end-to-end budget of an admitted request, sent to the
+                                       # services as gRPC deadlines (no per-hop timers)
+    max_queued: int = 1024            # requests waiting in all queues together
+    prefill_depth: int = 16           # requests at once in prefill, per live prefill instance
+    prefill_tokens: int = 16384       # their prompt tokens, per live prefill instance (one
+                                      # request always passes an empty stage, however long)
+    decode_slots: int = 128           # requests at once in service, per live decode instance
+                                      # (decode's max_seqs + max_waiting)
+    key_rate_per_s: float = 0.0       # per API key: token-bucket rate (0 = no rate limit)
+    key_burst: int = 0                # per API key: bucket size (0 = max(1, rate))
+    key_max_concurrency: int = 0      # per API key: requests in service at once (0 = no limit)
+    key_max_queued: int = 256         # per API key: requests waiting at once
+    fair_quantum_tokens: int = 2048   # prompt tokens a tenant may send per fair-queue round
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue_wait_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"admission.{name} must be > 0, got {getattr(self, name)}")
+        if self.request_timeout_s < self.max_queue_wait_s:
+            raise ConfigError("admission.request_timeout_s must be >= max_queue_wait_s (the "
+                              "budget includes the wait)")
+        if self.key_rate_per_s < 0:
+            raise ConfigError(f"admission.key_rate_per_s must be >= 0, got {self.key_rate_per_s}")
+        for name in ("max_queued", "prefill_depth", "prefill_tokens", "decode_slots",
+                     "key_max_queued", "fair_quantum_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"admission.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("key_burst", "key_max_concurrency"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"admission.{name} must be >= 0 (0 = off), "
+                                  f"got {getattr(self, name)}")
+
+    @property
+    def burst(self) -> int:
+        return self.key_burst or max(1, int(self.key_rate_per_s))
+
+
+@dataclass(frozen=True, slots=True)
 class Ports:
     host: str = "127.0.0.1"
     kvstore: int = 50051
@@ -228,6 +274,7 @@ _SECTIONS: dict[str, type] = {
     "tiers": TierConfig,
     "redis": RedisSection,
     "router": RouterSection,
+    "admission": AdmissionSection,
     "ports": Ports,
 }
 
@@ -240,6 +287,7 @@ class KVServeConfig:
     tiers: TierConfig = field(default_factory=TierConfig)
     redis: RedisSection = field(default_factory=RedisSection)
     router: RouterSection = field(default_factory=RouterSection)
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
     ports: Ports = field(default_factory=Ports)
 
     @classmethod

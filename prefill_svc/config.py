@@ -27,7 +27,8 @@ class PrefillConfig:
     cost: CostConfig = field(default_factory=CostConfig)
     writer: WriterConfig = field(default_factory=WriterConfig)
     default_tenant: str = "default"
-    buffer_ttl_s: float = 30.0          # how long decode may pull a handle's KV
+    buffer_ttl_s: float = 3600.0        # a handle's KV nobody pulled this long is dropped
+                                        # (decode rebuilds it); not an expiry of live handles
     buffer_max_bytes: int = 4 * 2**30
     chunk_bytes: int = 4 * 2**20        # PullKV stream chunk size
     shm_dir: str = "/dev/shm"           # same-host pulls; empty: stream only

@@ -103,7 +103,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                  pin=engine.device.type == "cuda")
         self.writer = BlockWriter(self._put, retries=cfg.writer.retries,
                                   backoff_s=cfg.writer.backoff_s, max_queue=cfg.writer.max_queue)
-        self.buffer = KVBuffer(ttl_s=cfg.buffer_ttl_s, max_bytes=cfg.buffer_max_bytes,
+        self.buffer = KVBuffer(abandon_s=cfg.buffer_ttl_s, max_bytes=cfg.buffer_max_bytes,
                                chunk_bytes=cfg.chunk_bytes, shm_dir=cfg.shm_dir)
         self.stats = PrefillStats()
         self._sweeper: asyncio.Task[None] | None = None
@@ -181,7 +181,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         tokens, ctx, L = inp.tokens, inp.ctx, len(inp.tokens)
         keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
                           fingerprint=self.engine.fingerprint, secret=self.secret)
-        self.buffer.check_room(L * self.token_nbytes)
         self.stats.in_flight_tokens += L
         try:
             g1 = (await self.thread.call(self.engine.g1_match, keys)
@@ -195,9 +194,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         write_from = (restore.stored_blocks or 0) if writing else len(keys)
         loop = asyncio.get_running_loop()
         sampled: asyncio.Future[_Sampled] = loop.create_future()
-        expires_at = self.buffer.expiry()
+        kv_seed = self.buffer.new_seed()     # keys the hand-off checksums (service.kv_buffer)
         job = loop.create_task(self._run(ctx, tokens, inp.sampling, keys, restore, write_from,
-                                         expires_at, sampled))
+                                         kv_seed, sampled))
         self._pending[ctx.request_id] = job
         try:
             # The handle goes out as soon as the first token is sampled; the KV
@@ -217,7 +216,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.KVHandle(
             ctx=ctx_to_proto(ctx), prefill_address=self.address, prompt_ids=tokens,
             block_keys=keys, first_token=res.first_token,
-            cached_tokens=res.restored_tokens + res.g1_tokens, expires_at=expires_at,
+            cached_tokens=res.restored_tokens + res.g1_tokens, kv_seed=kv_seed,
             layout=self.engine.layout.name,
             timings=common_pb2.Timings(queue_s=first.queue_s, lookup_s=restore.lookup_s,
                                        fetch_s=restore.fetch_s, compute_s=res.compute_s,
@@ -225,7 +224,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             written_tiers=written, fetch_decision=restore.decision)
 
     async def _run(self, ctx: RequestCtx, tokens: list[int], sampling: Any,
-                   keys: Sequence[bytes], restore: Restore, write_from: int, expires_at: float,
+                   keys: Sequence[bytes], restore: Restore, write_from: int, kv_seed: int,
                    sampled: asyncio.Future[_Sampled]) -> None:
         """The engine job of one request and what follows it: buffer the KV for
         decode, queue the new blocks for the warehouse. ``sampled`` resolves
@@ -239,7 +238,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             computed = await self.thread.call_stoppable(
                 self._compute, ctx.request_id, tokens, sampling, keys, restore, write_from,
                 time.perf_counter(), tell)
-            self.buffer.put(ctx.request_id, computed.kv, expires_at=expires_at)
+            self.buffer.put(ctx.request_id, computed.kv, seed=kv_seed)
             if computed.new_blocks is not None:
                 self.writer.submit(keys[write_from:], computed.new_blocks,
                                    layout=self.engine.layout.name,
@@ -325,12 +324,12 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 self.stats.pulls_total["shm"] = self.stats.pulls_total.get("shm", 0) + 1
                 yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,
                                           shm_name=p.shm_name, shm_offset=p.shm_offset,
-                                          size=p.size)
+                                          size=p.size, checksum=p.checksum)
                 return
         self.stats.pulls_total["stream"] = self.stats.pulls_total.get("stream", 0) + 1
         for p in self.buffer.pieces(entry):
             yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,
-                                      data=p.data, size=len(p.data))
+                                      data=p.data, size=len(p.data), checksum=p.checksum)
 
     @grpc_unary
     async def Release(self, request: prefill_pb2.ReleaseRequest,

@@ -33,6 +33,9 @@ class ApiKeyFileError(ConfigError):
 class Caller:
     tenant: str
     traffic_class: str
+    # Which API key (its position in the key file, never the key): the admission
+    # layer's rate and concurrency limits are per key. "" without keys.
+    key_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +83,12 @@ class ApiKeys:
 
     def tenant_for(self, authorization: str | None) -> str:
         """The tenant of an ``Authorization`` header value, or AuthenticationError."""
+        return self.resolve(authorization)[0]
+
+    def resolve(self, authorization: str | None) -> tuple[str, str]:
+        """(tenant, key id) of an ``Authorization`` header value, or AuthenticationError."""
         if not self.enabled:
-            return DEFAULT_TENANT
+            return DEFAULT_TENANT, ""
         if not authorization:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer KEY'")
         scheme, _, key = authorization.strip().partition(" ")
@@ -89,13 +96,13 @@ class ApiKeys:
             raise AuthenticationError("malformed Authorization header: want 'Bearer KEY'")
         key = key.strip()
         # Compare against every key in constant time so timing says nothing about prefixes.
-        found = ""
-        for known, tenant in self.tenants.items():
+        found, key_id = "", ""
+        for i, (known, tenant) in enumerate(self.tenants.items()):
             if hmac.compare_digest(known.encode(), key.encode()):
-                found = tenant
+                found, key_id = tenant, f"key-{i}"
         if not found:
             raise AuthenticationError("invalid API key")
-        return found
+        return found, key_id
 
 
 def traffic_class(header: str | None, classes: TrafficClasses) -> str:
@@ -110,5 +117,6 @@ def traffic_class(header: str | None, classes: TrafficClasses) -> str:
 
 def identify(headers: Mapping[str, str], keys: ApiKeys, classes: TrafficClasses) -> Caller:
     """Tenant and class of a request from its headers (auth first: 401 beats 400)."""
-    tenant = keys.tenant_for(headers.get("Authorization"))
-    return Caller(tenant=tenant, traffic_class=traffic_class(headers.get(CLASS_HEADER), classes))
+    tenant, key_id = keys.resolve(headers.get("Authorization"))
+    return Caller(tenant=tenant, traffic_class=traffic_class(headers.get(CLASS_HEADER), classes),
+                  key_id=key_id)

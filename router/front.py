@@ -97,7 +97,8 @@ class Front:
         # Tools rendered in, the grammar of a forced call or response_format set.
         plan = plan_chat(parsed.messages, parsed.sampling, parsed.tools, parsed.response_format)
         route = RouteRequest(request_id=self.request_id(request), tenant=caller.tenant,
-                             traffic_class=caller.traffic_class, sampling=plan.sampling,
+                             traffic_class=caller.traffic_class, api_key_id=caller.key_id,
+                             sampling=plan.sampling,
                              messages=plan.messages)
         shapes = chat_shapes(ChatShapes(ResponseIds(self.cfg.model_name, chat=True),
                                         include_usage=parsed.stream.include_usage), plan.tools)
@@ -112,7 +113,8 @@ class Front:
         prompt, token_ids = ((parsed.prompt, ()) if isinstance(parsed.prompt, str)
                              else ("", parsed.prompt))
         route = RouteRequest(request_id=self.request_id(request), tenant=caller.tenant,
-                             traffic_class=caller.traffic_class, sampling=parsed.sampling,
+                             traffic_class=caller.traffic_class, api_key_id=caller.key_id,
+                             sampling=parsed.sampling,
                              prompt=prompt, token_ids=token_ids)
         shapes = CompletionShapes(ResponseIds(self.cfg.model_name, chat=False),
                                   include_usage=parsed.stream.include_usage)
@@ -294,7 +296,8 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
             # A 5xx that is not a RouterError is our bug: log it with its traceback.
             log.error("request %s %s failed: %s", request.method, request.path,
                       err.body["error"]["message"], exc_info=not isinstance(exc, RouterError))
-        return _echo_client_id(request, web.json_response(err.body, status=status))
+        return _echo_client_id(request, web.json_response(err.body, status=status,
+                                                          headers=err.headers))
     finally:
         if api:
             front.metrics.end_request()

@@ -28,7 +28,13 @@ from multidict import CIMultiDict
 from router.auth import identify
 from router.body import read_json_body
 from router.chat_plan import plan_chat
-from router.errors import InvalidRequestError, ModelNotFoundError, RouterError, http_error
+from router.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    RouterError,
+    http_error,
+    retry_headers,
+)
 from router.front_config import FrontConfig, Generator
 from router.generation import GenEvent, RouteRequest, Usage
 from router.metrics import RouterMetrics
@@ -228,6 +234,12 @@ def usage_body(usage: Usage) -> JsonObj:
             "cache_creation_input_tokens": 0}
 
 
+def error_response(exc: BaseException) -> web.Response:
+    """The Anthropic-shaped error answer (with Retry-After on a 429)."""
+    status, body = error_body(exc)
+    return web.json_response(body, status=status, headers=retry_headers(exc))
+
+
 def error_body(exc: BaseException) -> tuple[int, JsonObj]:
     err = http_error(exc)
     kind = _ERROR_TYPES.get(err.status, "api_error" if err.status >= 500
@@ -297,11 +309,11 @@ class MessagesApi:
                                             max_context=front.cfg.max_context)
             plan = plan_chat(parsed.messages, parsed.sampling, parsed.tools, None)
             route = RouteRequest(request_id=front.request_id(request), tenant=caller.tenant,
-                                 traffic_class=caller.traffic_class, sampling=plan.sampling,
+                                 traffic_class=caller.traffic_class, api_key_id=caller.key_id,
+                                 sampling=plan.sampling,
                                  messages=plan.messages)
         except Exception as exc:
-            status, body = error_body(exc)
-            return web.json_response(body, status=status)
+            return error_response(exc)
         t0 = time.perf_counter()
         events = front.core.generate(route)
         answer = _Answer(route, ToolStream(plan.tools, "toolu_"), self._ending(
@@ -312,8 +324,7 @@ class MessagesApi:
             except StopAsyncIteration:
                 raise RouterError("the generation ended without any event") from None
             except Exception as exc:
-                status, body = error_body(exc)
-                return web.json_response(body, status=status)
+                return error_response(exc)
             front.metrics.ttft_seconds.observe(time.perf_counter() - t0)
             if parsed.stream:
                 return await self._stream(request, events, first, answer)
@@ -330,8 +341,7 @@ class MessagesApi:
                 pieces += answer.feed(ev)
                 last = ev
         except Exception as exc:
-            status, body = error_body(exc)
-            return web.json_response(body, status=status)
+            return error_response(exc)
         pieces += answer.stream.finish()
         usage = self.front.finish(last)
         content: list[JsonObj] = []

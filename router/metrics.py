@@ -39,6 +39,12 @@ class RouterMetrics:
     instances: Gauge = field(init=False)
     kv_events: Counter = field(init=False)
     hit_rule: Gauge = field(init=False)
+    # The admission layer (router.admission).
+    admitted: Counter = field(init=False)
+    rejected: Counter = field(init=False)
+    queue_wait_seconds: Histogram = field(init=False)
+    queue_depth: Gauge = field(init=False)
+    in_service: Gauge = field(init=False)
     in_flight_now: int = 0
 
     def __post_init__(self) -> None:
@@ -73,6 +79,21 @@ class RouterMetrics:
         self.hit_rule = Gauge("kvserve_router_hit_rule",
                               "Hit-rule configuration (docs/architecture.md#the-hit-rule)",
                               ["field"], registry=r)
+        self.admitted = Counter("kvserve_router_admitted",
+                                "Requests the admission layer let through", registry=r)
+        self.rejected = Counter("kvserve_router_rejected",
+                                "Requests refused before any work, by reason (429: rate_limited, "
+                                "queue_full, over_slo, queue_timeout, busy; 503: no_instance)",
+                                ["reason"], registry=r)
+        self.queue_wait_seconds = Histogram("kvserve_router_queue_wait_seconds",
+                                            "Time admitted requests waited for room",
+                                            buckets=(0.0, *_LATENCY_BUCKETS), registry=r)
+        self.queue_depth = Gauge("kvserve_router_queue_depth",
+                                 "Requests waiting in each tenant's fair queue", ["tenant"],
+                                 registry=r)
+        self.in_service = Gauge("kvserve_router_in_service",
+                                "Admitted requests in prefill, and in service (prefill + "
+                                "decode)", ["stage"], registry=r)
 
     def begin_request(self) -> None:
         self.in_flight_now += 1

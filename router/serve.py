@@ -21,9 +21,10 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.config import ConfigError, HitRule, TrafficClasses
+from common.config import AdmissionSection, ConfigError, HitRule, TrafficClasses
 from kvstore.registry import InstanceInfo, LoadReport
 from proto import router_pb2_grpc
+from router.admission import Admission, Capacity
 from router.auth import ApiKeys
 from router.backends import make_backend
 from router.core import CoreConfig, RouterCore
@@ -61,6 +62,7 @@ class RouterConfig:
     view: ViewConfig = field(default_factory=ViewConfig)
     core: CoreConfig = field(default_factory=CoreConfig)
     timeouts: CallTimeouts = field(default_factory=CallTimeouts)
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
     drain_grace_s: float = 10.0
     max_body_bytes: int = 16 * 2**20
     security: SecurityConfig | None = None   # mTLS + deployment secret; None: the environment
@@ -123,8 +125,9 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
     security = cfg.security or SecurityConfig.from_env("router")
     upstreams = Upstreams(cfg.timeouts, security)
     view.on_change(upstreams.retain)
+    admission = _admission(cfg.admission, view, metrics)
     core = RouterCore(replace(cfg.core, secret=security.require_secret()), meta, view, upstreams,
-                      metrics)
+                      metrics, admission)
     backend = make_backend(cfg.backend, core)   # the fronts' one seam (router.backends)
 
     # The Router API checks its own API keys; any identity of the deployment may call it.
@@ -187,6 +190,21 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningRouter(core, view, upstreams, server, health_servicer, runner, heartbeat,
                          grpc_port, http_port, instance_id, *(probe or (None, -1)))
+
+
+def _admission(cfg: AdmissionSection, view: LiveView, metrics: RouterMetrics) -> Admission:
+    """The admission layer, its capacity the view's live instances (router.admission)."""
+    def capacity() -> Capacity:
+        counts = view.live_counts()
+        return Capacity(prefill=counts.get("prefill", 0), decode=counts.get("decode", 0))
+
+    admission = Admission(cfg, capacity, metrics)
+
+    async def instances_changed(_: object) -> None:
+        admission.pump()                 # a new instance is room for waiting requests
+
+    view.on_change(instances_changed)
+    return admission
 
 
 def ready_line(r: RunningRouter) -> str:

@@ -136,4 +136,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
             status = grpc_status(exc)
             if status.code == grpc.StatusCode.INTERNAL:
                 log.exception("Router.Generate failed")
+            if status.trailing:              # retry-after-ms of a 429-like refusal
+                context.set_trailing_metadata(status.trailing)
             await context.abort(status.code, status.message)

@@ -37,16 +37,27 @@ class HandleExpired(PreconditionFailed):
 
 
 class Overloaded(ServiceError):
-    """No room right now (host buffer full, too many sequences)."""
+    """No room right now (a full queue): raised *before* any work is done, so
+    the caller may take the request elsewhere. ``retry_after_s`` is this
+    instance's estimate of when it has room; it goes out as the trailing
+    metadata ``retry-after-ms`` (the busy-instance contract the router reads)."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(0.0, retry_after_s)
 
 
 class UpstreamUnavailable(ServiceError):
     """A service this one depends on did not answer."""
 
 
+RETRY_AFTER_KEY = "retry-after-ms"       # trailing metadata of RESOURCE_EXHAUSTED
+
+
 class Status(NamedTuple):
     code: grpc.StatusCode
     message: str
+    retry_after_ms: int | None = None    # busy: when to try this instance again
 
 
 # Most specific class first: the first isinstance match wins.
@@ -100,6 +111,9 @@ def status_for(exc: BaseException) -> Status:
         code = exc.code()
         mapped = code if code in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
         return Status(mapped, f"upstream call failed: {code.name}: {exc.details()}")
+    if isinstance(exc, Overloaded):
+        return Status(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "overloaded",
+                      max(1, round(exc.retry_after_s * 1000)))
     for exc_type, code in _CODES:
         if isinstance(exc, exc_type):
             return Status(code, str(exc) or exc_type.__name__)
@@ -112,6 +126,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, where: str) 
         log.exception("%s failed", where, exc_info=exc)
     else:
         log.info("%s -> %s: %s", where, status.code.name, status.message)
+    if status.retry_after_ms is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(status.retry_after_ms)),))
     await context.abort(status.code, status.message)
 
 

@@ -75,7 +75,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         redis_url=args.redis_url or cfg.redis.effective_url(),
         node=args.node or cfg.tiers.node, instance_id=args.instance_id or "",
         api_key_file=args.api_key_file or "", hit_rule=cfg.blocks, classes=cfg.classes,
-        view=view, core=core, security=security_from_args(args, "router"),
+        view=view, core=core, admission=cfg.admission,
+        security=security_from_args(args, "router"),
         health_port=args.health_port, backend=args.backend)
 
 

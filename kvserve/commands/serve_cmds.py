@@ -62,7 +62,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _configure_prefill(p: argparse.ArgumentParser) -> None:
     _configure_common(p)
     p.add_argument("--buffer-ttl", type=float, default=None,
-                   help="seconds decode may pull a request's KV (default 30)")
+                   help="seconds after which a request's KV that decode never pulled is "
+                        "dropped (decode then rebuilds it; default 3600)")
     p.add_argument("--no-local-prefix-cache", action="store_true",
                    help="do not keep prompt blocks in the engine (every hit comes from the "
                         "warehouse)")
@@ -90,6 +91,9 @@ def _run_prefill(args: argparse.Namespace) -> int:
 def _configure_decode(p: argparse.ArgumentParser) -> None:
     _configure_common(p)
     p.add_argument("--max-seqs", type=int, default=None, help="sequences decoding at once")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="requests taken beyond --max-seqs before answering RESOURCE_EXHAUSTED "
+                        "(default 64)")
     p.add_argument("--ep-ranks", type=int, default=None,
                    help="MoE: expert-parallel ranks for the imbalance figure (default 4)")
     p.add_argument("--expert-plan", default=None,
@@ -112,6 +116,7 @@ def _run_decode(args: argparse.Namespace) -> int:
     try:
         cfg = DecodeConfig.from_kvserve(
             load_config(args.config), **_overrides(args), max_seqs=args.max_seqs,
+            max_waiting=args.max_waiting,
             ep_ranks=args.ep_ranks, expert_plan=args.expert_plan, ep_redundant=args.ep_redundant,
             canonical_wait_s=args.canonical_wait,
             security=security_from_args(args, "decode"))
