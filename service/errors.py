@@ -40,6 +40,19 @@ class Overloaded(ServiceError):
     """No room right now (host buffer full, too many sequences)."""
 
 
+class Busy(Overloaded):
+    """A bounded queue is full: refused before any work, with the service's
+    estimate of when it has room (contract: gRPC RESOURCE_EXHAUSTED with
+    trailing metadata ``retry-after-ms``)."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = max(1, int(retry_after_ms))
+
+
+RETRY_AFTER_MS = "retry-after-ms"       # trailing metadata key of a Busy refusal
+
+
 class UpstreamUnavailable(ServiceError):
     """A service this one depends on did not answer."""
 
@@ -112,7 +125,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, where: str) 
         log.exception("%s failed", where, exc_info=exc)
     else:
         log.info("%s -> %s: %s", where, status.code.name, status.message)
-    await context.abort(status.code, status.message)
+    meta = ((RETRY_AFTER_MS, str(exc.retry_after_ms)),) if isinstance(exc, Busy) else ()
+    await context.abort(status.code, status.message, trailing_metadata=meta)
 
 
 Req = TypeVar("Req")
