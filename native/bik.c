@@ -843,6 +843,109 @@ static int64_t pairs512(int64_t D) {
 }
 #endif
 
+#if BIK_X86
+/* AVX2 attention: the same per-element operations as attend_one_scalar, 8
+ * lanes at a time. A 16-lane partial vector is two __m256 (lanes 0-7, 8-15):
+ * each lane's FMA chain over d = lane, lane + 16, ... is unchanged, and the
+ * halving tree is the AVX-512 tail's (lo + hi, then 4, 2, 1), so the bits
+ * equal the scalar and AVX-512 paths'. One pair at a time (AVX2 machines have
+ * 16 vector registers: a 64-wide query and its accumulators fill them). */
+__attribute__((target("avx2,fma"))) static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_C[7]);
+    for (int i = 6; i >= 0; i--) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C[i]));
+    __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* Halving tree of the 16 lanes lo (0-7) and hi (8-15): lane j += lane j + w. */
+__attribute__((target("avx2,fma"))) static inline float tree256(__m256 lo, __m256 hi) {
+    __m256 h8 = _mm256_add_ps(lo, hi);
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    __m128 h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1));
+    return _mm_cvtss_f32(h1);
+}
+
+/* One (row, head) pair: scores, weights and their sum, weighted values. NV =
+ * head_dim / 16 known at compile time keeps the query in registers (0 = any). */
+#define DEF_ATTEND256(NV) \
+__attribute__((target("avx2,fma"))) static void attend256_##NV( \
+    const attn_args *a, const float *q, const float *K, const float *V, int64_t nk, \
+    float *sc, float *o) { \
+    const int64_t D = NV > 0 ? NV * LANES : a->D; \
+    const int64_t nv = D / LANES; \
+    __m256 qlo[8], qhi[8]; \
+    for (int64_t c = 0; c < nv && c < 8; c++) { \
+        qlo[c] = _mm256_loadu_ps(q + c * LANES); \
+        qhi[c] = _mm256_loadu_ps(q + c * LANES + 8); \
+    } \
+    float mx = -INFINITY; \
+    for (int64_t j = 0; j < nk; j++) { \
+        const float *kj = K + j * D; \
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps(); \
+        for (int64_t c = 0; c < nv; c++) { \
+            __m256 ql = c < 8 ? qlo[c] : _mm256_loadu_ps(q + c * LANES); \
+            __m256 qh = c < 8 ? qhi[c] : _mm256_loadu_ps(q + c * LANES + 8); \
+            lo = _mm256_fmadd_ps(ql, _mm256_loadu_ps(kj + c * LANES), lo); \
+            hi = _mm256_fmadd_ps(qh, _mm256_loadu_ps(kj + c * LANES + 8), hi); \
+        } \
+        float v = tree256(lo, hi) * a->scale; \
+        sc[j] = v; \
+        if (v > mx) mx = v; \
+    } \
+    const __m256 mxv = _mm256_set1_ps(mx); \
+    __m256 dlo = _mm256_setzero_ps(), dhi = _mm256_setzero_ps(); \
+    int64_t j = 0; \
+    for (; j + LANES <= nk; j += LANES) { \
+        __m256 el = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mxv)); \
+        __m256 eh = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j + 8), mxv)); \
+        _mm256_storeu_ps(sc + j, el); \
+        _mm256_storeu_ps(sc + j + 8, eh); \
+        dlo = _mm256_add_ps(dlo, el); \
+        dhi = _mm256_add_ps(dhi, eh); \
+    } \
+    float part[LANES]; \
+    _mm256_storeu_ps(part, dlo); \
+    _mm256_storeu_ps(part + 8, dhi); \
+    for (int64_t l = 0; j < nk; j++, l++) { \
+        sc[j] = exp_scalar(sc[j] - mx); \
+        part[l] = part[l] + sc[j]; \
+    } \
+    const __m256 tv = _mm256_set1_ps(tree16(part)); \
+    for (int64_t c0 = 0; c0 < 2 * nv; c0 += 8) { \
+        const int64_t cn = 2 * nv - c0 < 8 ? 2 * nv - c0 : 8; \
+        __m256 ov[8]; \
+        for (int64_t c = 0; c < cn; c++) ov[c] = _mm256_setzero_ps(); \
+        for (int64_t k = 0; k < nk; k++) { \
+            const float *vk = V + k * D + c0 * 8; \
+            __m256 e = _mm256_set1_ps(sc[k]); \
+            for (int64_t c = 0; c < cn; c++) \
+                ov[c] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vk + c * 8), ov[c]); \
+        } \
+        for (int64_t c = 0; c < cn; c++) \
+            _mm256_storeu_ps(o + (c0 + c) * 8, _mm256_div_ps(ov[c], tv)); \
+    } \
+}
+DEF_ATTEND256(0) DEF_ATTEND256(1) DEF_ATTEND256(2) DEF_ATTEND256(4)
+
+typedef void (*attend256_fn)(const attn_args *, const float *, const float *, const float *,
+                             int64_t, float *, float *);
+static attend256_fn attend256_for(int64_t nv) {
+    switch (nv) {
+    case 1: return attend256_1;
+    case 2: return attend256_2;
+    case 4: return attend256_4;
+    default: return attend256_0;
+    }
+}
+#endif
+
 /* The first key a query at position p attends to. */
 static inline int64_t first_key(const attn_args *a, int64_t p) {
     return a->window && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
@@ -901,6 +1004,11 @@ static void attn_task(void *ctx, int64_t i0, int64_t i1, int tid) {
                             values512_any(D, V, nks[j], scs[j], totals[j], outs[j]);
                     }
                 }
+                continue;
+            }
+            if (g_isa == ISA_AVX2 && D % LANES == 0) {
+                attend256_fn one = attend256_for(D / LANES);
+                for (int i = 0; i < np; i++) one(a, qs[i], K, V, nks[i], scs[i], outs[i]);
                 continue;
             }
 #endif
