@@ -934,6 +934,58 @@ __attribute__((target("avx2,fma"))) static void attend256_##NV( \
 }
 DEF_ATTEND256(0) DEF_ATTEND256(1) DEF_ATTEND256(2) DEF_ATTEND256(4)
 
+/* SwiGLU and RMSNorm on AVX2: the AVX-512 tasks' operations, 8 lanes at a time
+ * (RMSNorm's 16 lane partials as two vectors). */
+__attribute__((target("avx2,fma"))) static void silu_task256(void *ctx, int64_t m0, int64_t m1,
+                                                             int tid) {
+    (void)tid;
+    const silu_args *a = (const silu_args *)ctx;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t m = m0; m < m1; m++) {
+        const float *g = a->gu + m * a->ldg, *u = g + a->I;
+        float *o = a->out + m * a->ldo;
+        int64_t i = 0;
+        for (; i + 8 <= a->I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 t = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, t));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < a->I; i++) {
+            float t = exp_scalar(-g[i]);
+            o[i] = g[i] / (1.0f + t) * u[i];
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void norm_task256(void *ctx, int64_t m0, int64_t m1,
+                                                             int tid) {
+    (void)tid;
+    const norm_args *a = (const norm_args *)ctx;
+    for (int64_t m = m0; m < m1; m++) {
+        const float *x = a->x + m * a->ldx;
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + LANES <= a->N; i += LANES) {
+            __m256 vl = _mm256_loadu_ps(x + i), vh = _mm256_loadu_ps(x + i + 8);
+            lo = _mm256_fmadd_ps(vl, vl, lo);
+            hi = _mm256_fmadd_ps(vh, vh, hi);
+        }
+        float part[LANES];
+        _mm256_storeu_ps(part, lo);
+        _mm256_storeu_ps(part + 8, hi);
+        for (int64_t j = 0; i < a->N; i++, j++) part[j] = fmaf(x[i], x[i], part[j]);
+        float mean = tree16(part) / (float)a->N;
+        float inv = 1.0f / sqrtf(mean + a->eps);
+        float *o = a->out + m * a->ldo;
+        __m256 iv = _mm256_set1_ps(inv);
+        for (i = 0; i + 8 <= a->N; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(a->w + i),
+                                                  _mm256_mul_ps(_mm256_loadu_ps(x + i), iv)));
+        for (; i < a->N; i++) o[i] = a->w[i] * (x[i] * inv);
+    }
+}
+
 typedef void (*attend256_fn)(const attn_args *, const float *, const float *, const float *,
                              int64_t, float *, float *);
 static attend256_fn attend256_for(int64_t nv) {
@@ -1080,6 +1132,7 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
     task_fn fn = norm_task;
 #if BIK_X86
     if (g_isa == ISA_AVX512) fn = norm_task512;
+    else if (g_isa == ISA_AVX2) fn = norm_task256;
 #endif
     Py_BEGIN_ALLOW_THREADS
     parallel_run(fn, &a, M, 64);
@@ -1096,6 +1149,7 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
     task_fn fn = silu_task;
 #if BIK_X86
     if (g_isa == ISA_AVX512) fn = silu_task512;
+    else if (g_isa == ISA_AVX2) fn = silu_task256;
 #endif
     int64_t grain = I > 0 ? 8192 / I + 1 : 1;
     Py_BEGIN_ALLOW_THREADS

@@ -50,3 +50,22 @@ def test_every_simd_path_gives_the_same_bits(head_dim: int, window: int) -> None
     assert torch.isfinite(first).all()
     for path, out in results.items():
         assert torch.equal(out, first), f"{path} differs from {bik.paths()[0]}"
+
+
+@pytest.mark.parametrize("n", [16, 70, 576, 1536])
+def test_norm_and_swiglu_give_the_same_bits_on_every_path(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(37, n, generator=g) * 3
+    w = torch.randn(n, generator=g)
+    gu = torch.randn(37, 2 * n, generator=g) * 4
+    gu[0, :5], gu[1, :5], gu[2, :3], gu[3, :3] = 0.0, -0.0, 100.0, -100.0   # exp's edges
+    before = bik.current_path()
+    results = []
+    try:
+        for path in bik.paths():
+            bik.use_path(path)
+            results.append((bik.rms_norm(x, w, 1e-5), bik.silu_mul(gu)))
+    finally:
+        bik.use_path(before)
+    for norm, silu in results[1:]:
+        assert torch.equal(norm, results[0][0]) and torch.equal(silu, results[0][1])
