@@ -1069,6 +1069,39 @@ static void attn_task(void *ctx, int64_t i0, int64_t i1, int tid) {
     }
 }
 
+/* -------------------------------------------------------------- rope */
+/* Rotary embedding, half-split ("rotate_half", HF Llama): per row m and head,
+ * out[i] = x[i]*c - x[i+D/2]*s, out[i+D/2] = x[i+D/2]*c + x[i]*s with c, s the
+ * tables' row at positions[m]: two products, each rounded, then one add: the
+ * operations torch's element-wise version performs (no fusion: the build
+ * passes -ffp-contract=off), so the bits are torch's. */
+typedef struct {
+    const float *x;
+    int64_t ldx, H, D;        /* row m, head h at x + m*ldx + h*D */
+    const int64_t *pos;
+    const float *cos, *sin;   /* [P, D/2] */
+    float *out;               /* [M, H, D] contiguous */
+} rope_args;
+
+static void rope_task(void *ctx, int64_t m0, int64_t m1, int tid) {
+    (void)tid;
+    const rope_args *a = (const rope_args *)ctx;
+    const int64_t half = a->D / 2;
+    for (int64_t m = m0; m < m1; m++) {
+        const float *c = a->cos + a->pos[m] * half, *sn = a->sin + a->pos[m] * half;
+        for (int64_t h = 0; h < a->H; h++) {
+            const float *x1 = a->x + m * a->ldx + h * a->D, *x2 = x1 + half;
+            float *o1 = a->out + (m * a->H + h) * a->D, *o2 = o1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                float p = x1[i] * c[i], q = x2[i] * sn[i];
+                float r = x2[i] * c[i], t = x1[i] * sn[i];
+                o1[i] = p - q;
+                o2[i] = r + t;
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------ Python */
 static void *ptr(unsigned long long p) { return (void *)(uintptr_t)p; }
 
@@ -1211,6 +1244,25 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    rope_args a;
+    unsigned long long x, pos, c, sn, out;
+    long long ldx, M, H, D;
+    if (!PyArg_ParseTuple(args, "KLLLLKKKK", &x, &ldx, &M, &H, &D, &pos, &c, &sn, &out))
+        return NULL;
+    if (M < 0 || H < 1 || D < 2 || D % 2 || ldx < H * D) {
+        PyErr_SetString(PyExc_ValueError, "rope: bad shape");
+        return NULL;
+    }
+    a.x = ptr(x); a.ldx = ldx; a.H = H; a.D = D; a.pos = ptr(pos); a.cos = ptr(c);
+    a.sin = ptr(sn); a.out = ptr(out);
+    int64_t grain = H * D > 0 ? 16384 / (H * D) + 1 : 1;
+    Py_BEGIN_ALLOW_THREADS
+    parallel_run(rope_task, &a, M, grain);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_set_threads(PyObject *self, PyObject *args) {
     int n;
     if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
@@ -1256,6 +1308,7 @@ static PyMethodDef methods[] = {
     {"gemm", py_gemm, METH_VARARGS, "gemm(x, ldx, M, K, wp, N, bias, out, ldo)"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, ldx, M, N, w, eps, out, ldo)"},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gu, ldg, M, I, out, ldo)"},
+    {"rope", py_rope, METH_VARARGS, "rope(x, ldx, M, H, D, positions, cos, sin, out)"},
     {"attend", py_attend, METH_VARARGS,
      "attend(q, ldq, H, Hkv, D, seg, nseg, window, scale, out, ldo, "
      "max_keys)"},

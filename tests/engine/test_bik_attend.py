@@ -69,3 +69,19 @@ def test_norm_and_swiglu_give_the_same_bits_on_every_path(n: int) -> None:
         bik.use_path(before)
     for norm, silu in results[1:]:
         assert torch.equal(norm, results[0][0]) and torch.equal(silu, results[0][1])
+
+
+def test_rope_is_torch_rope_bit_for_bit() -> None:
+    """bik's one-pass rotary embedding (what BIKernels uses) gives the torch
+    version's bits on a strided q/k slice, so KV made before it stays valid."""
+    from engine.kernels import TorchKernels
+    from engine.model import RotaryTable
+
+    g = torch.Generator().manual_seed(4)
+    table = RotaryTable(64, 100_000.0, 4096, torch.device("cpu"), torch.float32)
+    qkv = torch.randn(300, 15, 64, generator=g) * 5
+    pos = torch.randint(0, 4096, (300,), generator=g)
+    want = TorchKernels().rope(qkv[:, :12], pos, table.cos, table.sin)
+    assert torch.equal(bik.rope(qkv[:, :12], pos, table.cos, table.sin), want)
+    with pytest.raises(ValueError, match="outside the table"):
+        bik.rope(qkv[:, :12], pos + 4096, table.cos, table.sin)
