@@ -204,6 +204,35 @@ class RouterSection:
             raise ConfigError("router.instance_ttl_s must exceed router.heartbeat_s > 0")
 
 
+PREFILL_POLICIES = ("fcfs", "src")    # prefill_svc/policy.py registers each
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSection:
+    """Batching and scheduling of the prefill service (prefill_svc/scheduler.py):
+    one loop, a token budget per step, a bounded waiting queue, an ordering
+    policy. ``src`` (shortest remaining compute: prompt minus cached tokens)
+    lets a returning agent turn pass cold prompts; a request that has waited
+    ``max_delay_s`` is passed by no one any more (aging)."""
+
+    policy: str = "src"
+    step_tokens: int = 512          # tokens computed per step, over every running prompt
+    max_running: int = 16           # prompts being computed at once (each holds its KV)
+    max_waiting: int = 64           # requests waiting; more -> RESOURCE_EXHAUSTED
+    max_waiting_tokens: int = 131_072   # tokens to compute waiting; more -> RESOURCE_EXHAUSTED
+    max_delay_s: float = 10.0       # src: after this wait a request is passed by no one
+
+    def __post_init__(self) -> None:
+        if self.policy not in PREFILL_POLICIES:
+            raise ConfigError(f"prefill.policy must be one of {list(PREFILL_POLICIES)}, "
+                              f"got {self.policy!r}")
+        for name in ("step_tokens", "max_running", "max_waiting", "max_waiting_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"prefill.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.max_delay_s >= 0:
+            raise ConfigError(f"prefill.max_delay_s must be >= 0, got {self.max_delay_s}")
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionSection:
     """The router's one admission layer (docs/router.md, "Admission"): per-tenant
@@ -276,6 +305,7 @@ _SECTIONS: dict[str, type] = {
     "router": RouterSection,
     "admission": AdmissionSection,
     "ports": Ports,
+    "prefill": PrefillSection,
 }
 
 
@@ -289,6 +319,7 @@ class KVServeConfig:
     router: RouterSection = field(default_factory=RouterSection)
     admission: AdmissionSection = field(default_factory=AdmissionSection)
     ports: Ports = field(default_factory=Ports)
+    prefill: PrefillSection = field(default_factory=PrefillSection)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVServeConfig:

@@ -341,15 +341,13 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                                               ctx=chk.ctx)
 
         def rebuild(seq_id: str) -> None:
-            eng = self.engine
-            res = eng.prefill(seq_id, chk.tokens, sampling=chk.sampling, restored=restore.blocks,
-                              max_restore_tokens=restore.usable_tokens, restored_start_block=0)
-            self.stats.rebuilt_tokens_total += res.computed_tokens
-            if res.first_token != handle.first_token:
-                # Different sampling than at prefill: continue from the handle's token.
-                kv = eng.export_tokens(seq_id, 0, len(chk.tokens))
-                eng.free(seq_id)
-                eng.adopt(seq_id, chk.tokens, kv, handle.first_token, chk.sampling)
+            # Admitted only: the batcher computes the prompt in chunks between decode
+            # steps; the answer continues from the handle's first token, not a resample.
+            adm = self.engine.admit(seq_id, chk.tokens, sampling=chk.sampling,
+                                    restored=restore.blocks,
+                                    max_restore_tokens=restore.usable_tokens,
+                                    restored_start_block=0, first_token=handle.first_token)
+            self.stats.rebuilt_tokens_total += adm.to_compute
 
         return rebuild
 

@@ -177,6 +177,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (half-split) of x: [M, h, D] (rows may be strided, heads
+    contiguous) at positions: [M] over the fp32 tables cos, sin: [P, D/2];
+    -> [M, h, D] contiguous, bit-identical to TorchKernels.rope."""
+    m, h, d = x.shape
+    if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d:
+        x = x.contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError("rope: cos and sin must be contiguous fp32 tables")
+    if m and (int(pos.min()) < 0 or int(pos.max()) >= cos.shape[0]):
+        raise ValueError(f"rope: positions outside the table of {cos.shape[0]}")
+    out = torch.empty(m, h, d, dtype=torch.float32)
+    if m:
+        _lib().rope(x.data_ptr(), x.stride(0), m, h, d, pos.data_ptr(), cos.data_ptr(),
+                    sin.data_ptr(), out.data_ptr())
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class AttnSegment:
     row0: int                  # first query row of this sequence in the call

@@ -47,6 +47,15 @@ class Overloaded(ServiceError):
         self.retry_after_s = max(0.0, retry_after_s)
 
 
+class Busy(Overloaded):
+    """A bounded queue is full: ``Overloaded`` with the estimate in milliseconds,
+    as the schedulers compute it."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message, retry_after_s=max(1, int(retry_after_ms)) / 1000)
+        self.retry_after_ms = max(1, int(retry_after_ms))
+
+
 class UpstreamUnavailable(ServiceError):
     """A service this one depends on did not answer."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from common.config import ConfigError, KVServeConfig
+from common.config import PREFILL_POLICIES, ConfigError, KVServeConfig
 from kvserve.cli import CommandRegistry, UsageError
 from security.config import SecurityError
 from security.flags import add_security_flags, security_from_args
@@ -67,6 +67,15 @@ def _configure_prefill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-local-prefix-cache", action="store_true",
                    help="do not keep prompt blocks in the engine (every hit comes from the "
                         "warehouse)")
+    sched = p.add_argument_group("scheduling (default [prefill] of the config)")
+    sched.add_argument("--policy", default=None, choices=PREFILL_POLICIES,
+                       help="queue order: fcfs, or src (shortest remaining compute, aged)")
+    sched.add_argument("--step-tokens", type=int, default=None,
+                       help="prompt tokens computed per engine step, over all running prompts")
+    sched.add_argument("--max-running", type=int, default=None,
+                       help="prompts computed at once")
+    sched.add_argument("--max-waiting", type=int, default=None,
+                       help="requests waiting; more are refused (RESOURCE_EXHAUSTED)")
 
 
 def _run_prefill(args: argparse.Namespace) -> int:
@@ -79,7 +88,8 @@ def _run_prefill(args: argparse.Namespace) -> int:
         cfg = PrefillConfig.from_kvserve(
             load_config(args.config), **_overrides(args), buffer_ttl_s=args.buffer_ttl,
             local_prefix_cache=False if args.no_local_prefix_cache else None,
-            security=security_from_args(args, "prefill"))
+            policy=args.policy, step_tokens=args.step_tokens, max_running=args.max_running,
+            max_waiting=args.max_waiting, security=security_from_args(args, "prefill"))
     except (ConfigError, SecurityError) as exc:
         raise UsageError(str(exc)) from exc
     return serve_engine_service(
