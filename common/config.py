@@ -221,6 +221,32 @@ class Ports:
                 raise ConfigError(f"ports.{f.name} must be in 0..65535, got {v}")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSection:
+    """The engines ``kvserve up`` runs: how many of each role, and the G1 budget
+    (each engine's own KV pool, the knob that decides how much of a returning
+    session it still holds locally; same meaning as vLLM's KV-cache size).
+
+    ``g1_bytes`` is per engine instance and becomes ``num_blocks`` once the
+    model's block size is known (``service.config.num_blocks_for``); 0 keeps
+    the services' default. ``threads``: torch CPU threads per engine; 0 lets
+    ``kvserve up`` split the cores when it runs more than one engine per role."""
+
+    g1_bytes: int = 0
+    prefill: int = 1
+    decode: int = 1
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "g1_bytes", parse_size(self.g1_bytes, "engine.g1_bytes"))
+        for name in ("prefill", "decode"):
+            n = getattr(self, name)
+            if not 1 <= n <= 64:
+                raise ConfigError(f"engine.{name} (instances) must be in 1..64, got {n}")
+        if not 0 <= self.threads <= 1024:
+            raise ConfigError(f"engine.threads must be in 0..1024, got {self.threads}")
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "blocks": HitRule,
@@ -229,6 +255,7 @@ _SECTIONS: dict[str, type] = {
     "redis": RedisSection,
     "router": RouterSection,
     "ports": Ports,
+    "engine": EngineSection,
 }
 
 
@@ -241,6 +268,7 @@ class KVServeConfig:
     redis: RedisSection = field(default_factory=RedisSection)
     router: RouterSection = field(default_factory=RouterSection)
     ports: Ports = field(default_factory=Ports)
+    engine: EngineSection = field(default_factory=EngineSection)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVServeConfig:
