@@ -23,11 +23,13 @@ import logging
 import secrets
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from engine.errors import EngineInputError
 from kvstore.keys import chain_keys
+from kvstore.types import RequestCtx
 from proto import common_pb2, decode_pb2, prefill_pb2
 from router.errors import (
     ContextLengthError,
@@ -94,6 +96,7 @@ class RouterCore:
         self.view = view
         self.upstreams = upstreams
         self.metrics = metrics
+        self.ops: Any = None        # router.cluster_ops.ClusterOps: warm-up on arrival
 
     def live_counts(self) -> dict[str, int]:
         return self.view.live_counts()
@@ -154,7 +157,12 @@ class RouterCore:
                                         traffic_class=req.traffic_class,
                                         model_fingerprint=fingerprint)
         preq = prefill_pb2.PrefillRequest(ctx=ctx, token_ids=tokens, sampling=sampling)
-        started = await self._start(preq, keys, len(tokens), sampling)
+        if self.ops is not None:      # blocks start up the tiers before any queue (issue 18)
+            self.ops.warm(keys, len(tokens), RequestCtx(req.request_id, req.tenant,
+                                                        req.traffic_class, fingerprint),
+                          req.session_id)
+        started = await self._start(preq, keys, len(tokens), sampling,
+                                    tenant=req.tenant, session=req.session_id)
         p_id, d_id = started.prefill.instance.instance_id, started.decode.instance.instance_id
         try:
             yield self._event(started.first, started.handle, p_id, d_id)
@@ -187,12 +195,14 @@ class RouterCore:
                         decode_instance=d_id)
 
     async def _start(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
-                     n_tokens: int, sampling: common_pb2.SamplingParams) -> _Started:
+                     n_tokens: int, sampling: common_pb2.SamplingParams, *,
+                     tenant: str = "", session: str = "") -> _Started:
         tries = _Attempts()
         for _ in range(self.cfg.max_attempts):
             try:
                 pchoice = self.view.choose_prefill(keys, n_tokens,
-                                                   exclude=tries.excluded["prefill"])
+                                                   exclude=tries.excluded["prefill"],
+                                                   tenant=tenant, session=session)
             except NoInstanceError:
                 if tries.last is None:
                     raise

@@ -23,6 +23,7 @@ class RouteRequest:
     messages: tuple[Message, ...] = ()
     prompt: str = ""
     token_ids: tuple[int, ...] = ()
+    session_id: str = ""            # the client's session (router.session): placement only
 
     def __post_init__(self) -> None:
         given = sum(bool(x) for x in (self.messages, self.prompt, self.token_ids))
