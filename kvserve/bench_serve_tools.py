@@ -133,7 +133,12 @@ def run_aiperf(job: ToolJob) -> ToolRun:
     for k, v in job.headers.items():
         cmd += ["--header", f"{k}:{v}"]
     log = job.out_dir / "aiperf.log"
-    _run(cmd, _offline_env(job.seed), log, job.timeout_s)
+    # Not offline: AIPerf 0.13 in offline mode resolves even a local tokenizer path as a
+    # hub repo id and fails (its dataset workers force offline mode, which is why its
+    # hash-id synthesis broke its process pool; text_input rows need no synthesis).
+    env = {k: v for k, v in _offline_env(job.seed).items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    _run(cmd, env, log, job.timeout_s)
     records = next(iter(sorted(art.rglob("profile_export.jsonl"))), None)
     if records is None:
         raise RuntimeError(f"AIPerf wrote no profile_export.jsonl under {art}; log {log}")

@@ -24,7 +24,7 @@ from router.errors import InvalidRequestError
 
 SESSION_HEADERS = ("X-Session-Affinity", "X-Session-Id")
 SESSION_FIELD = "session_id"
-_NAME = re.compile(r"^[\x21-\x7e]{1,256}$")      # printable ASCII, no spaces
+_NAME = re.compile(r"[\x21-\x7e]{1,256}")      # printable ASCII, no spaces
 
 
 def session_from(headers: Mapping[str, str], body: object) -> str:
@@ -39,7 +39,7 @@ def session_from(headers: Mapping[str, str], body: object) -> str:
         if not isinstance(raw, str | int) or isinstance(raw, bool):
             raise InvalidRequestError(f"{SESSION_FIELD} must be a string", param=SESSION_FIELD)
         given, where = str(raw), SESSION_FIELD
-    if given and not _NAME.match(given):
+    if given and not _NAME.fullmatch(given):
         raise InvalidRequestError(f"{where} must be 1-256 printable ASCII characters without "
                                   "spaces", param=where, code="invalid_session")
     return given
