@@ -33,6 +33,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from common.config import parse_size
 from kvserve.bench_serve_tools import TOOLS, ToolJob, ToolRun
@@ -161,18 +162,41 @@ def _say(msg: str) -> None:
     print(f"[bench serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _rows(trace: Path, limit: int | None) -> list[dict[str, float]]:
+def _rows(trace: Path, limit: int | None) -> list[dict[str, Any]]:
     rows = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
     rows.sort(key=lambda r: float(r.get("timestamp", 0)))
     return rows[:limit] if limit else rows
 
 
-def _scaled(rows: list[dict[str, float]], speed: float, path: Path) -> Path:
+def _scaled(rows: list[dict[str, Any]], speed: float, path: Path, *, tool: str, index: int,
+            block_tokens: int) -> Path:
+    """The point's copy of the trace: arrival times divided by ``speed``, and
+    prompts that no other point shares. ``vllm`` draws a hash id's tokens from
+    the pinned PYTHONHASHSEED (the point's seed); for AIPerf, hash-id rows are
+    written as text here (its own synthesis breaks its process pool, see
+    docs/benchmark-tools.md), seeded by the point, and text rows get a
+    point-specific first block."""
     t0 = float(rows[0].get("timestamp", 0)) if rows else 0.0
+    text = None
+    if tool == "aiperf":
+        from kvserve.trace_export import BlockText
+
+        text = BlockText("smollm2", block_tokens, seed=index)
     with open(path, "w") as f:
         for r in rows:
-            f.write(json.dumps({**r, "timestamp": round((float(r["timestamp"]) - t0) / speed, 3)})
-                    + "\n")
+            row = {**r, "timestamp": round((float(r["timestamp"]) - t0) / speed, 3)}
+            if text is not None and "hash_ids" in row:
+                ids, n = row.pop("hash_ids"), int(row.pop("input_length"))
+                last = n - (len(ids) - 1) * block_tokens
+                row["text_input"] = "".join(text.block(h) for h in ids[:-1]) + text.block(
+                    ids[-1], last)
+            elif text is not None and "text_input" in row:
+                row["text_input"] = text.block(-1) + str(row["text_input"])
+            elif tool == "vllm" and "hash_ids" not in row:
+                raise UsageError(f"{path.name}: vllm bench serve's timed_trace needs "
+                                 "input_length and hash_ids rows (kvserve trace export "
+                                 "--format mooncake)")
+            f.write(json.dumps(row) + "\n")
     return path
 
 
@@ -261,13 +285,14 @@ def scrape(base_url: str) -> dict[str, float]:
     return out
 
 
-def _point(system: System, args: argparse.Namespace, rows: list[dict[str, float]],
+def _point(system: System, args: argparse.Namespace, rows: list[dict[str, Any]],
            speed: float, index: int, d: Path, slo: Slo) -> PointResult:
     from kvserve.bench_serve_report import point_result
 
     pd = d / f"speed-{speed:g}"
     pd.mkdir(parents=True, exist_ok=True)
-    path = _scaled(rows, speed, pd / "trace.jsonl")
+    path = _scaled(rows, speed, pd / "trace.jsonl", tool=args.tool, index=index,
+                   block_tokens=args.block_tokens)
     span = (float(rows[-1]["timestamp"]) - float(rows[0]["timestamp"])) / 1000.0 / speed
     offered = len(rows) / span if span > 0 else float(len(rows))
     from engine.fetch import fetch_model
