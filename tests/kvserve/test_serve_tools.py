@@ -130,6 +130,12 @@ def test_a_returning_session_goes_to_the_instance_holding_it(stack: Stack,
     # It found its previous turn in that instance's own G1 (5 whole blocks).
     assert b2["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
     assert stack.prefill_metric("kvserve_prefill_prefill_g1_tokens_total") - g1_before == 320
+    # Each arrival asked the kvstore to warm the prompt's blocks (none was in G3 only).
+    with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    done = [line for line in text.splitlines()
+            if line.startswith('kvserve_router_warmups_total{outcome="done"}')]
+    assert done and float(done[0].split()[1]) >= 2
 
 
 def test_reset_prefix_cache_is_for_operators_and_empties_g1(stack: Stack,
