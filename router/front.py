@@ -120,7 +120,6 @@ class Front:
     cfg: FrontConfig
     core: Generator
     metrics: RouterMetrics
-    ops: Any = None                   # router.cluster_ops.ClusterOps (reset, warm-up)
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -379,7 +378,8 @@ def _echo_client_id(request: web.Request, resp: web.StreamResponse) -> web.Strea
 
 def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics,
              ops: Any = None) -> web.Application:
-    front = Front(cfg, core, metrics, ops)
+    """``ops``: router.cluster_ops.ClusterOps, what the operator endpoints act with."""
+    front = Front(cfg, core, metrics)
     app = web.Application(middlewares=[_error_middleware], client_max_size=cfg.max_body_bytes)
     app[_APP_KEY] = front
     install(app, cfg.body_limits())
