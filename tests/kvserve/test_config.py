@@ -75,7 +75,8 @@ def test_config_check_lists_every_bad_field_with_path_and_type(tmp_path: Path) -
     with pytest.raises(ConfigError) as err:
         KVServeConfig.load(bad)
     assert err.value.problems == (
-        "unknown config section(s) ['bogus']; known: ['blocks', 'classes', 'model', 'ports', "
+        "unknown config section(s) ['bogus']; known: ['blocks', 'classes', 'engine', 'model', "
+        "'ports', "
         "'redis', 'router', 'tiers']",
         "model.dtype must be float32, bfloat16 or float16, got 'fp8'",
         "blocks.block_tokens: expected an integer, got str '64'",
