@@ -85,7 +85,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env.pop("KVSERVE_TLS_DIR", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "up", "--free-ports", "--state-dir", str(tmp),
-         "--g3-path", str(tmp / "g3"), "--prefill", "2", "--decode", "2", "--g1", "64MiB",
+         "--g3-path", str(tmp / "g3"), "--prefill", "2", "--decode", "2", "--g1", "128MiB",
          "--grace", "5"], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 900
