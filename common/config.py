@@ -236,9 +236,13 @@ class EngineSection:
     prefill: int = 1
     decode: int = 1
     threads: int = 0
+    # Decode's pool holds running sequences only (its prompts come from prefill), so a
+    # deployment may size it by concurrency x context instead: 0 = g1_bytes.
+    decode_g1_bytes: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "g1_bytes", parse_size(self.g1_bytes, "engine.g1_bytes"))
+        for name in ("g1_bytes", "decode_g1_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), f"engine.{name}"))
         for name in ("prefill", "decode"):
             n = getattr(self, name)
             if not 1 <= n <= 64:

@@ -93,6 +93,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--g1", default="512MiB",
                    help="G1 KV budget of each engine (kvserve [engine].g1_bytes, vLLM "
                    "--kv-cache-memory-bytes)")
+    p.add_argument("--decode-g1", default="",
+                   help="kvserve decode engines' pool when it should differ from --g1 (decode "
+                   "holds running sequences only; vLLM's one pool holds both)")
     p.add_argument("--slo-ttft", type=float, default=10.0, help="goodput SLO: TTFT seconds")
     p.add_argument("--slo-tpot", type=float, default=1.0, help="goodput SLO: TPOT seconds")
     p.add_argument("--max-requests", type=int, default=None, help="the first N requests")
@@ -211,7 +214,8 @@ def _start_kvserve(args: argparse.Namespace, g1: int, d: Path) -> System:
     log = d / "up.log"
     cmd = [sys.executable, "-m", "kvserve.cli", "up", "--free-ports", "--state-dir", str(state),
            "--g3-path", str(state / "g3"), "--g1", str(g1), "--prefill", str(args.prefill),
-           "--decode", str(args.decode)]
+           "--decode", str(args.decode)] + (["--decode-g1", args.decode_g1]
+                                            if args.decode_g1 else [])
     _say(f"starting kvserve up (G1 {g1 / 2**20:.0f} MiB per engine, {args.prefill} prefill + "
          f"{args.decode} decode); log {log}")
     with open(log, "wb") as f:

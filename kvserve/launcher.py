@@ -125,6 +125,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="each engine's own KV pool (G1), e.g. 256MiB; becomes num_blocks by "
                    "the model's block size (default [engine].g1_bytes, else the services' "
                    "default pool)")
+    p.add_argument("--decode-g1", default=None, metavar="SIZE",
+                   help="decode engines' KV pool when it should differ from --g1 (it holds "
+                   "running sequences only; default [engine].decode_g1_bytes, else --g1)")
     p.add_argument("--tls-dir", default=None, metavar="DIR",
                    help="deployment directory (secret, CA, certificates) shared by every child; "
                    "created on first start (default: tls/ next to the state file)")
@@ -377,10 +380,13 @@ def _effective(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
     engine = cfg.engine
     given = {k: v for k, v in (("prefill", getattr(args, "prefill", None)),
                                ("decode", getattr(args, "decode", None)),
-                               ("g1_bytes", getattr(args, "g1", None))) if v is not None}
+                               ("g1_bytes", getattr(args, "g1", None)),
+                               ("decode_g1_bytes", getattr(args, "decode_g1", None)))
+             if v is not None}
     if given:
-        if "g1_bytes" in given:
-            given["g1_bytes"] = parse_size(given["g1_bytes"], "--g1")
+        for name, flag in (("g1_bytes", "--g1"), ("decode_g1_bytes", "--decode-g1")):
+            if name in given:
+                given[name] = parse_size(given[name], flag)
         engine = replace(engine, **given)     # validated again (ConfigError names the flag)
     engine = replace(engine, threads=engine_threads(engine))
     return replace(cfg, ports=ports, engine=engine)
@@ -410,13 +416,21 @@ def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *, router: b
         Child("kvstore", [*base, "store", "serve", *common, "--port", str(p.kvstore),
                           "--metrics-port", str(metrics["kvstore"])], store_addr,
               run_dir / "kvstore.log")]
+    decode_pool = []
+    if cfg.engine.decode_g1_bytes:
+        from service.config import engine_spec_from, num_blocks_for
+
+        decode_pool = ["--num-blocks",
+                       str(num_blocks_for(cfg.engine.decode_g1_bytes, engine_spec_from(cfg)))]
     for slot in engine_slots(cfg, metrics, free=free):
         # Several instances of a role on one host: each its own registry id.
         ident = ["--instance-id", f"{slot.role}-{host}:{slot.port}"] if slot.name != slot.role \
             else []
+        pool = decode_pool if slot.role == "decode" else []
         children.append(Child(slot.name, [*base, slot.role, "serve", *common, "--port",
                                           str(slot.port), "--store", store_addr,
-                                          "--metrics-port", str(slot.metrics_port), *ident],
+                                          "--metrics-port", str(slot.metrics_port), *ident,
+                                          *pool],
                               f"{host}:{slot.port}", run_dir / f"{slot.name}.log"))
     if router and router_available():
         keys = ["--api-key-file", str(Path(api_key_file).resolve())] if api_key_file else []

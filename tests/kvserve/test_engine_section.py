@@ -81,3 +81,18 @@ def test_reset_cache_forgets_keys_but_not_running_blocks() -> None:
     pool.release([b])                 # b goes back free, not to a cache it left
     assert pool.num_free == 4
     assert sorted(pool.allocate(4)) == [0, 1, 2, 3]
+
+
+def test_decode_pool_may_differ(tmp_path: object) -> None:
+    from pathlib import Path
+
+    cfg = _up("--g1", "128MiB", "--decode-g1", "1GiB", "--free-ports")
+    assert (cfg.engine.g1_bytes, cfg.engine.decode_g1_bytes) == (128 * 2**20, 2**30)
+    metrics = launcher._metrics_ports(cfg, free=True)
+    children = launcher._children(cfg, Path(str(tmp_path)) / "k.toml", Path(str(tmp_path)),
+                                  router=False, metrics=metrics, free=True)
+    by = {c.name: c.argv for c in children}
+    blocks = 2**30 // block_nbytes_for(engine_spec_from(cfg))
+    assert by["decode"][by["decode"].index("--num-blocks") + 1] == str(blocks)
+    assert "--num-blocks" not in by["prefill"]       # prefill reads [engine].g1_bytes itself
+
