@@ -243,8 +243,15 @@ def _start_peer(args: argparse.Namespace, g1: int, d: Path) -> System:
     from kvserve.launch_vllm import VLLMProcess, VLLMSpec
     from kvstore.redis_server import free_port
 
+    @dataclass(frozen=True, slots=True)
+    class PeerSpec(VLLMSpec):
+        def argv(self) -> list[str]:
+            # vLLM v1 updates its Prometheus series only with stats logging on: the
+            # achieved hit rate is read from vllm:prefix_cache_hits.
+            return [a for a in VLLMSpec.argv(self) if a != "--disable-log-stats"]
+
     port = free_port("127.0.0.1")
-    spec = VLLMSpec(model_dir=str(fetch_model("smollm2")), port=port, store="", redis_url="",
+    spec = PeerSpec(model_dir=str(fetch_model("smollm2")), port=port, store="", redis_url="",
                     instance_id="peer", connector=False, block_tokens=32, max_model_len=8192,
                     kv_cache_mib=max(1, g1 // 2**20))
     log = d / "vllm.log"
