@@ -64,12 +64,18 @@ def summary(results: Sequence[PointResult], *, trace: str, trace_reuse: float, s
     for name in ("kvserve", "peer"):
         r = by.get((name, top))
         doc[name] = None if r is None else {**{k: getattr(r, k) for k in KEYS},
+                                            "requests": r.requests,
                                             "ttft_p99_s": r.ttft_p99_s,
                                             "offered_rps": r.offered_rps,
                                             "effective_prefill_tps": r.effective_prefill_tps}
     if doc["kvserve"] and doc["peer"]:
         doc["ratios"] = {k: (doc["kvserve"][k] / doc["peer"][k] if doc["peer"][k] else None)
                          for k in (*KEYS, "ttft_p99_s", "effective_prefill_tps")}
+        if doc["kvserve"]["errors"] or doc["peer"]["errors"]:
+            # Latency percentiles cover completed requests only (as the tools' own do).
+            doc["caveat"] = (f"errors: kvserve {doc['kvserve']['errors']}, peer "
+                             f"{doc['peer']['errors']} of {doc['kvserve']['requests']}; TTFT "
+                             "and TPOT cover completed requests only")
     else:
         doc["ratios"] = None
     return doc
@@ -108,13 +114,16 @@ def write_pngs(results: Sequence[PointResult], trace_reuse: float, slo: Slo,
         plt.close(fig)
         paths.append(path)
 
+    color = {s: f"C{i}" for i, s in enumerate(systems)}
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for s, rs in series.items():
         x = [r.offered_rps for r in rs]
         for attr, style in (("ttft_p50_s", "-o"), ("ttft_p90_s", "--s"), ("ttft_p99_s", ":^")):
-            a.plot(x, [getattr(r, attr) for r in rs], style, label=f"{s} {attr[5:8]}")
-        b.plot(x, [r.tpot_p50_s for r in rs], "-o", label=f"{s} p50")
-    a.set(xlabel="offered rate (req/s)", ylabel="TTFT (s)", title="TTFT vs offered rate")
+            a.plot(x, [getattr(r, attr) for r in rs], style, color=color[s],
+                   label=f"{s} {attr[5:8]}")
+        b.plot(x, [r.tpot_p50_s for r in rs], "-o", color=color[s], label=f"{s} p50")
+    a.set(xlabel="offered rate (req/s)", ylabel="TTFT (s)",
+          title="TTFT vs offered rate (completed requests)")
     b.set(xlabel="offered rate (req/s)", ylabel="TPOT (s)", title="TPOT vs offered rate")
     a.legend(fontsize=7)
     b.legend(fontsize=7)
