@@ -114,7 +114,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.bench_serve_report import print_table, summary, write_pngs
-    from kvserve.trace_export import read_export, reuse_totals
+    from kvserve.trace_export import read_export, reuse_totals, text_reuse
 
     trace = Path(args.trace)
     if not trace.is_file():
@@ -130,8 +130,11 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = _rows(trace, args.max_requests)
     span = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000.0 if rows else 0.0
-    written = read_export(trace, args.block_tokens)
-    prompt, reusable = reuse_totals(written) if written.requests[0].hash_ids else (0, 0)
+    if rows and "text_input" in rows[0]:
+        prompt, reusable = text_reuse((str(r["text_input"]) for r in rows),
+                                      block_tokens=args.block_tokens)
+    else:
+        prompt, reusable = reuse_totals(read_export(trace, args.block_tokens))
     trace_reuse = reusable / prompt if prompt else 0.0
     slo = Slo(args.slo_ttft, args.slo_tpot)
     _say(f"trace {trace.name}: {len(rows)} requests over {span:.0f} s; {100 * trace_reuse:.1f} % "

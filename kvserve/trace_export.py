@@ -179,6 +179,33 @@ def reuse_totals(trace: Trace) -> tuple[int, int]:
             sum(k * trace.block_tokens for k in prof))
 
 
+def text_reuse(texts: Iterable[str], model: str = "smollm2",
+               block_tokens: int = 64) -> tuple[int, int]:
+    """(prompt tokens, of them in whole blocks an earlier prompt had) of text prompts in
+    arrival order, tokenized by ``model``: the reuse of a trace that carries text
+    instead of hash ids, measured as a block cache would see it (prefix-chained blocks)."""
+    from tokenizers import Tokenizer
+
+    from engine.fetch import KNOWN_MODELS, fetch_model
+
+    root = fetch_model(model) if model in KNOWN_MODELS else Path(model).expanduser()
+    tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+    seen: set[int] = set()
+    prompt = reusable = 0
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        prompt += len(ids)
+        chain, hit = 0, True
+        for i in range(0, len(ids) - block_tokens + 1, block_tokens):
+            chain = hash((chain, tuple(ids[i:i + block_tokens])))
+            if hit and chain in seen:
+                reusable += block_tokens
+            else:
+                hit = False
+            seen.add(chain)
+    return prompt, reusable
+
+
 # -------------------------------------------------------------------------- text
 
 _WORD = re.compile(r"^\u0120[a-z]{3,9}$")      # byte-level BPE: \u0120 is the leading space

@@ -17,7 +17,9 @@ from kvserve.trace_export import (
     ExportOptions,
     read_export,
     reuse_profile,
+    reuse_totals,
     scale_trace,
+    text_reuse,
 )
 from tests.shared_data import shared_dir
 
@@ -105,3 +107,15 @@ def test_aiperf_rows_carry_text_and_the_session(tmp_path: Path, smollm2_dir: str
             break
         shared += 1
     assert shared >= 64
+
+
+def test_text_reuse_matches_the_hash_ids_it_was_written_from(smollm2_dir: str) -> None:
+    if not CLAUDE.exists():
+        pytest.skip("Claude Code traces not in this checkout's shared data")
+    src = load_trace(CLAUDE, max_sessions=2, max_requests=12)
+    scaled, _ = scale_trace(src, ExportOptions(max_input_tokens=1500))
+    text = BlockText(smollm2_dir, 64)
+    prompt, reusable = text_reuse([text.prompt(r) for r in scaled.requests], smollm2_dir)
+    assert (prompt, reusable) == reuse_totals(scaled)
+    assert reusable > 0
+
