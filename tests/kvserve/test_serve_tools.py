@@ -167,12 +167,14 @@ def test_reset_prefix_cache_is_for_operators_and_empties_g1(stack: Stack,
 
 
 def _export(out: Path, fmt: str, smollm2_dir: str) -> Path:
+    """Six requests of two sessions at the trace's own pace (about 40 s): a replay the
+    stack keeps up with, since what is measured here is that the tools drive it."""
     if not CLAUDE.exists():
         pytest.skip("Claude Code traces not in this checkout's shared data")
     subprocess.run([sys.executable, "-m", "kvserve.cli", "trace", "export", str(CLAUDE),
                     "--out", str(out), "--format", fmt, "--max-sessions", "2",
                     "--max-requests", "6", "--max-input", "448", "--output-tokens", "4",
-                    "--time-scale", "0.05", "--model", smollm2_dir], check=True,
+                    "--time-scale", "1", "--model", smollm2_dir], check=True,
                    capture_output=True)
     return out
 
