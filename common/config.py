@@ -296,6 +296,36 @@ class Ports:
                 raise ConfigError(f"ports.{f.name} must be in 0..65535, got {v}")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSection:
+    """The engines ``kvserve up`` runs: how many of each role, and the G1 budget
+    (each engine's own KV pool, the knob that decides how much of a returning
+    session it still holds locally; same meaning as vLLM's KV-cache size).
+
+    ``g1_bytes`` is per engine instance and becomes ``num_blocks`` once the
+    model's block size is known (``service.config.num_blocks_for``); 0 keeps
+    the services' default. ``threads``: torch CPU threads per engine; 0 lets
+    ``kvserve up`` split the cores when it runs more than one engine per role."""
+
+    g1_bytes: int = 0
+    prefill: int = 1
+    decode: int = 1
+    threads: int = 0
+    # Decode's pool holds running sequences only (its prompts come from prefill), so a
+    # deployment may size it by concurrency x context instead: 0 = g1_bytes.
+    decode_g1_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("g1_bytes", "decode_g1_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), f"engine.{name}"))
+        for name in ("prefill", "decode"):
+            n = getattr(self, name)
+            if not 1 <= n <= 64:
+                raise ConfigError(f"engine.{name} (instances) must be in 1..64, got {n}")
+        if not 0 <= self.threads <= 1024:
+            raise ConfigError(f"engine.threads must be in 0..1024, got {self.threads}")
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "blocks": HitRule,
@@ -306,6 +336,7 @@ _SECTIONS: dict[str, type] = {
     "admission": AdmissionSection,
     "ports": Ports,
     "prefill": PrefillSection,
+    "engine": EngineSection,
 }
 
 
@@ -320,6 +351,7 @@ class KVServeConfig:
     admission: AdmissionSection = field(default_factory=AdmissionSection)
     ports: Ports = field(default_factory=Ports)
     prefill: PrefillSection = field(default_factory=PrefillSection)
+    engine: EngineSection = field(default_factory=EngineSection)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVServeConfig:

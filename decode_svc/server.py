@@ -43,7 +43,7 @@ from kvstore.types import PutResult, RequestCtx
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2
 from service.cost import CostModel
 from service.engine_thread import EngineThread
-from service.errors import InvalidRequest, Overloaded, PreconditionFailed, grpc_stream
+from service.errors import InvalidRequest, Overloaded, PreconditionFailed, grpc_stream, grpc_unary
 from service.kv_buffer import KVIntegrityError, KVShape
 from service.metrics import Source
 from service.request import ModelIdentity, check_tokens, sampling_from_proto
@@ -120,6 +120,12 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self._service_s = 1.0            # running mean of a Decode call's length (retry-after)
 
     # -- lifecycle -----------------------------------------------------------
+
+    @grpc_unary
+    async def ResetPrefixCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        from service.operator import reset_prefix_cache
+
+        return await reset_prefix_cache(self.thread, self.engine)
 
     async def start(self) -> None:
         if self.cfg.warmup_tokens:

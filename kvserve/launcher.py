@@ -1,7 +1,8 @@
 """``kvserve up``: the whole stack on one machine, each part a child process.
 
-Embedded Redis (unless REDIS_URL / --redis-url), one kvstore, one prefill,
-one decode, and the router front when a ``router serve`` command exists. The
+Embedded Redis (unless REDIS_URL / --redis-url), one kvstore, N prefill and
+M decode instances (``--prefill N --decode M`` or ``[engine]``; one each by
+default), and the router front when a ``router serve`` command exists. The
 launcher writes one effective config file that every child reads (so block
 size, classes and ports agree), waits until each answers its health check,
 prints what runs where, and on Ctrl-C / SIGTERM stops the children in
@@ -21,11 +22,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from common.config import KVServeConfig
+from common.config import ConfigError, EngineSection, KVServeConfig, parse_size
 from kvserve.cli import UsageError, build_registry
 from security.config import SecurityConfig
 
@@ -56,6 +58,9 @@ class UpState:
     metrics: dict[str, str] = field(default_factory=dict)   # role -> Prometheus URL
     config: str = ""                        # the effective config file every child reads
     tls_dir: str = ""                       # the stack's deployment directory; "" = --insecure
+    prefills: list[str] = field(default_factory=list)   # every prefill instance's address
+    decodes: list[str] = field(default_factory=list)    # every decode instance's address
+    pids: dict[str, int] = field(default_factory=dict)  # child name -> process id
 
     def security(self, role: str = "operator") -> SecurityConfig:
         """Credentials to talk to this stack (``kvserve chat`` / ``status``)."""
@@ -112,6 +117,17 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for every service to answer its health check")
     p.add_argument("--grace", type=float, default=10.0, help="shutdown grace per child, seconds")
     p.add_argument("--no-router", action="store_true", help="do not start the router front")
+    p.add_argument("--prefill", type=int, default=None, metavar="N",
+                   help="prefill instances (default [engine].prefill, 1)")
+    p.add_argument("--decode", type=int, default=None, metavar="M",
+                   help="decode instances (default [engine].decode, 1)")
+    p.add_argument("--g1", default=None, metavar="SIZE",
+                   help="each engine's own KV pool (G1), e.g. 256MiB; becomes num_blocks by "
+                   "the model's block size (default [engine].g1_bytes, else the services' "
+                   "default pool)")
+    p.add_argument("--decode-g1", default=None, metavar="SIZE",
+                   help="decode engines' KV pool when it should differ from --g1 (it holds "
+                   "running sequences only; default [engine].decode_g1_bytes, else --g1)")
     p.add_argument("--tls-dir", default=None, metavar="DIR",
                    help="deployment directory (secret, CA, certificates) shared by every child; "
                    "created on first start (default: tls/ next to the state file)")
@@ -123,8 +139,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import ConfigError
-
     if args.state_dir:
         os.environ[STATE_ENV] = str(Path(args.state_dir).resolve() / "up.json")
     _refuse_second(state_path())
@@ -136,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
     metrics_ports = _metrics_ports(cfg, free=args.free_ports)
-    check_ports_free(cfg.ports.host, {**_service_ports(cfg, router=not args.no_router),
+    check_ports_free(cfg.ports.host, {**_service_ports(cfg, router=not args.no_router,
+                                                       free=args.free_ports),
                                       **{f"{r} metrics": p for r, p in metrics_ports.items()}})
     run_dir = Path(args.run_dir) if args.run_dir else state_path().parent / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     config_file = run_dir / "kvserve.toml"
     _write_private(config_file, to_toml(cfg))     # it holds the Redis password
     children = _children(cfg, config_file, run_dir, router=not args.no_router,
-                         metrics=metrics_ports, api_key_file=args.api_key_file)
+                         metrics=metrics_ports, api_key_file=args.api_key_file,
+                         free=args.free_ports)
     for c in children:
         c.argv += security.cli_args()
         c.security = security
@@ -164,8 +180,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         # The router last: its first view of the registry then holds the others.
         start_children([c for c in children if c.name != "router"], args.ready_timeout, stop)
-        wait_registered(redis_url, {"kvstore", "prefill", "decode"}, args.ready_timeout)
+        wait_registered(redis_url, {"kvstore": 1, "prefill": cfg.engine.prefill,
+                                    "decode": cfg.engine.decode}, args.ready_timeout)
         start_children([c for c in children if c.name == "router"], args.ready_timeout, stop)
+        state = replace(state, pids={c.name: c.proc.pid for c in children if c.proc})
         state_path().parent.mkdir(parents=True, exist_ok=True)
         _write_private(state_path(), json.dumps(asdict(state), indent=1))
         _print_started(state, children)
@@ -257,23 +275,75 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
                          "[ports] section, or use --free-ports")
 
 
-def _service_ports(cfg: KVServeConfig, *, router: bool) -> dict[str, int]:
+# Instance i > 0 of a role listens on its role's configured port + PORT_STRIDE * i
+# (metrics likewise), so a fixed [ports] section still gives every instance a port.
+PORT_STRIDE = 100
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSlot:
+    """One engine instance ``up`` runs: its child name, role and ports."""
+
+    name: str                   # "prefill" / "decode" alone, "prefill-0", "prefill-1", ...
+    role: str
+    index: int
+    port: int
+    metrics_port: int
+
+
+def engine_slots(cfg: KVServeConfig, metrics: Mapping[str, int], *,
+                 free: bool) -> list[EngineSlot]:
+    """The prefill instances then the decode instances of ``cfg.engine``."""
+    from kvstore.redis_server import free_port
+
+    out = []
+    for role, n, port in (("prefill", cfg.engine.prefill, cfg.ports.prefill),
+                          ("decode", cfg.engine.decode, cfg.ports.decode)):
+        for i in range(n):
+            name = role if n == 1 else f"{role}-{i}"
+            p = port if i == 0 else (free_port(cfg.ports.host) if free
+                                     else port + PORT_STRIDE * i)
+            out.append(EngineSlot(name, role, i, p, metrics[name]))
+    return out
+
+
+def _service_ports(cfg: KVServeConfig, *, router: bool, free: bool = False) -> dict[str, int]:
     p = cfg.ports
-    ports = {"kvstore": p.kvstore, "prefill": p.prefill, "decode": p.decode}
+    ports = {"kvstore": p.kvstore}
+    for role, n, port in (("prefill", cfg.engine.prefill, p.prefill),
+                          ("decode", cfg.engine.decode, p.decode)):
+        for i in range(n):
+            if i == 0 or not free:          # free extra ports are picked at spawn time
+                ports[role if n == 1 else f"{role}-{i}"] = port + PORT_STRIDE * i
     if router and router_available():
         ports |= {"router gRPC": p.router_grpc, "HTTP": p.http}
     return ports
 
 
 def _metrics_ports(cfg: KVServeConfig, *, free: bool) -> dict[str, int]:
-    """Prometheus ports of kvstore, prefill and decode ([ports].metrics and the
-    two after it; the router serves /metrics on its HTTP port)."""
+    """Prometheus ports of the kvstore and every engine instance ([ports].metrics,
+    then +1 for prefill and +2 for decode, + PORT_STRIDE per further instance; the
+    router serves /metrics on its HTTP port)."""
     base = cfg.ports.metrics
+    names = {"kvstore": base}
+    for offset, role, n in ((1, "prefill", cfg.engine.prefill), (2, "decode", cfg.engine.decode)):
+        for i in range(n):
+            names[role if n == 1 else f"{role}-{i}"] = base + offset + PORT_STRIDE * i
     if free:
         from kvstore.redis_server import free_port
 
-        return {r: free_port(cfg.ports.host) for r in ("kvstore", "prefill", "decode")}
-    return {"kvstore": base, "prefill": base + 1, "decode": base + 2}
+        return {r: free_port(cfg.ports.host) for r in names}
+    return names
+
+
+def engine_threads(engine: EngineSection, cpus: int | None = None) -> int:
+    """Torch threads per engine: as configured, else (several instances of a role,
+    which compute at once) the cores split between them, so N+M engines on a small
+    machine do not oversubscribe it; 0 (all cores) for one instance per role."""
+    if engine.threads or max(engine.prefill, engine.decode) == 1:
+        return engine.threads
+    cpus = cpus or len(os.sched_getaffinity(0))
+    return max(1, cpus // max(engine.prefill, engine.decode))
 
 
 def effective_config(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
@@ -299,7 +369,19 @@ def effective_config(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeCon
                         http=free_port(ports.host), metrics=free_port(ports.host))
     if args.port is not None:
         ports = replace(ports, http=args.port)
-    return replace(cfg, ports=ports)
+    engine = cfg.engine
+    given = {k: v for k, v in (("prefill", getattr(args, "prefill", None)),
+                               ("decode", getattr(args, "decode", None)),
+                               ("g1_bytes", getattr(args, "g1", None)),
+                               ("decode_g1_bytes", getattr(args, "decode_g1", None)))
+             if v is not None}
+    if given:
+        for name, flag in (("g1_bytes", "--g1"), ("decode_g1_bytes", "--decode-g1")):
+            if name in given:
+                given[name] = parse_size(given[name], flag)
+        engine = replace(engine, **given)     # validated again (ConfigError names the flag)
+    engine = replace(engine, threads=engine_threads(engine))
+    return replace(cfg, ports=ports, engine=engine)
 
 
 def _prefetch(model: str) -> None:
@@ -311,7 +393,10 @@ def _prefetch(model: str) -> None:
 
 
 def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *, router: bool,
-              metrics: dict[str, int], api_key_file: str | None = None) -> list[Child]:
+              metrics: dict[str, int], api_key_file: str | None = None,
+              free: bool = False) -> list[Child]:
+    """Every child of the stack, kvstore first and router last (the one place
+    that builds their command lines)."""
     host, p = cfg.ports.host, cfg.ports
     base = [sys.executable, "-m", "kvserve.cli"]
     # No --redis-url: the URL may carry a password, and argv is world-readable in
@@ -322,14 +407,23 @@ def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *, router: b
     children = [
         Child("kvstore", [*base, "store", "serve", *common, "--port", str(p.kvstore),
                           "--metrics-port", str(metrics["kvstore"])], store_addr,
-              run_dir / "kvstore.log"),
-        Child("prefill", [*base, "prefill", "serve", *common, "--port", str(p.prefill),
-                          "--store", store_addr, "--metrics-port", str(metrics["prefill"])],
-              f"{host}:{p.prefill}", run_dir / "prefill.log"),
-        Child("decode", [*base, "decode", "serve", *common, "--port", str(p.decode),
-                         "--store", store_addr, "--metrics-port", str(metrics["decode"])],
-              f"{host}:{p.decode}", run_dir / "decode.log"),
-    ]
+              run_dir / "kvstore.log")]
+    decode_pool = []
+    if cfg.engine.decode_g1_bytes:
+        from service.config import engine_spec_from, num_blocks_for
+
+        decode_pool = ["--num-blocks",
+                       str(num_blocks_for(cfg.engine.decode_g1_bytes, engine_spec_from(cfg)))]
+    for slot in engine_slots(cfg, metrics, free=free):
+        # Several instances of a role on one host: each its own registry id.
+        ident = ["--instance-id", f"{slot.role}-{host}:{slot.port}"] if slot.name != slot.role \
+            else []
+        pool = decode_pool if slot.role == "decode" else []
+        children.append(Child(slot.name, [*base, slot.role, "serve", *common, "--port",
+                                          str(slot.port), "--store", store_addr,
+                                          "--metrics-port", str(slot.metrics_port), *ident,
+                                          *pool],
+                              f"{host}:{slot.port}", run_dir / f"{slot.name}.log"))
     if router and router_available():
         keys = ["--api-key-file", str(Path(api_key_file).resolve())] if api_key_file else []
         children.append(Child("router", [*base, "router", "serve", *common, *keys],
@@ -351,13 +445,20 @@ def _state(cfg: KVServeConfig, children: list[Child], metrics: dict[str, int]) -
     if cfg.tiers.g4_url:
         tiers.append(f"G4 {cfg.tiers.g4_url}")
     router = "router" in by
+    prefills = [c.health for c in children if _role(c.name) == "prefill"]
+    decodes = [c.health for c in children if _role(c.name) == "decode"]
     return UpState(redis_url=cfg.redis.url, model=cfg.model.name, store=by["kvstore"].health,
-                   prefill=by["prefill"].health, decode=by["decode"].health,
+                   prefill=prefills[0], decode=decodes[0], prefills=prefills, decodes=decodes,
                    router_http=f"http://{p.host}:{p.http}" if router else "",
                    router_grpc=f"{p.host}:{p.router_grpc}" if router else "",
                    tiers=", ".join(tiers), pid=os.getpid(),
                    logs={c.name: str(c.log) for c in children},
                    metrics=_metrics_urls(p.host, metrics, p.http if router else 0))
+
+
+def _role(name: str) -> str:
+    """A child's role from its name ("prefill-1" -> "prefill")."""
+    return name.split("-", 1)[0]
 
 
 def _metrics_urls(host: str, ports: dict[str, int], http: int) -> dict[str, str]:
@@ -452,22 +553,29 @@ def _wait_ready(children: list[Child], timeout_s: float, stop: Stop | None) -> N
             time.sleep(0.2)
 
 
-def wait_registered(redis_url: str, roles: set[str], timeout_s: float) -> None:
-    """Until every role has a live entry in the instance registry."""
+def wait_registered(redis_url: str, roles: set[str] | Mapping[str, int],
+                    timeout_s: float) -> None:
+    """Until every role has as many live entries in the instance registry as
+    asked (a set: one each)."""
     import asyncio
+    from collections import Counter
 
     from kvstore.registry import InstanceRegistry
+
+    want = dict.fromkeys(roles, 1) if isinstance(roles, set) else dict(roles)
 
     async def wait() -> None:
         async with InstanceRegistry(redis_url) as reg:
             deadline = time.monotonic() + timeout_s
             while True:
-                have = {i.role for i in await reg.list_instances()}
-                if roles <= have:
+                have = Counter(i.role for i in await reg.list_instances())
+                short = {r: n for r, n in want.items() if have[r] < n}
+                if not short:
                     return
                 if time.monotonic() > deadline:
                     raise UsageError(f"not registered after {timeout_s:.0f}s: "
-                                     f"{sorted(roles - have)}")
+                                     + ", ".join(f"{r} ({have[r]} of {n})"
+                                                 for r, n in sorted(short.items())))
                 await asyncio.sleep(0.1)
 
     asyncio.run(wait())
@@ -495,13 +603,26 @@ def _print_started(state: UpState, children: list[Child]) -> None:
 
 
 def _supervise(children: list[Child], stop: Stop) -> int:
+    """Until Ctrl-C / SIGTERM. A child that exits stops the stack, unless it is one
+    of several instances of its role: then the router places around it (it leaves
+    the registry) and the stack runs on while one instance of the role is left."""
+    gone: set[str] = set()
     while not stop.requested:
         for c in children:
             assert c.proc is not None
-            if c.proc.poll() is not None:
-                print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; stopping "
-                      f"the rest. Its log: {c.log}\n{_tail(c.log)}", file=sys.stderr, flush=True)
-                return 1
+            if c.name in gone or c.proc.poll() is None:
+                continue
+            gone.add(c.name)
+            left = [o for o in children if _role(o.name) == _role(c.name)
+                    and o.name not in gone]
+            if left and c.name != _role(c.name):
+                print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; "
+                      f"{len(left)} {_role(c.name)} instance(s) left, running on. Its log: "
+                      f"{c.log}", file=sys.stderr, flush=True)
+                continue
+            print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; stopping "
+                  f"the rest. Its log: {c.log}\n{_tail(c.log)}", file=sys.stderr, flush=True)
+            return 1
         time.sleep(0.2)
     return 0
 

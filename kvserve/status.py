@@ -99,7 +99,9 @@ def cached_tokens(metrics_urls: dict[str, str], timeout_s: float) -> dict[str, f
 
     out: dict[str, float] = {}
     for role, url in metrics_urls.items():
-        wanted = {n: (s, k) for n, (r, s, k) in CACHED_METRICS.items() if r == role}
+        # Several instances of a role are "prefill-0", "prefill-1", ...: summed.
+        base = role.split("-", 1)[0]
+        wanted = {n: (s, k) for n, (r, s, k) in CACHED_METRICS.items() if r == base}
         if not wanted:
             continue
         try:

@@ -396,6 +396,14 @@ class KVStoreClient:
         return int(res.deleted)
 
     @_mapped
+    async def warm(self, keys: Sequence[bytes], *, prompt_tokens: int, ctx: RequestCtx,
+                   timeout_s: float | None = None) -> kvstore_pb2.WarmResponse:
+        """Move the chain's usable blocks up into G2 now (kvstore.warm)."""
+        return await self._stub.Warm(
+            kvstore_pb2.WarmRequest(ctx=ctx_to_proto(ctx), keys=keys, prompt_tokens=prompt_tokens),
+            timeout=timeout_s or self.timeout_s)
+
+    @_mapped
     async def stats(self, *, timeout_s: float | None = None) -> StoreStats:
         s = await self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=timeout_s or self.timeout_s)
         return StoreStats(

@@ -462,6 +462,18 @@ class KVStoreService:
                      for c in s.classes],
             whatif_json=s.whatif_json, shm_capable=s.shm_capable, hostname=s.hostname)
 
+    @rpc("Warm")
+    async def Warm(self, request: Any, context: grpc.aio.ServicerContext,
+                   ) -> kvstore_pb2.WarmResponse:
+        from kvstore.warm import warm
+
+        req: kvstore_pb2.WarmRequest = _parsed(request, "WarmRequest")
+        res = await warm(self.wh, _keys(req.keys, self.limits), prompt_tokens=req.prompt_tokens,
+                         ctx=ctx_from_proto(req.ctx))
+        return kvstore_pb2.WarmResponse(matched_blocks=res.matched_blocks,
+                                        in_g2_blocks=res.in_g2_blocks,
+                                        promoted_blocks=res.promoted_blocks)
+
     def add_to_server(self, server: grpc.aio.Server) -> None:
         ser = {"response_serializer": lambda m: m.SerializeToString()}
         handlers = {
@@ -481,6 +493,9 @@ class KVStoreService:
                 **ser),
             "Stage": grpc.unary_unary_rpc_method_handler(
                 self.Stage, request_deserializer=_safe(kvstore_pb2.StageRequest.FromString),
+                **ser),
+            "Warm": grpc.unary_unary_rpc_method_handler(
+                self.Warm, request_deserializer=_safe(kvstore_pb2.WarmRequest.FromString),
                 **ser),
         }
         server.add_generic_rpc_handlers(
@@ -511,6 +526,7 @@ class RunningServer:
 POLICY: dict[str, Access] = {
     **{f"/{SERVICE_NAME}/{m}": Access.TENANT for m in ("Lookup", "Get", "Put", "Stage", "Stats")},
     f"/{SERVICE_NAME}/Delete": Access.OPERATOR,
+    f"/{SERVICE_NAME}/Warm": Access.TENANT,      # for the caller's own tenant (acting_tenant)
 }
 
 

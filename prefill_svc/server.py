@@ -285,6 +285,14 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         await self._buffered(request.request_id)
         return prefill_pb2.ReleaseResponse(released=self.buffer.release(request.request_id))
 
+    @grpc_unary
+    async def ResetPrefixCache(self, request: common_pb2.ResetPrefixCacheRequest,
+                               context: grpc.aio.ServicerContext
+                               ) -> common_pb2.ResetPrefixCacheResponse:
+        from service.operator import reset_prefix_cache
+
+        return await reset_prefix_cache(self.thread, self.engine)
+
     async def _buffered(self, request_id: str) -> None:
         """Wait until a just-prefilled request's KV is in the buffer (or failed to be)."""
         job = self.steps.jobs.get(request_id)

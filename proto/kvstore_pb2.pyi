@@ -7,6 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WarmRequest(_message.Message):
+    __slots__ = ("ctx", "keys", "prompt_tokens")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ctx: _common_pb2.RequestContext
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    prompt_tokens: int
+    def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class WarmResponse(_message.Message):
+    __slots__ = ("matched_blocks", "in_g2_blocks", "promoted_blocks")
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IN_G2_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    matched_blocks: int
+    in_g2_blocks: int
+    promoted_blocks: int
+    def __init__(self, matched_blocks: _Optional[int] = ..., in_g2_blocks: _Optional[int] = ..., promoted_blocks: _Optional[int] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
     __slots__ = ("ctx", "keys", "prompt_tokens", "touch")
     CTX_FIELD_NUMBER: _ClassVar[int]

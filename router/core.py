@@ -23,11 +23,13 @@ import logging
 import secrets
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from engine.errors import EngineInputError
 from kvstore.keys import chain_keys
+from kvstore.types import RequestCtx
 from proto import common_pb2, decode_pb2, prefill_pb2
 from router.admission import Admission
 from router.dispatch import Budget, Dispatcher
@@ -78,6 +80,7 @@ class RouterCore:
         self.metrics = metrics
         self.admission = admission
         self.dispatch = Dispatcher(view, upstreams, metrics, max_attempts=cfg.max_attempts)
+        self.ops: Any = None        # router.cluster_ops.ClusterOps: warm-up on arrival
 
     def live_counts(self) -> dict[str, int]:
         return self.view.live_counts()
@@ -143,13 +146,18 @@ class RouterCore:
                                         traffic_class=req.traffic_class,
                                         model_fingerprint=fingerprint)
         preq = prefill_pb2.PrefillRequest(ctx=ctx, token_ids=tokens, sampling=sampling)
+        if self.ops is not None:      # blocks start up the tiers before any queue (issue 18)
+            self.ops.warm(keys, len(tokens), RequestCtx(req.request_id, req.tenant,
+                                                        req.traffic_class, fingerprint),
+                          req.session_id)
         ticket = await self.admission.admit(req.api_key_id, req.tenant, len(tokens),
                                             wait_s=budget.left())
         try:
             started = await self.dispatch.start(
                 preq, keys, len(tokens), sampling, budget,
                 busy_until=ticket.arrived + self.admission.cfg.max_queue_wait_s,
-                prefilled=lambda: self.admission.prefilled(ticket))
+                prefilled=lambda: self.admission.prefilled(ticket), tenant=req.tenant,
+                session=req.session_id)
             p_id = started.prefill.instance.instance_id
             d_id = started.decode.instance.instance_id
             try:

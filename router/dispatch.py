@@ -94,27 +94,29 @@ class Dispatcher:
 
     async def start(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
                     n_tokens: int, sampling: common_pb2.SamplingParams, budget: Budget, *,
-                    busy_until: float, prefilled: Callable[[], None]) -> Started:
+                    busy_until: float, prefilled: Callable[[], None], tenant: str = "",
+                    session: str = "") -> Started:
         """Prefill, then open the Decode stream and read its first event.
         ``busy_until``: until when (monotonic) a request nobody could prefill yet
         may wait for busy instances; ``prefilled`` is told when prefill is done."""
         tries = _Attempts()
         while True:
             pchoice, handle = await self._prefill(preq, keys, n_tokens, tries, budget,
-                                                  busy_until)
+                                                  busy_until, tenant, session)
             prefilled()
             started = await self._decode(pchoice, handle, n_tokens, sampling, tries, budget)
             if started is not None:
                 return started
 
     async def _prefill(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
-                       n_tokens: int, tries: _Attempts, budget: Budget,
-                       busy_until: float) -> tuple[Choice, prefill_pb2.KVHandle]:
+                       n_tokens: int, tries: _Attempts, budget: Budget, busy_until: float,
+                       tenant: str, session: str) -> tuple[Choice, prefill_pb2.KVHandle]:
         busy: dict[str, float] = {}
         while True:
             try:
                 choice = self.view.choose_prefill(
-                    keys, n_tokens, exclude=tries.excluded["prefill"] | busy.keys())
+                    keys, n_tokens, exclude=tries.excluded["prefill"] | busy.keys(),
+                    tenant=tenant, session=session)
             except NoInstanceError:
                 if not busy:
                     if tries.last is None:

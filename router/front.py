@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front (aiohttp).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE),
-GET /v1/models, GET /health, GET /metrics. Each handler only translates:
+GET /v1/models, GET /health, GET /metrics, and for operators POST
+/reset_prefix_cache (router.operator_http). Each handler only translates:
 headers -> ``Caller`` (auth.py), body -> typed request (openai_schema.py),
 ``GenEvent``s -> OpenAI bodies (openai_responses.py). One middleware turns
 every exception into an OpenAI error body via ``errors.http_error``.
@@ -22,6 +23,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -50,6 +52,8 @@ from router.openai_responses import (
     sse,
 )
 from router.openai_schema import parse_chat_request, parse_completion_request
+from router.operator_http import OperatorEndpoints
+from router.session import session_from
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,13 @@ DECODE_HEADER = "X-KV-Decode-Instance"
 
 _APP_KEY = web.AppKey("kvserve_front", object)
 _ENDPOINT_KEY = "kvserve_endpoint"
+
+
+def _with_session(parse: Callable[..., Any], headers: Any) -> Callable[..., Any]:
+    """``parse`` that also returns the request's session (header, else body field)."""
+    def both(body: object, **kwargs: Any) -> tuple[Any, str]:
+        return parse(body, **kwargs), session_from(headers, body)
+    return both
 
 
 @dataclass(slots=True)
@@ -91,31 +102,33 @@ class Front:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
         # Decoded under limits, parsed on a thread; a parser bug is a 400 (router.body).
-        parsed = await parse_json_body(request, parse_chat_request,
-                                       served_model=self.cfg.model_name,
-                                       max_context=self.cfg.max_context)
+        parsed, session = await parse_json_body(request, _with_session(parse_chat_request,
+                                                                        request.headers),
+                                                served_model=self.cfg.model_name,
+                                                max_context=self.cfg.max_context)
         # Tools rendered in, the grammar of a forced call or response_format set.
         plan = plan_chat(parsed.messages, parsed.sampling, parsed.tools, parsed.response_format)
         route = RouteRequest(request_id=self.request_id(request), tenant=caller.tenant,
                              traffic_class=caller.traffic_class, api_key_id=caller.key_id,
                              sampling=plan.sampling,
-                             messages=plan.messages)
+                             messages=plan.messages, session_id=session)
         shapes = chat_shapes(ChatShapes(ResponseIds(self.cfg.model_name, chat=True),
                                         include_usage=parsed.stream.include_usage), plan.tools)
         return await self._respond(request, route, shapes, stream=parsed.stream.enabled)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
-        parsed = await parse_json_body(request, parse_completion_request,
-                                       served_model=self.cfg.model_name,
-                                       max_context=self.cfg.max_context,
-                                       vocab_size=self.cfg.vocab_size)
+        parsed, session = await parse_json_body(request, _with_session(parse_completion_request,
+                                                                        request.headers),
+                                                served_model=self.cfg.model_name,
+                                                max_context=self.cfg.max_context,
+                                                vocab_size=self.cfg.vocab_size)
         prompt, token_ids = ((parsed.prompt, ()) if isinstance(parsed.prompt, str)
                              else ("", parsed.prompt))
         route = RouteRequest(request_id=self.request_id(request), tenant=caller.tenant,
                              traffic_class=caller.traffic_class, api_key_id=caller.key_id,
                              sampling=parsed.sampling,
-                             prompt=prompt, token_ids=token_ids)
+                             prompt=prompt, token_ids=token_ids, session_id=session)
         shapes = CompletionShapes(ResponseIds(self.cfg.model_name, chat=False),
                                   include_usage=parsed.stream.include_usage)
         return await self._respond(request, route, shapes, stream=parsed.stream.enabled)
@@ -143,6 +156,8 @@ class Front:
     async def metrics_handler(self, request: web.Request) -> web.Response:
         for role, n in self.core.live_counts().items():
             self.metrics.instances.labels(role=role).set(n)
+        if self.metrics.vllm is not None:
+            self.metrics.vllm.in_flight(self.metrics.in_flight_now)
         body, content_type = self.metrics.exposition()
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
@@ -160,9 +175,17 @@ class Front:
             except StopAsyncIteration:
                 raise RouterError("the generation ended without any event") from None
             self.metrics.ttft_seconds.observe(time.perf_counter() - t0)
+            if self.metrics.vllm is not None:
+                self.metrics.vllm.first_token(time.perf_counter() - t0)
             if not stream:
-                return await self._whole(request, route, events, first, shapes)
-            return await self._stream(request, route, events, first, shapes)
+                resp: web.StreamResponse = await self._whole(request, route, events, first,
+                                                             shapes)
+            else:
+                resp = await self._stream(request, route, events, first, shapes)
+            if self.metrics.vllm is not None:
+                self.metrics.vllm.e2e.labels(self.cfg.model_name, "0").observe(
+                    time.perf_counter() - t0)
+            return resp
         finally:
             # Whatever happened (done, failed, client gone): end the decode stream.
             await events.aclose()
@@ -234,6 +257,9 @@ class Front:
         if not last.finished or last.usage is None:
             raise RouterError("the generation stream ended without its usage")
         usage = last.usage
+        if self.metrics.vllm is not None:
+            self.metrics.vllm.finished(usage.prompt_tokens, usage.cached_tokens,
+                                       usage.completion_tokens, last.finish_reason)
         self.metrics.tokens.labels(kind="prompt").inc(usage.prompt_tokens)
         self.metrics.tokens.labels(kind="cached").inc(usage.cached_tokens)
         self.metrics.tokens.labels(kind="completion").inc(usage.completion_tokens)
@@ -314,7 +340,9 @@ def _echo_client_id(request: web.Request, resp: web.StreamResponse) -> web.Strea
     return resp
 
 
-def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics) -> web.Application:
+def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics,
+             ops: Any = None) -> web.Application:
+    """``ops``: router.cluster_ops.ClusterOps, what the operator endpoints act with."""
     front = Front(cfg, core, metrics)
     app = web.Application(middlewares=[_error_middleware], client_max_size=cfg.max_body_bytes)
     app[_APP_KEY] = front
@@ -326,4 +354,5 @@ def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics) -> web.A
     app.router.add_get("/v1/models/{model_id:.+}", front.model)    # ids may hold a "/"
     app.router.add_get("/health", front.health)
     app.router.add_get("/metrics", front.metrics_handler)
+    OperatorEndpoints(cfg.operator_key, cfg.operator_open, ops).install(app)
     return app

@@ -33,6 +33,10 @@ class FrontConfig:
     max_body_bytes: int = 16 * 2**20
     created: int = field(default_factory=lambda: int(time.time()))
     body: BodyLimits | None = None   # None: the defaults, with max_body_bytes as the size cap
+    # Operator endpoints (router.operator_http): the bearer key they need; "" with
+    # operator_open (an --insecure deployment) lets anyone call them, else no one.
+    operator_key: str = field(default="", repr=False)
+    operator_open: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:

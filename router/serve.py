@@ -27,6 +27,7 @@ from proto import router_pb2_grpc
 from router.admission import Admission, Capacity
 from router.auth import ApiKeys
 from router.backends import make_backend
+from router.cluster_ops import ClusterOps, operator_key
 from router.core import CoreConfig, RouterCore
 from router.front import FrontConfig, make_app
 from router.front_runner import FrontRunner
@@ -109,6 +110,8 @@ class RunningRouter:
         await asyncio.gather(self.grpc_server.stop(grace_s), self.http_runner.cleanup())
         await self.view.stop()
         await self.upstreams.close()
+        if self.core.ops is not None:
+            await self.core.ops.close()
         if self.health_server is not None:
             await self.health_server.stop(None)
 
@@ -126,8 +129,11 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
     upstreams = Upstreams(cfg.timeouts, security)
     view.on_change(upstreams.retain)
     admission = _admission(cfg.admission, view, metrics)
-    core = RouterCore(replace(cfg.core, secret=security.require_secret()), meta, view, upstreams,
-                      metrics, admission)
+    secret = security.require_secret()
+    core = RouterCore(replace(cfg.core, secret=secret), meta, view, upstreams, metrics, admission)
+    metrics.enable_vllm_series(meta.served_name)
+    ops = ClusterOps(view, metrics, security)
+    core.ops = ops
     backend = make_backend(cfg.backend, core)   # the fronts' one seam (router.backends)
 
     # The Router API checks its own API keys; any identity of the deployment may call it.
@@ -158,8 +164,9 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
 
     front_cfg = FrontConfig(model_name=meta.served_name, max_context=meta.max_context,
                             vocab_size=meta.vocab_size, classes=cfg.classes, api_keys=api_keys,
-                            max_body_bytes=cfg.max_body_bytes)
-    runner = FrontRunner(make_app(front_cfg, backend, metrics), access_log=None,
+                            max_body_bytes=cfg.max_body_bytes,
+                            operator_key=operator_key(secret), operator_open=security.insecure)
+    runner = FrontRunner(make_app(front_cfg, backend, metrics, ops), access_log=None,
                          shutdown_timeout=cfg.drain_grace_s)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.http_port)

@@ -75,8 +75,8 @@ def test_config_check_lists_every_bad_field_with_path_and_type(tmp_path: Path) -
     with pytest.raises(ConfigError) as err:
         KVServeConfig.load(bad)
     assert err.value.problems == (
-        "unknown config section(s) ['bogus']; known: ['admission', 'blocks', 'classes', 'model', "
-        "'ports', 'prefill', 'redis', 'router', 'tiers']",
+        "unknown config section(s) ['bogus']; known: ['admission', 'blocks', 'classes', 'engine', "
+        "'model', 'ports', 'prefill', 'redis', 'router', 'tiers']",
         "model.dtype must be float32, bfloat16 or float16, got 'fp8'",
         "blocks.block_tokens: expected an integer, got str '64'",
         "tiers.g2_bytes: expected an integer or a size such as 4GiB, got list [1]",
