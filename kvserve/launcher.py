@@ -7,7 +7,13 @@ size, classes and ports agree), waits until each answers its health check,
 prints what runs where, and on Ctrl-C / SIGTERM stops the children in
 reverse order (SIGTERM, grace, then SIGKILL). A child that dies on its own
 stops the rest. ``kvserve chat`` and ``kvserve status`` find the running
-stack through the state file it writes.
+stack through the state file it writes (0600: it names the operator's files).
+
+Least privilege (docs/security.md): each child gets a directory of its own
+credentials (kvserve.credentials: its certificate, the CA certificate, the
+deployment secret, its role's Redis user) named on its command line, and an
+environment without credential variables; no secret value is ever in argv,
+the banner, the state file or the shared config file.
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ from typing import Any
 
 from common.config import KVServeConfig
 from kvserve.cli import UsageError, build_registry
+from kvserve.credentials import ChildCredentials, child_env, hand_out, renew_due
 from security.config import SecurityConfig
+from security.flags import add_redis_flags, redis_url_from
+from security.redact import redact_url
+from security.secret_files import SecretFileError, read_secret_text
 
 STATE_ENV = "KVSERVE_STATE"
 
@@ -43,7 +53,7 @@ def state_path() -> Path:
 class UpState:
     """What ``kvserve up`` started: read by ``kvserve chat`` / ``status``."""
 
-    redis_url: str
+    redis_url: str                          # for display: the password masked
     model: str
     store: str
     prefill: str
@@ -56,6 +66,16 @@ class UpState:
     metrics: dict[str, str] = field(default_factory=dict)   # role -> Prometheus URL
     config: str = ""                        # the effective config file every child reads
     tls_dir: str = ""                       # the stack's deployment directory; "" = --insecure
+    redis_url_file: str = ""                # the operator's Redis URL (0600)
+
+    def registry_url(self) -> str:
+        """The operator's Redis URL, read from its file ("" when there is none)."""
+        if not self.redis_url_file:
+            return ""
+        try:
+            return read_secret_text(self.redis_url_file, "the stack's operator Redis URL")
+        except SecretFileError as exc:
+            raise UsageError(str(exc)) from exc
 
     def security(self, role: str = "operator") -> SecurityConfig:
         """Credentials to talk to this stack (``kvserve chat`` / ``status``)."""
@@ -86,13 +106,17 @@ class Child:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     security: SecurityConfig | None = None      # how the launcher dials its health check
+    creds: ChildCredentials | None = None       # what the child was handed (renewed in place)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="kvserve TOML config file")
     p.add_argument("--model", default=None, help="model for prefill and decode (default smollm2)")
     p.add_argument("--host", default=None, help="bind address of every service")
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    add_redis_flags(p, default="an embedded Redis with one ACL user per role")
+    p.add_argument("--cert-days", type=int, default=None, metavar="DAYS",
+                   help="validity of the children's certificates, renewed at half-life "
+                   "(default 7)")
     p.add_argument("--g3-path", default=None,
                    help="local disk tier directory (default: $KVSERVE_CACHE/g3, so warm KV "
                    "survives a restart); 'none' for no disk tier")
@@ -150,24 +174,28 @@ def run(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     security = _security(args)
     stop = _stop_on_signals()
+    try:
+        external = redis_url_from(args, cfg.redis)
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from exc
     redis = None
-    redis_url = args.redis_url or cfg.redis.effective_url()
-    if not redis_url:
+    if not external:
         from kvstore.redis_server import EmbeddedRedis
 
         redis = EmbeddedRedis(preexec=_die_with_parent).start()
-        redis_url = redis.url
-    cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url))
-    os.environ["REDIS_URL"] = redis_url           # children inherit it (never in argv)
+    # The shared config names no Redis: each child gets its own role's URL file.
+    cfg = replace(cfg, redis=replace(cfg.redis, url="", url_file=""))
     _prefetch(cfg.model.name)
     config_file = run_dir / "kvserve.toml"
-    _write_private(config_file, to_toml(cfg))     # it holds the Redis password
+    _write_private(config_file, to_toml(cfg))
     children = _children(cfg, config_file, run_dir, router=not args.no_router,
                          metrics=metrics_ports, api_key_file=args.api_key_file)
-    for c in children:
-        c.argv += security.cli_args()
-        c.security = security
+    deployment = None if security.insecure else Path(security.cert_dir)
+    operator = _hand_out_credentials(children, run_dir, deployment, security, redis, external,
+                                     args.cert_days)
+    redis_url = external or (redis.url_for("operator") if redis is not None else "")
     state = replace(_state(cfg, children, metrics_ports), config=str(config_file),
+                    redis_url=redact_url(redis_url), redis_url_file=str(operator),
                     tls_dir="" if security.insecure else security.cert_dir)
     try:
         # The router last: its first view of the registry then holds the others.
@@ -177,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         state_path().parent.mkdir(parents=True, exist_ok=True)
         _write_private(state_path(), json.dumps(asdict(state), indent=1))
         _print_started(state, children)
-        code = _supervise(children, stop)
+        code = _supervise(children, stop, deployment, args.cert_days)
     finally:
         stop_children(children, args.grace)
         _remove_state()
@@ -203,6 +231,25 @@ def _security(args: argparse.Namespace) -> SecurityConfig:
         return SecurityConfig(cert_dir=str(tls.resolve()), role="operator")
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot prepare certificates in {tls}: {exc}") from exc
+
+
+def _hand_out_credentials(children: list[Child], run_dir: Path, deployment: Path | None,
+                          security: SecurityConfig, redis: Any, external: str,
+                          cert_days: int | None) -> Path:
+    """Give each child its own credentials directory (kvserve.credentials) and
+    point its command line at it; returns the operator's Redis URL file."""
+    days = {} if cert_days is None else {"days": cert_days}
+
+    def url(role: str) -> str:
+        return external or redis.url_for(role)
+
+    for c in children:
+        c.creds = hand_out(c.name, run_dir, redis_url=url(c.name), deployment=deployment,
+                           **days)
+        c.argv += c.creds.argv()
+        c.security = security
+    return hand_out("operator", run_dir, redis_url=url("operator"), deployment=None,
+                    ).redis_url_file
 
 
 def stack_security(role: str = "operator") -> SecurityConfig:
@@ -389,7 +436,7 @@ def _spawn(c: Child) -> subprocess.Popen[bytes]:
         # children in order; PDEATHSIG stops them if the launcher is killed.
         return subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=_die_with_parent, env=child_env(c.name))
     finally:
         log.close()
 
@@ -502,7 +549,9 @@ def _print_started(state: UpState, children: list[Child]) -> None:
     print("  try:      kvserve chat --prompt 'Hello'   |   kvserve status", flush=True)
 
 
-def _supervise(children: list[Child], stop: _Stop) -> int:
+def _supervise(children: list[Child], stop: _Stop, deployment: Path | None = None,
+               cert_days: int | None = None) -> int:
+    days = {} if cert_days is None else {"days": cert_days}
     while not stop.requested:
         for c in children:
             assert c.proc is not None
@@ -510,6 +559,8 @@ def _supervise(children: list[Child], stop: _Stop) -> int:
                 print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; stopping "
                       f"the rest. Its log: {c.log}\n{_tail(c.log)}", file=sys.stderr, flush=True)
                 return 1
+            if c.creds is not None:     # short-lived certificates: renewed in place
+                c.creds = renew_due(c.creds, deployment, **days)
         time.sleep(0.2)
     return 0
 

@@ -312,6 +312,7 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
     from kvstore.types import RequestCtx
     from security.config import TLS_DIR_ENV, SecurityConfig
     from security.pki import ensure_deployment
+    from security.secret_files import redis_url_args
 
     # The service as deployed (mTLS), and beside it the same store in plain text
     # (--insecure) so the cost of TLS on the gRPC path is measured in the same run.
@@ -324,7 +325,8 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
                          (plain_port, ["--insecure"], "bench-plain")):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
-            "--port", str(p), "--metrics-port", "-1", "--redis-url", url, "--node", node,
+            "--port", str(p), "--metrics-port", "-1", *redis_url_args(url, tls_tmp.name),
+            "--node", node,
             "--g2-bytes", str(g2), *sec, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL)
         procs.append(proc)

@@ -61,7 +61,8 @@ async def run_store(opts: StoreOptions) -> int:
     if not url:
         embedded = EmbeddedRedis().start()
         url = embedded.url
-        log.info("no Redis configured: started an embedded one at %s", url)
+        log.info("no Redis configured: started an embedded one at %s:%d", embedded.host,
+                 embedded.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

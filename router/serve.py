@@ -34,7 +34,7 @@ from router.metrics import RouterMetrics
 from router.model_meta import load_model_meta
 from router.service import SERVICE_NAME, RouterService
 from router.upstream import CallTimeouts, Upstreams
-from security.authz import Access, AuthInterceptor
+from security.authz import AuthInterceptor
 from security.config import SecurityConfig
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
@@ -127,12 +127,12 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
                       metrics)
     backend = make_backend(cfg.backend, core)   # the fronts' one seam (router.backends)
 
-    # The Router API checks its own API keys; any identity of the deployment may call it.
+    # Tenants and operators may call the Router API (security/methods.py); the
+    # tenant of a call comes from its identity or API key (router.service).
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20),
                                       ("grpc.max_send_message_length", 64 * 2**20),
                                       ("grpc.so_reuseport", 0)],  # taken port: fail, not share
-                             interceptors=[AuthInterceptor({}, default=Access.ANY,
-                                                           insecure=security.insecure),
+                             interceptors=[AuthInterceptor(insecure=security.insecure),
                                            InputGuard()])
     router_pb2_grpc.add_RouterServicer_to_server(
         RouterService(backend, classes=cfg.classes, api_keys=api_keys), server)  # type: ignore[arg-type]

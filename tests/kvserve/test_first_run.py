@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.redis_server import free_port
+from tests.redis_args import redis_args
 
 CLI = [sys.executable, "-m", "kvserve.cli"]
 
@@ -80,7 +81,7 @@ def test_up_on_a_taken_http_port_fails_fast_naming_it(tmp_path: Path, taken_port
 
 def test_router_serve_on_a_taken_port_exits_and_signals_stop_it(redis_url: str,
                                                                 taken_port: int) -> None:
-    base = [*CLI, "router", "serve", "--model", "tiny-dense", "--redis-url", redis_url,
+    base = [*CLI, "router", "serve", "--model", "tiny-dense", *redis_args(redis_url),
             "--host", "127.0.0.1", "--port", "0"]
     res = subprocess.run([*base, "--http-port", str(taken_port)], capture_output=True,
                          text=True, timeout=60)

@@ -31,6 +31,7 @@ from proto import kvstore_pb2, prefill_pb2
 from security.config import SecurityConfig
 from security.pki import CertAuthority, CertRequest, IssuedCert, server_name
 from tests.prefill_svc.procs import Proc, engine_service, start_all, store, write_config
+from tests.redis_args import redis_args
 
 CALLS = {  # role -> (method, a valid request)
     "kvstore": ("/kvserve.v1.KVStore/Lookup",
@@ -163,11 +164,11 @@ def test_serve_refuses_plain_text_unless_told_insecure(tmp_path: Path,
                                                       redis_server: str) -> None:
     monkeypatch.delenv("KVSERVE_TLS_DIR")
     out = subprocess.run([sys.executable, "-m", "kvserve.cli", "store", "serve", "--port", "0",
-                          "--redis-url", redis_server], capture_output=True, text=True,
+                          *redis_args(redis_server)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode != 0 and "--insecure" in out.stderr
     p = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "store", "serve", "--port", "0",
-                          "--metrics-port", "-1", "--redis-url", redis_server, "--insecure",
+                          "--metrics-port", "-1", *redis_args(redis_server), "--insecure",
                           "--grace", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
