@@ -56,9 +56,10 @@ FORBIDDEN: frozenset[str] = frozenset({
 
 _CONNECTION = ("ping", "hello", "auth", "select", "reset", "echo", "client|setname",
                "client|getname", "client|id", "client|setinfo")
-# What redis-py's cluster clients send to find slots and follow redirects.
+# What redis-py's cluster clients send to find slots, key positions (COMMAND: the
+# server's command table, read-only) and follow redirects.
 _CLUSTER_CLIENT = ("cluster|slots", "cluster|shards", "cluster|nodes", "cluster|info",
-                   "cluster|keyslot", "readonly", "readwrite", "asking")
+                   "cluster|keyslot", "readonly", "readwrite", "asking", "command")
 _TX = ("multi", "exec", "discard")
 _SCRIPTS = ("evalsha", "eval", "script|load", "script|exists")
 _REGISTRY_WRITE = ("del", "hset", "pexpire", "sadd", "srem", "smembers", "exists", "hgetall")

@@ -11,6 +11,7 @@ leave the registry, stop accepting, let in-flight requests finish for up to
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from common.config import ConfigError, HitRule, TrafficClasses
 from kvstore.registry import InstanceInfo, LoadReport
 from proto import router_pb2_grpc
-from router.auth import ApiKeys
+from router.auth import DEFAULT_TENANT, ApiKeys
 from router.backends import make_backend
 from router.core import CoreConfig, RouterCore
 from router.front import FrontConfig, make_app
@@ -114,6 +115,7 @@ class RunningRouter:
 async def start_router(cfg: RouterConfig) -> RunningRouter:
     meta = load_model_meta(cfg.model, served_name=cfg.served_name)
     api_keys = ApiKeys.load(cfg.api_key_file) if cfg.api_key_file else ApiKeys()
+    warn_if_open(cfg.host, api_keys)
     # The model decides the hit rule's reserve (sliding-window models keep more).
     rule = meta.config.hit_rule(cfg.hit_rule.block_tokens)
     metrics = RouterMetrics()
@@ -187,6 +189,26 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningRouter(core, view, upstreams, server, health_servicer, runner, heartbeat,
                          grpc_port, http_port, instance_id, *(probe or (None, -1)))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False                  # a name or a wildcard: reachable from elsewhere
+
+
+def warn_if_open(host: str, api_keys: ApiKeys) -> bool:
+    """Logs (and returns True) when the fronts listen beyond loopback with no API
+    keys: every HTTP client is then the one tenant ``default``."""
+    if api_keys.enabled or is_loopback(host):
+        return False
+    log.warning("SECURITY: the router listens on %s with no API keys (--api-key-file): every "
+                "HTTP client acts as the one tenant %r and shares its cache; give each tenant "
+                "a key (docs/security.md)", host, DEFAULT_TENANT)
+    return True
 
 
 def ready_line(r: RunningRouter) -> str:
