@@ -158,6 +158,7 @@ def test_up_second_up_metrics_keys_counters_and_kill9(tmp_path: Path) -> None:
     env = _env(tmp_path)
     keys = tmp_path / "keys.txt"
     keys.write_text("first-run-key-123 acme\n")
+    keys.chmod(0o600)                       # a key file readable by others is refused
     http_port = free_port()
     g3 = tmp_path / "g3"
     up, banner = _start_up(env, "--port", str(http_port), "--api-key-file", str(keys),
@@ -183,8 +184,8 @@ def test_up_second_up_metrics_keys_counters_and_kill9(tmp_path: Path) -> None:
         question = "Tell me about the warehouse tiers: G2, G3 and G4, and when each helps. " * 2
         for _ in range(2):
             chat = _kvserve("chat", "--prompt", question, "--max-tokens", "4", "--stats",
-                            "--api-key", "first-run-key-123", "--traffic-class", "agent",
-                            env=env)
+                            "--traffic-class", "agent",      # the key never in argv
+                            env={**env, "KVSERVE_API_KEY": "first-run-key-123"})
             assert chat.returncode == 0, chat.stderr
         snap = json.loads(_kvserve("status", "--json", env=env).stdout)
         c = snap["cached"]
