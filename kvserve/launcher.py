@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     check_ports_free(cfg.ports.host, {**_service_ports(cfg, router=not args.no_router),
                                       **{f"{r} metrics": p for r, p in metrics_ports.items()}})
     run_dir = Path(args.run_dir) if args.run_dir else state_path().parent / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _private_dir(run_dir)                 # logs and config: prompts and names, ours only
     security = _security(args)
     stop = _stop_on_signals()
     try:
@@ -265,11 +265,17 @@ def stack_security(role: str = "operator") -> SecurityConfig:
 
 
 def _write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _private_dir(path.parent)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.chmod(path, 0o600)
+
+
+def _private_dir(path: Path) -> None:
+    """``path`` created 0700 where missing (an existing directory is left as it is:
+    it may be /tmp or a user's own)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
 def _remove_state() -> None:
@@ -430,7 +436,8 @@ def _size(n: int) -> str:
 
 
 def _spawn(c: Child) -> subprocess.Popen[bytes]:
-    log = open(c.log, "wb")  # noqa: SIM115 - the child owns it for its lifetime
+    # 0600: a log may quote prompts; the child owns the file for its lifetime.
+    log = os.fdopen(os.open(c.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
     try:
         # Own process group: Ctrl-C reaches the launcher only, which stops
         # children in order; PDEATHSIG stops them if the launcher is killed.
