@@ -5,17 +5,22 @@ does its own work and nothing else (kvstore/redis_acl.py)."""
 from __future__ import annotations
 
 import asyncio
+import stat
+import subprocess
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
 from common.config import TrafficClasses
+from kvserve.cli import main
 from kvstore.events import STREAM, EventReader
 from kvstore.index import BlockIndex, IndexRecord
 from kvstore.redis_acl import FORBIDDEN, ROLES, RedisRole, RedisUsers, role_acl
 from kvstore.redis_cluster import EmbeddedRedisCluster
-from kvstore.redis_server import EmbeddedRedis
+from kvstore.redis_server import EmbeddedRedis, free_port, redis_server_binary
 from kvstore.registry import InstanceInfo, InstanceRegistry
 
 # What no role's user may run: administration, whole-keyspace operations, code.
@@ -216,6 +221,45 @@ def test_no_role_is_granted_a_forbidden_command() -> None:
     lines = RedisUsers.generate(admin=False).acl_lines()
     assert lines[0].startswith("user default off")
     assert all(">" not in line for line in lines)            # hashed passwords only
+
+
+def test_the_acl_file_an_operator_generates_works_on_a_real_server(tmp_path: Path) -> None:
+    """``kvserve certs redis-users`` (docs/security.md): its users.acl loads into a
+    real redis-server (6.2 here, --redis6) and each role's URL file connects as
+    that role; the placeholder ACL the base manifests ship makes Redis refuse."""
+    port = free_port()
+    assert main(["certs", "redis-users", str(tmp_path), "--address", f"127.0.0.1:{port}",
+                 "--redis6"]) == 0
+    acl = tmp_path / "redis" / "users.acl"
+    assert stat.S_IMODE(acl.stat().st_mode) == 0o600 and ">" not in acl.read_text()
+    with subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                           "--save", "", "--aclfile", str(acl)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        try:
+            urls = {r: (tmp_path / "redis" / f"{r}.url").read_text().strip() for r in ROLES}
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    redis.Redis.from_url(urls["operator"]).ping()
+                    break
+                except redis.ConnectionError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            for url in urls.values():
+                r = redis.Redis.from_url(url)
+                assert r.ping()
+                assert refused(r.flushall)
+                r.close()
+            kv = redis.Redis.from_url(urls["kvstore"])
+            assert kv.set(b"B" + bytes(16), b"x" * 16)
+            kv.close()
+        finally:
+            proc.terminate()
+    shipped = Path(__file__).resolve().parents[2] / "k8s" / "base" / "redis-users.acl"
+    refused_start = subprocess.run([redis_server_binary(), "--port", str(free_port()),
+                                    "--save", "", "--aclfile", str(shipped)],
+                                   capture_output=True, text=True, timeout=30)
+    assert "ACL errors" in refused_start.stdout + refused_start.stderr
 
 
 def test_a_cluster_node_is_locked_down_too(redis_cluster: EmbeddedRedisCluster,
