@@ -43,6 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from security.flags import add_redis_flags, redis_url_from
+
 # Mooncake Store over TCP on loopback, measured on these CPU machines
 # (docs/architecture.md#reference-figures):
 # put 1.0-1.5 GB/s, get 1.1-1.8 GB/s, 2,048-key existence check 2.65 ms p99.
@@ -95,7 +97,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chain", type=int, default=2048, help="blocks per lookup chain")
     p.add_argument("--lookups", type=int, default=300, help="lookups timed")
     p.add_argument("--dir", default="", help="directory for disk rows (default: a temp dir)")
-    p.add_argument("--redis-url", default="", help="Redis (default: an embedded server)")
+    add_redis_flags(p, default="an embedded server")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", default="", help="also draw the throughput rows into this PNG")
     p.add_argument("--mooncake-python", default="",
@@ -505,7 +507,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     d = _Data(args.blocks, args.block_bytes)
     res: dict[str, Any] = {"block_bytes": d.size, "blocks": d.n, "total_bytes": d.total}
     embedded = None
-    url = args.redis_url or os.environ.get("REDIS_URL", "")
+    url = redis_url_from(args)          # never a password on the command line
     if not url:
         embedded = EmbeddedRedis().start()
         url = embedded.url

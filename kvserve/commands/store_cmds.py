@@ -59,10 +59,11 @@ def _configure_serve(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvstore.serve import StoreOptions, main
+    from kvstore.serve import StoreOptions, check_object_store_secrets, main
 
     cfg = _load(args)
     try:
+        check_object_store_secrets(cfg.tiers.g4_url)
         opts = StoreOptions(
             config=cfg, host=args.host or cfg.ports.host,
             port=cfg.ports.kvstore if args.port is None else args.port,

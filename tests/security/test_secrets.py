@@ -166,6 +166,16 @@ def test_placeholder_api_keys_and_secrets_refuse_to_start(tmp_path: Path) -> Non
         read_secret(zeros)
 
 
+def test_placeholder_object_store_credentials_refuse_to_start(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA4EXAMPLE7Q")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "CHANGE-ME")
+    code = main(["store", "serve", "--g4-url", "s3://bucket/kv", "--port", "0",
+                 "--redis-url", "redis://127.0.0.1:1/0", "--insecure"])
+    err = capsys.readouterr().err
+    assert code == 2 and "$AWS_SECRET_ACCESS_KEY" in err and "placeholder" in err, err
+
+
 def test_store_unavailable_names_redis_without_its_password() -> None:
     url = "redis://kvstore:Zq8vT1pLw0@127.0.0.1:1/0"        # nothing listens on port 1
 
