@@ -107,6 +107,7 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     security: SecurityConfig | None = None      # how the launcher dials its health check
     creds: ChildCredentials | None = None       # what the child was handed (renewed in place)
+    role: str = ""                              # its identity; "" = its name ("prefill-1": set it)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -243,9 +244,13 @@ def _hand_out_credentials(children: list[Child], run_dir: Path, deployment: Path
     def url(role: str) -> str:
         return external or redis.url_for(role)
 
+    handed: dict[str, ChildCredentials] = {}
     for c in children:
-        c.creds = hand_out(c.name, run_dir, redis_url=url(c.name), deployment=deployment,
-                           **days)
+        role = c.role or c.name
+        if role not in handed:              # instances of one role share its directory
+            handed[role] = hand_out(role, run_dir, redis_url=url(role), deployment=deployment,
+                                    **days)
+        c.creds = handed[role]
         c.argv += c.creds.argv()
         c.security = security
     return hand_out("operator", run_dir, redis_url=url("operator"), deployment=None,
