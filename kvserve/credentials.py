@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,19 @@ def hand_out(role: str, run_dir: Path, *, redis_url: str, deployment: Path | Non
     return _issue(role, d, deployment, days)
 
 
+def hand_out_roles(roles: Iterable[str], run_dir: Path, *, url: Callable[[str], str],
+                   deployment: Path | None, days: int | None = None
+                   ) -> dict[str, ChildCredentials]:
+    """One directory per distinct role (instances of a role share it), and the
+    operator's, which holds only its Redis URL (its certificate stays in the
+    deployment directory)."""
+    kw = {} if days is None else {"days": days}
+    out = {r: hand_out(r, run_dir, redis_url=url(r), deployment=deployment, **kw)
+           for r in dict.fromkeys(roles) if r != "operator"}
+    out["operator"] = hand_out("operator", run_dir, redis_url=url("operator"), deployment=None)
+    return out
+
+
 def _issue(role: str, d: Path, deployment: Path, days: int) -> ChildCredentials:
     from cryptography import x509
 
@@ -103,4 +117,4 @@ def child_env(role: str, base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 __all__ = ["CREDENTIAL_ENV", "DEFAULT_CERT_DAYS", "STORE_ONLY_ENV", "ChildCredentials",
-           "child_env", "hand_out", "renew_due"]
+           "child_env", "hand_out", "hand_out_roles", "renew_due"]

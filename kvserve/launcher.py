@@ -7,13 +7,9 @@ size, classes and ports agree), waits until each answers its health check,
 prints what runs where, and on Ctrl-C / SIGTERM stops the children in
 reverse order (SIGTERM, grace, then SIGKILL). A child that dies on its own
 stops the rest. ``kvserve chat`` and ``kvserve status`` find the running
-stack through the state file it writes (0600: it names the operator's files).
-
-Least privilege (docs/security.md): each child gets a directory of its own
-credentials (kvserve.credentials: its certificate, the CA certificate, the
-deployment secret, its role's Redis user) named on its command line, and an
-environment without credential variables; no secret value is ever in argv,
-the banner, the state file or the shared config file.
+stack through the state file it writes (0600). Each child gets only its own
+credentials, by files named on its command line (kvserve/credentials.py); no
+secret is in argv, the environment, the banner, the state or the config file.
 """
 
 from __future__ import annotations
@@ -27,17 +23,18 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from common.config import KVServeConfig
 from kvserve.cli import UsageError, build_registry
-from kvserve.credentials import ChildCredentials, child_env, hand_out, renew_due
+from kvserve.credentials import ChildCredentials, child_env, hand_out_roles, renew_due
 from security.config import SecurityConfig
 from security.flags import add_redis_flags, redis_url_from
 from security.redact import redact_url
-from security.secret_files import SecretFileError, read_secret_text
+from security.secret_files import SecretFileError, read_secret_text, write_private
 
 STATE_ENV = "KVSERVE_STATE"
 
@@ -70,10 +67,9 @@ class UpState:
 
     def registry_url(self) -> str:
         """The operator's Redis URL, read from its file ("" when there is none)."""
-        if not self.redis_url_file:
-            return ""
         try:
-            return read_secret_text(self.redis_url_file, "the stack's operator Redis URL")
+            return read_secret_text(self.redis_url_file, "the stack's Redis URL file") \
+                if self.redis_url_file else ""
         except SecretFileError as exc:
             raise UsageError(str(exc)) from exc
 
@@ -172,18 +168,10 @@ def run(args: argparse.Namespace) -> int:
     check_ports_free(cfg.ports.host, {**_service_ports(cfg, router=not args.no_router),
                                       **{f"{r} metrics": p for r, p in metrics_ports.items()}})
     run_dir = Path(args.run_dir) if args.run_dir else state_path().parent / "run"
-    _private_dir(run_dir)                 # logs and config: prompts and names, ours only
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # logs may quote prompts
     security = _security(args)
     stop = _stop_on_signals()
-    try:
-        external = redis_url_from(args, cfg.redis)
-    except SecretFileError as exc:
-        raise UsageError(str(exc)) from exc
-    redis = None
-    if not external:
-        from kvstore.redis_server import EmbeddedRedis
-
-        redis = EmbeddedRedis(preexec=_die_with_parent).start()
+    redis, url = _redis(args, cfg)
     # The shared config names no Redis: each child gets its own role's URL file.
     cfg = replace(cfg, redis=replace(cfg.redis, url="", url_file=""))
     _prefetch(cfg.model.name)
@@ -192,9 +180,9 @@ def run(args: argparse.Namespace) -> int:
     children = _children(cfg, config_file, run_dir, router=not args.no_router,
                          metrics=metrics_ports, api_key_file=args.api_key_file)
     deployment = None if security.insecure else Path(security.cert_dir)
-    operator = _hand_out_credentials(children, run_dir, deployment, security, redis, external,
+    operator = _hand_out_credentials(children, run_dir, deployment, security, url,
                                      args.cert_days)
-    redis_url = external or (redis.url_for("operator") if redis is not None else "")
+    redis_url = url("operator")
     state = replace(_state(cfg, children, metrics_ports), config=str(config_file),
                     redis_url=redact_url(redis_url), redis_url_file=str(operator),
                     tls_dir="" if security.insecure else security.cert_dir)
@@ -203,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
         start_children([c for c in children if c.name != "router"], args.ready_timeout, stop)
         _wait_registered(redis_url, {"kvstore", "prefill", "decode"}, args.ready_timeout)
         start_children([c for c in children if c.name == "router"], args.ready_timeout, stop)
-        state_path().parent.mkdir(parents=True, exist_ok=True)
         _write_private(state_path(), json.dumps(asdict(state), indent=1))
         _print_started(state, children)
         code = _supervise(children, stop, deployment, args.cert_days)
@@ -214,6 +201,21 @@ def run(args: argparse.Namespace) -> int:
             redis.stop()
     print("kvserve up: stopped", flush=True)
     return code
+
+
+def _redis(args: argparse.Namespace, cfg: KVServeConfig) -> tuple[Any, Callable[[str], str]]:
+    """(the embedded server or None, role -> its Redis URL): one ACL user per role
+    on the embedded server; a given URL serves every role."""
+    try:
+        external = redis_url_from(args, cfg.redis)
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from exc
+    if external:
+        return None, lambda _role: external
+    from kvstore.redis_server import EmbeddedRedis
+
+    redis = EmbeddedRedis(preexec=_die_with_parent).start()
+    return redis, redis.url_for
 
 
 def _security(args: argparse.Namespace) -> SecurityConfig:
@@ -235,26 +237,17 @@ def _security(args: argparse.Namespace) -> SecurityConfig:
 
 
 def _hand_out_credentials(children: list[Child], run_dir: Path, deployment: Path | None,
-                          security: SecurityConfig, redis: Any, external: str,
+                          security: SecurityConfig, url: Callable[[str], str],
                           cert_days: int | None) -> Path:
-    """Give each child its own credentials directory (kvserve.credentials) and
-    point its command line at it; returns the operator's Redis URL file."""
-    days = {} if cert_days is None else {"days": cert_days}
-
-    def url(role: str) -> str:
-        return external or redis.url_for(role)
-
-    handed: dict[str, ChildCredentials] = {}
+    """Give each child its role's credentials directory (kvserve.credentials) on
+    its command line; returns the operator's Redis URL file."""
+    creds = hand_out_roles([c.role or c.name for c in children], run_dir, url=url,
+                           deployment=deployment, days=cert_days)
     for c in children:
-        role = c.role or c.name
-        if role not in handed:              # instances of one role share its directory
-            handed[role] = hand_out(role, run_dir, redis_url=url(role), deployment=deployment,
-                                    **days)
-        c.creds = handed[role]
+        c.creds = creds[c.role or c.name]
         c.argv += c.creds.argv()
         c.security = security
-    return hand_out("operator", run_dir, redis_url=url("operator"), deployment=None,
-                    ).redis_url_file
+    return creds["operator"].redis_url_file
 
 
 def stack_security(role: str = "operator") -> SecurityConfig:
@@ -269,18 +262,7 @@ def stack_security(role: str = "operator") -> SecurityConfig:
         raise UsageError(str(exc)) from exc
 
 
-def _write_private(path: Path, text: str) -> None:
-    _private_dir(path.parent)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
-
-
-def _private_dir(path: Path) -> None:
-    """``path`` created 0700 where missing (an existing directory is left as it is:
-    it may be /tmp or a user's own)."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+_write_private = write_private          # 0600, atomic; a missing parent is made 0700
 
 
 def _remove_state() -> None:
