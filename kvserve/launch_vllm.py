@@ -138,7 +138,9 @@ class VLLMProcess:
             path = write_private(self.log.with_suffix(".redis.url"), self.spec.redis_url + "\n")
             self.spec = replace(self.spec, redis_url_file=str(path))
         self.started_at = time.monotonic()
-        with open(self.log, "wb") as out:
+        # 0600: a log may quote prompts.
+        with os.fdopen(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                       "wb") as out:
             self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.env(), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.vllm_instances < 1:
         raise UsageError("--vllm-instances must be >= 1")
     run_dir = Path(args.run_dir) if args.run_dir else launcher.state_path().parent / "run-vllm"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     stop = launcher._stop_on_signals()
     try:
         external = redis_url_from(args, cfg.redis)
