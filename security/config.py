@@ -200,13 +200,6 @@ class SecurityConfig:
             return grpc.insecure_channel(address, options=opts)
         return grpc.secure_channel(address, self.channel_credentials(), options=opts)
 
-    def cli_args(self) -> list[str]:
-        """Flags that hand this config to a child ``kvserve ... serve``."""
-        extra = ["--secret-file", self.secret_file] if self.secret_file else []
-        if self.insecure:
-            return ["--insecure", *extra]
-        return ["--tls-dir", self.cert_dir, *extra]
-
 
 def read_secret(path: Path) -> bytes:
     """A deployment secret file: hex text of 16-64 random bytes, not
