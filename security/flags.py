@@ -43,6 +43,16 @@ def argv_redis_url(url: str) -> str:
     return url
 
 
+def argv_url(url: str) -> str:
+    """argparse ``type`` of any other URL flag (``--g4-url``): no credentials in it."""
+    if has_credentials(url):
+        raise argparse.ArgumentTypeError(
+            "the URL carries a password, and command lines are readable by every local user: "
+            "give credentials through the service's own files or environment instead "
+            "(docs/security.md)")
+    return url
+
+
 def add_redis_flags(p: argparse.ArgumentParser, *, default: str) -> None:
     """``--redis-url`` (no credentials) and ``--redis-url-file``; ``default``
     says what happens without either."""
@@ -87,4 +97,5 @@ def security_from_args(args: argparse.Namespace, role: str) -> SecurityConfig:
 
 
 __all__ = ["REDIS_URL_ENV", "REDIS_URL_FILE_ENV", "SecretFileError", "add_redis_flags",
-           "add_security_flags", "argv_redis_url", "redis_url_from", "security_from_args"]
+           "add_security_flags", "argv_redis_url", "argv_url", "redis_url_from",
+           "security_from_args"]

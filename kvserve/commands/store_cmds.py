@@ -9,7 +9,13 @@ import json
 
 from common.config import ConfigError, KVServeConfig, parse_size
 from kvserve.cli import CommandRegistry, UsageError
-from security.flags import add_redis_flags, add_security_flags, redis_url_from, security_from_args
+from security.flags import (
+    add_redis_flags,
+    add_security_flags,
+    argv_url,
+    redis_url_from,
+    security_from_args,
+)
 from security.secret_files import SecretFileError
 
 
@@ -36,7 +42,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_redis_flags(p, default="config, REDIS_URL, else an embedded server")
     p.add_argument("--node", help="node name (overrides [tiers].node)")
     p.add_argument("--g3-path", help="G3 disk directory (overrides [tiers].g3_path)")
-    p.add_argument("--g4-url", help="G4 fsspec URL (overrides [tiers].g4_url)")
+    p.add_argument("--g4-url", type=argv_url,
+                   help="G4 fsspec URL (overrides [tiers].g4_url); no credentials in it")
 
 
 def _configure_serve(p: argparse.ArgumentParser) -> None:

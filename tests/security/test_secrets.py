@@ -116,6 +116,9 @@ def test_a_password_never_goes_on_a_command_line(capsys: pytest.CaptureFixture[s
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert "--redis-url-file" in err and "Zq8vT1pLw0" not in err, cmd
+    with pytest.raises(SystemExit):
+        main(["store", "serve", "--g4-url", "s3://AKIA4EXAMPLE7Q:Zq8vT1pLw0@bucket/kv"])
+    assert "Zq8vT1pLw0" not in capsys.readouterr().err
 
 
 def test_redis_url_files_must_be_private_and_real(tmp_path: Path,
