@@ -9,6 +9,7 @@ and the children's certificates are short-lived."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -44,6 +45,14 @@ def _proc_bytes(pid: int, what: str) -> bytes:
         return Path(f"/proc/{pid}/{what}").read_bytes()
     except OSError:
         return b""
+
+
+def _open_files(pid: int) -> list[str]:
+    out = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):      # closed between listing and reading
+            out.append(os.readlink(fd))
+    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -154,9 +163,7 @@ def test_up_shows_no_secret_and_hands_each_child_only_its_own(tmp_path: Path) ->
                 assert not any(str(tls) in a for a in services[role]), services[role]
                 assert services[role][services[role].index("--tls-dir") + 1] == \
                     str(creds / role)
-                fds = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()
-                       if f.is_symlink()]
-                assert not [f for f in fds if f.endswith("ca.key") or str(tls) in f]
+                assert not [f for f in _open_files(pid) if f.endswith("ca.key") or str(tls) in f]
         assert set(services) == {"kvstore", "prefill", "decode", "router"}
 
         # -- what each child holds -------------------------------------------------------
