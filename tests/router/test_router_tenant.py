@@ -101,7 +101,9 @@ def generate(sec: SecurityConfig, address: str, prompt: str, *, tenant: str = ""
 
 
 def secret_prompt() -> str:
-    return f"alice's private notes {uuid.uuid4().hex} " * 4
+    # Unique from the first token on: tiny-dense tokenizes bytes, so a shared
+    # opening would make one shared block (a tenant's own earlier prompt).
+    return f"{uuid.uuid4().hex} alice's private notes " * 4
 
 
 def test_a_tenant_certificate_naming_another_tenant_gets_nothing(
