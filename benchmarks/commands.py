@@ -17,6 +17,7 @@ from benchmarks.harness import Report, output_flags, runner
 from kvserve.cli import CommandRegistry
 from kvserve.commands.engine_cmds import engine_args
 from kvserve.trace_args import add_trace_args
+from security.flags import add_redis_flags
 
 
 def _engine(p: argparse.ArgumentParser) -> None:
@@ -113,7 +114,7 @@ def _store(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chain", type=int, default=2048, help="blocks per lookup chain")
     p.add_argument("--lookups", type=int, default=300, help="lookups timed")
     p.add_argument("--dir", default="", help="directory for disk rows (default: a temp dir)")
-    p.add_argument("--redis-url", default="", help="Redis (default: an embedded server)")
+    add_redis_flags(p, default="an embedded server")
     output_flags(p)
     p.add_argument("--mooncake-python", default="",
                    help="a Python with mooncake-transfer-engine-non-cuda installed (its bin/ "

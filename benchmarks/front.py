@@ -34,6 +34,7 @@ from benchmarks.harness import Chart, Report, Table, quantile
 from kvserve.cli import UsageError
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from security.config import TLS_DIR_ENV, SecurityConfig
+from security.secret_files import redis_url_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,16 +183,21 @@ def run(cfg: FrontBenchConfig) -> FrontBenchResult:
         os.environ[TLS_DIR_ENV] = SecurityConfig.for_local_run(d / "tls").cert_dir
         ports = {n: free_port() for n in ("store", "prefill", "decode", "router", "http")}
         base = [sys.executable, "-m", "kvserve.cli"]
-        common = ["--host", "127.0.0.1", "--redis-url", redis.url]
+        def common(role: str) -> list[str]:      # each role its own Redis user, by file
+            return ["--host", "127.0.0.1",
+                    *redis_url_args(redis.url_for(role), d, f"{role}.redis.url")]
+
         addr = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
         children = [
-            Child("store", [*base, "store", "serve", *common, "--port", str(ports["store"]),
-                            "--metrics-port", "-1"], addr["store"], d / "store.log"),
-            *[Child(role, [*base, role, "serve", *common, "--port", str(ports[role]),
+            Child("store", [*base, "store", "serve", *common("kvstore"), "--port",
+                            str(ports["store"]), "--metrics-port", "-1"], addr["store"],
+                  d / "store.log"),
+            *[Child(role, [*base, role, "serve", *common(role), "--port", str(ports[role]),
                            "--store", addr["store"], "--model", cfg.model],
                     addr[role], d / f"{role}.log") for role in ("prefill", "decode")],
-            Child("router", [*base, "router", "serve", *common, "--port", str(ports["router"]),
-                             "--http-port", str(ports["http"]), "--model", cfg.model],
+            Child("router", [*base, "router", "serve", *common("router"), "--port",
+                             str(ports["router"]), "--http-port", str(ports["http"]),
+                             "--model", cfg.model],
                   addr["router"], d / "router.log"),
         ]
         start_children(children, cfg.ready_timeout_s)

@@ -34,6 +34,7 @@ from common.config import KVServeConfig
 from kvserve.launcher import Child, start_children, stop_children, to_toml
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from security.config import TLS_DIR_ENV, SecurityConfig
+from security.secret_files import redis_url_args
 
 SYSTEM = (
     "You are a coding agent working in a Python repository. You can call tools: "
@@ -105,7 +106,8 @@ async def _bench(args: Any, cfg: KVServeConfig, tok: Any, hit_rule: Any,
         config = tmp / "kvserve.toml"
         config.write_text(to_toml(cfg))
         base = [sys.executable, "-m", "kvserve.cli"]
-        common = ["--config", str(config), "--host", "127.0.0.1", "--redis-url", redis.url]
+        common = ["--config", str(config), "--host", "127.0.0.1",
+                  *redis_url_args(redis.url, tmp)]
         store = f"127.0.0.1:{ports['store']}"
 
         def engine(role: str, name: str, *extra: str) -> Child:

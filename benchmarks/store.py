@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import Chart, Goal, Report, Table, Timing, check_goals, interleaved
+from security.flags import redis_url_from
 
 # Mooncake Store over TCP on loopback, measured on these CPU machines
 # (docs/architecture.md#reference-figures):
@@ -258,6 +259,7 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
     from kvstore.types import RequestCtx
     from security.config import TLS_DIR_ENV, SecurityConfig
     from security.pki import ensure_deployment
+    from security.secret_files import redis_url_args
 
     # The service as deployed (mTLS), and beside it the same store in plain text
     # (--insecure) so the cost of TLS on the gRPC path is measured in the same run.
@@ -270,7 +272,8 @@ async def bench_service(d: _Data, repeats: int, url: str, chain: int,
                          (plain_port, ["--insecure"], "bench-plain")):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
-            "--port", str(p), "--metrics-port", "-1", "--redis-url", url, "--node", node,
+            "--port", str(p), "--metrics-port", "-1", *redis_url_args(url, tls_tmp.name),
+            "--node", node,
             "--g2-bytes", str(g2), *sec, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL)
         procs.append(proc)
@@ -449,7 +452,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     d = _Data(args.blocks, args.block_bytes)
     res: dict[str, Any] = {"block_bytes": d.size, "blocks": d.n, "total_bytes": d.total}
     embedded = None
-    url = args.redis_url or os.environ.get("REDIS_URL", "")
+    url = redis_url_from(args)          # never a password on the command line
     if not url:
         embedded = EmbeddedRedis().start()
         url = embedded.url

@@ -44,6 +44,7 @@ async def bench_ack(arr: Any, repeats: int, url: str, root: Path) -> dict[str, f
     from kvstore.types import RequestCtx
     from security.config import TLS_DIR_ENV, SecurityConfig
     from security.pki import ensure_deployment
+    from security.secret_files import redis_url_args
 
     n, size = arr.shape
     tls_tmp = tempfile.TemporaryDirectory(prefix="kvserve-bench-ack-")
@@ -53,7 +54,8 @@ async def bench_ack(arr: Any, repeats: int, url: str, root: Path) -> dict[str, f
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
-        "--port", str(port), "--metrics-port", "-1", "--redis-url", url, "--node", "bench-ack",
+        "--port", str(port), "--metrics-port", "-1", *redis_url_args(url, tls_tmp.name),
+        "--node", "bench-ack",
         "--g2-bytes", str(2 * n * size * (repeats + 2)), "--g3-path", str(root / "ack-g3"),
         "--config", str(cfg), "--tls-dir", tls,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)

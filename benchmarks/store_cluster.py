@@ -90,7 +90,7 @@ async def _lookups(single_url: str, cluster_url: str, chain: int,
 async def _memory(cluster: EmbeddedRedisCluster, n: int) -> dict[str, float]:
     import redis
 
-    clients = [redis.Redis(port=p, password=cluster.password or None)
+    clients = [redis.Redis.from_url(cluster.node_url(p))
                for p in cluster.master_ports()]
     before = sum(int(c.info("memory")["used_memory"]) for c in clients)
     ix = await BlockIndex(cluster.url, node="bench-mem", classes=TrafficClasses(),
@@ -116,7 +116,7 @@ async def _failover(cluster: EmbeddedRedisCluster, chain: int) -> float:
     import redis
 
     for p in cluster.master_ports():       # replicas hold every entry before the kill
-        with redis.Redis(port=p, password=cluster.password or None) as c:
+        with redis.Redis.from_url(cluster.node_url(p)) as c:
             c.execute_command("WAIT", 1, 5000)
     killed = cluster.kill_master()
     t0 = time.monotonic()

@@ -31,6 +31,7 @@ from typing import Any
 from benchmarks.harness import Chart, Goal, Report, Table, check_goals, quantile
 from kvserve.cli import UsageError
 from kvserve.launch_vllm import VLLMProcess, VLLMSpec
+from security.secret_files import redis_url_args
 
 PROMPT_TOKENS = 1493
 TARGET_RATIO = 1.3
@@ -175,7 +176,8 @@ def measure(reps: int, *, tls_dir: str = "", insecure: bool = False) -> VLLMBenc
         sec = ["--insecure"] if insecure else ["--tls-dir", tls_dir] if tls_dir else []
         store = launcher.Child("kvstore", [
             sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
-            "--port", str(port), "--metrics-port", "-1", "--redis-url", redis.url,
+            "--port", str(port), "--metrics-port", "-1",
+            *redis_url_args(redis.url_for("kvstore"), work),
             "--g2-bytes", "1GiB", "--no-prefault", "--health-port", str(health), *sec],
             f"127.0.0.1:{health}", work / "kvstore.log",
             security=SecurityConfig(insecure=True))   # the health-only port is plain text

@@ -188,8 +188,25 @@ class ModelSection:
 @dataclass(frozen=True, slots=True)
 class RedisSection:
     url: str = ""                   # empty: start the embedded server (REDIS_URL overrides)
+    url_file: str = ""              # a file (0600) holding a URL with credentials
+
+    def __post_init__(self) -> None:
+        # A config file is not a secret (a Kubernetes ConfigMap, a 0644 file):
+        # credentials belong in url_file (security.flags.redis_url_from).
+        from urllib.parse import urlsplit
+
+        try:
+            password = urlsplit(self.url).password
+        except ValueError:
+            raise ConfigError("redis.url is not a URL") from None
+        if password:
+            raise ConfigError("redis.url carries a password, and config files are not secret: "
+                              "put the URL in a file (chmod 600) and name it in "
+                              "redis.url_file")
 
     def effective_url(self) -> str:
+        """REDIS_URL or ``url`` (no file read here: entry points call
+        ``security.flags.redis_url_from``, which also reads ``url_file``)."""
         return os.environ.get("REDIS_URL", self.url)
 
 

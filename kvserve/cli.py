@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import kvserve.commands
+from security.redact import install_log_redaction, redact
 
 # Before torch loads libgomp: spinning OpenMP workers make a 2-core machine
 # running several engine processes 10-400x slower (engine/__init__.py).
@@ -125,6 +126,7 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()        # no secret reaches a log line (security.redact)
     run: Run | None = getattr(args, "_run", None)
     if run is None:
         parser.print_help()
@@ -132,7 +134,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         return int(run(args) or 0)
     except UsageError as exc:
-        print(f"kvserve: error: {exc}", file=sys.stderr)
+        print(f"kvserve: error: {redact(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

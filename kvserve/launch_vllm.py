@@ -24,9 +24,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from security.redact import has_credentials
+from security.secret_files import write_private
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
@@ -42,7 +45,7 @@ class VLLMSpec:
     model_dir: str
     port: int
     store: str                                  # kvstore gRPC address
-    redis_url: str
+    redis_url: str                              # without credentials (else redis_url_file)
     instance_id: str
     served_name: str = "smollm2"
     host: str = "127.0.0.1"
@@ -59,6 +62,7 @@ class VLLMSpec:
     secret_file: str = ""
     extra_config: dict[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
+    redis_url_file: str = ""                    # 0600 file with the URL; VLLMProcess writes it
 
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
@@ -72,7 +76,14 @@ class VLLMSpec:
         return f"http://{self.host}:{self.port}"
 
     def kv_transfer_config(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"store": self.store, "redis_url": self.redis_url,
+        if self.redis_url_file:
+            registry: dict[str, Any] = {"redis_url_file": self.redis_url_file}
+        elif has_credentials(self.redis_url):
+            raise ValueError("a Redis URL with a password never goes on vLLM's command line: "
+                             "set redis_url_file (VLLMProcess.start does)")
+        else:
+            registry = {"redis_url": self.redis_url}
+        extra: dict[str, Any] = {"store": self.store, **registry,
                                  "instance_id": self.instance_id, "advertise": self.base_url,
                                  "node": self.node, "block_tokens": self.block_tokens,
                                  **self.extra_config}
@@ -123,8 +134,14 @@ class VLLMProcess:
 
     def start(self) -> VLLMProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        if has_credentials(self.spec.redis_url) and not self.spec.redis_url_file:
+            # Its password goes by a 0600 file beside the log, never in argv.
+            path = write_private(self.log.with_suffix(".redis.url"), self.spec.redis_url + "\n")
+            self.spec = replace(self.spec, redis_url_file=str(path))
         self.started_at = time.monotonic()
-        with open(self.log, "wb") as out:
+        # 0600: a log may quote prompts.
+        with os.fdopen(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                       "wb") as out:
             self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.env(), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)

@@ -5,7 +5,8 @@ Embedded Redis (unless --redis-url), one kvstore, vLLM OpenAI servers running
 with ``--pd`` a kv_producer and a kv_consumer), and the router with its vLLM
 backend (``router serve --backend vllm``), which places requests by cache
 affinity learned from the connectors' and the kvstore's KV events. Same state
-file, logs and Ctrl-C behaviour as ``kvserve up`` (kvserve/launcher.py).
+file, logs, Ctrl-C behaviour and credential handout (each child its own
+directory, kvserve/credentials.py) as ``kvserve up`` (kvserve/launcher.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ from pathlib import Path
 from common.config import ConfigError, KVServeConfig
 from kvserve import launcher
 from kvserve.cli import UsageError
-from kvserve.launch_vllm import VLLMError, VLLMProcess, VLLMSpec, security_args
+from kvserve.credentials import hand_out
+from kvserve.launch_vllm import VLLMError, VLLMProcess, VLLMSpec
 from security.config import SecurityConfig
+from security.flags import redis_url_from
+from security.redact import redact_url
+from security.secret_files import SecretFileError
 
 
 def _security(args: argparse.Namespace, run_dir: Path) -> tuple[str, bool]:
@@ -62,39 +67,52 @@ def run(args: argparse.Namespace) -> int:
     if args.vllm_instances < 1:
         raise UsageError("--vllm-instances must be >= 1")
     run_dir = Path(args.run_dir) if args.run_dir else launcher.state_path().parent / "run-vllm"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     stop = launcher.stop_on_signals()
-    redis = None
-    redis_url = args.redis_url or cfg.redis.effective_url()
-    if not redis_url:
-        redis = EmbeddedRedis().start()
-        redis_url = redis.url
-    cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url))
+    try:
+        external = redis_url_from(args, cfg.redis)
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from exc
+    redis = None if external else EmbeddedRedis().start()
+
+    def url(role: str) -> str:
+        return external or redis.url_for(role)  # type: ignore[union-attr]
+
+    cfg = replace(cfg, redis=replace(cfg.redis, url="", url_file=""))
     model_dir = _model_dir(cfg.model.name)
     tls_dir, insecure = _security(args, run_dir)
-    sec = security_args(tls_dir, insecure)
+    deployment = None if insecure else Path(tls_dir)
+    creds = {role: hand_out(role, run_dir, redis_url=url(role), deployment=deployment)
+             for role in ("kvstore", "router", "engine")}
+    operator_url_file = hand_out("operator", run_dir, redis_url=url("operator"),
+                                 deployment=None).redis_url_file
     config_file = run_dir / "kvserve.toml"
-    config_file.write_text(launcher.to_toml(cfg))
+    launcher.write_private(config_file, launcher.to_toml(cfg))
     host, p = cfg.ports.host, cfg.ports
     base = [sys.executable, "-m", "kvserve.cli"]
-    common = ["--config", str(config_file), "--host", host, "--redis-url", redis_url, *sec]
+    common = ["--config", str(config_file), "--host", host]
     store_addr = f"{host}:{p.kvstore}"
     store_health, router_health = free_port(host), free_port(host)
     plain = SecurityConfig(insecure=True)        # how to dial the plain-text health ports
-    store = launcher.Child("kvstore", [*base, "store", "serve", *common, "--port", str(p.kvstore),
+    store = launcher.Child("kvstore", [*base, "store", "serve", *common,
+                                       *creds["kvstore"].argv(), "--port", str(p.kvstore),
                                        "--metrics-port", str(p.metrics),
                                        "--health-port", str(store_health)],
                            f"{host}:{store_health}", run_dir / "kvstore.log", security=plain)
-    router = launcher.Child("router", [*base, "router", "serve", *common, "--backend", "vllm",
+    router = launcher.Child("router", [*base, "router", "serve", *common,
+                                       *creds["router"].argv(), "--backend", "vllm",
                                        "--model", cfg.model.name,
                                        "--health-port", str(router_health)],
                             f"{host}:{router_health}", run_dir / "router.log", security=plain)
     roles = ["kv_producer", "kv_consumer"] if args.pd else ["kv_both"] * args.vllm_instances
     vllms = [VLLMProcess(VLLMSpec(
-        model_dir=model_dir, port=free_port(host), store=store_addr, redis_url=redis_url,
+        model_dir=model_dir, port=free_port(host), store=store_addr, redis_url="",
+        redis_url_file=str(creds["engine"].redis_url_file),
         instance_id=f"vllm-{i}-{role.removeprefix('kv_')}", host=host, kv_role=role,
         block_tokens=cfg.blocks.block_tokens, node=cfg.tiers.node,
-        kv_cache_mib=args.vllm_kv_cache_mib, tls_dir=tls_dir, insecure=insecure,
+        kv_cache_mib=args.vllm_kv_cache_mib, insecure=insecure,
+        tls_dir="" if insecure else str(creds["engine"].directory),
+        secret_file="" if insecure else str(creds["engine"].directory / "secret"),
         extra_config={"window": cfg.blocks.window, "backtrack": cfg.blocks.backtrack,
                       "classes": sorted(cfg.classes.ttl_s),
                       "default_class": cfg.classes.default}),
@@ -109,17 +127,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"  vllm     ready at {v.spec.base_url} ({v.spec.kv_role}, "
                   f"{v.ready_s:.0f}s)", file=sys.stderr, flush=True)
         want = {"kvstore", "prefill"} | ({"decode"} if args.pd else set())
-        launcher.wait_registered(redis_url, want, args.ready_timeout)
+        launcher.wait_registered(url("operator"), want, args.ready_timeout)
         launcher.start_children([router], args.ready_timeout, stop)
         state = launcher.UpState(
-            redis_url=redis_url, model=cfg.model.name, store=store_addr,
+            redis_url=redact_url(url("operator")), redis_url_file=str(operator_url_file),
+            model=cfg.model.name, store=store_addr, tls_dir=tls_dir,
             prefill=vllms[0].spec.base_url, decode=vllms[-1].spec.base_url,
             router_http=f"http://{host}:{p.http}", router_grpc=f"{host}:{p.router_grpc}",
             tiers="G2 host " + launcher.human_size(cfg.tiers.g2_bytes), pid=os.getpid(),
             logs={**{c.name: str(c.log) for c in children},
                   **{v.spec.instance_id: str(v.log) for v in vllms}})
         launcher.state_path().parent.mkdir(parents=True, exist_ok=True)
-        launcher.state_path().write_text(json.dumps(asdict(state), indent=1))
+        launcher.write_private(launcher.state_path(), json.dumps(asdict(state), indent=1))
         _print(state, vllms)
         code = _supervise(children, vllms, stop)
     except VLLMError as exc:

@@ -8,7 +8,9 @@ size, classes and ports agree), waits until each answers its health check,
 prints what runs where, and on Ctrl-C / SIGTERM stops the children in
 reverse order (SIGTERM, grace, then SIGKILL). A child that dies on its own
 stops the rest. ``kvserve chat`` and ``kvserve status`` find the running
-stack through the state file it writes.
+stack through the state file it writes (0600). Each child gets only its own
+credentials, by files named on its command line (kvserve/credentials.py); no
+secret is in argv, the environment, the banner, the state or the config file.
 """
 
 from __future__ import annotations
@@ -22,14 +24,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, EngineSection, KVServeConfig, parse_size
 from kvserve.cli import UsageError, build_registry
+from kvserve.credentials import ChildCredentials, child_env, hand_out_roles, renew_due
 from security.config import SecurityConfig
+from security.flags import add_redis_flags, redis_url_from
+from security.redact import redact_url
+from security.secret_files import SecretFileError, read_secret_text, write_private
 
 STATE_ENV = "KVSERVE_STATE"
 
@@ -45,7 +51,7 @@ def state_path() -> Path:
 class UpState:
     """What ``kvserve up`` started: read by ``kvserve chat`` / ``status``."""
 
-    redis_url: str
+    redis_url: str                          # for display: the password masked
     model: str
     store: str
     prefill: str
@@ -61,6 +67,15 @@ class UpState:
     prefills: list[str] = field(default_factory=list)   # every prefill instance's address
     decodes: list[str] = field(default_factory=list)    # every decode instance's address
     pids: dict[str, int] = field(default_factory=dict)  # child name -> process id
+    redis_url_file: str = ""                # the operator's Redis URL (0600)
+
+    def registry_url(self) -> str:
+        """The operator's Redis URL, read from its file ("" when there is none)."""
+        try:
+            return read_secret_text(self.redis_url_file, "the stack's Redis URL file") \
+                if self.redis_url_file else ""
+        except SecretFileError as exc:
+            raise UsageError(str(exc)) from exc
 
     def security(self, role: str = "operator") -> SecurityConfig:
         """Credentials to talk to this stack (``kvserve chat`` / ``status``)."""
@@ -91,13 +106,18 @@ class Child:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     security: SecurityConfig | None = None      # how the launcher dials its health check
+    creds: ChildCredentials | None = None       # what the child was handed (renewed in place)
+    role: str = ""                              # its identity; "" = its name ("prefill-1": set it)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="kvserve TOML config file")
     p.add_argument("--model", default=None, help="model for prefill and decode (default smollm2)")
     p.add_argument("--host", default=None, help="bind address of every service")
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    add_redis_flags(p, default="an embedded Redis with one ACL user per role")
+    p.add_argument("--cert-days", type=int, default=None, metavar="DAYS",
+                   help="validity of the children's certificates, renewed at half-life "
+                   "(default 7)")
     p.add_argument("--g3-path", default=None,
                    help="local disk tier directory (default: $KVSERVE_CACHE/g3, so warm KV "
                    "survives a restart); 'none' for no disk tier")
@@ -154,28 +174,24 @@ def run(args: argparse.Namespace) -> int:
                                                        free=args.free_ports),
                                       **{f"{r} metrics": p for r, p in metrics_ports.items()}})
     run_dir = Path(args.run_dir) if args.run_dir else state_path().parent / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # logs may quote prompts
     security = _security(args)
     stop = stop_on_signals()
-    redis = None
-    redis_url = args.redis_url or cfg.redis.effective_url()
-    if not redis_url:
-        from kvstore.redis_server import EmbeddedRedis
-
-        redis = EmbeddedRedis(preexec=_die_with_parent).start()
-        redis_url = redis.url
-    cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url))
-    os.environ["REDIS_URL"] = redis_url           # children inherit it (never in argv)
+    redis, url = _redis(args, cfg)
+    # The shared config names no Redis: each child gets its own role's URL file.
+    cfg = replace(cfg, redis=replace(cfg.redis, url="", url_file=""))
     _prefetch(cfg.model.name)
     config_file = run_dir / "kvserve.toml"
-    _write_private(config_file, to_toml(cfg))     # it holds the Redis password
+    _write_private(config_file, to_toml(cfg))
     children = _children(cfg, config_file, run_dir, router=not args.no_router,
                          metrics=metrics_ports, api_key_file=args.api_key_file,
                          free=args.free_ports)
-    for c in children:
-        c.argv += security.cli_args()
-        c.security = security
+    deployment = None if security.insecure else Path(security.cert_dir)
+    operator = _hand_out_credentials(children, run_dir, deployment, security, url,
+                                     args.cert_days)
+    redis_url = url("operator")
     state = replace(_state(cfg, children, metrics_ports), config=str(config_file),
+                    redis_url=redact_url(redis_url), redis_url_file=str(operator),
                     tls_dir="" if security.insecure else security.cert_dir)
     try:
         # The router last: its first view of the registry then holds the others.
@@ -184,10 +200,9 @@ def run(args: argparse.Namespace) -> int:
                                     "decode": cfg.engine.decode}, args.ready_timeout)
         start_children([c for c in children if c.name == "router"], args.ready_timeout, stop)
         state = replace(state, pids={c.name: c.proc.pid for c in children if c.proc})
-        state_path().parent.mkdir(parents=True, exist_ok=True)
         _write_private(state_path(), json.dumps(asdict(state), indent=1))
         _print_started(state, children)
-        code = _supervise(children, stop)
+        code = _supervise(children, stop, deployment, args.cert_days)
     finally:
         stop_children(children, args.grace)
         remove_state()
@@ -195,6 +210,21 @@ def run(args: argparse.Namespace) -> int:
             redis.stop()
     print("kvserve up: stopped", flush=True)
     return code
+
+
+def _redis(args: argparse.Namespace, cfg: KVServeConfig) -> tuple[Any, Callable[[str], str]]:
+    """(the embedded server or None, role -> its Redis URL): one ACL user per role
+    on the embedded server; a given URL serves every role."""
+    try:
+        external = redis_url_from(args, cfg.redis)
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from exc
+    if external:
+        return None, lambda _role: external
+    from kvstore.redis_server import EmbeddedRedis
+
+    redis = EmbeddedRedis(preexec=_die_with_parent).start()
+    return redis, redis.url_for
 
 
 def _security(args: argparse.Namespace) -> SecurityConfig:
@@ -215,6 +245,20 @@ def _security(args: argparse.Namespace) -> SecurityConfig:
         raise UsageError(f"cannot prepare certificates in {tls}: {exc}") from exc
 
 
+def _hand_out_credentials(children: list[Child], run_dir: Path, deployment: Path | None,
+                          security: SecurityConfig, url: Callable[[str], str],
+                          cert_days: int | None) -> Path:
+    """Give each child its role's credentials directory (kvserve.credentials) on
+    its command line; returns the operator's Redis URL file."""
+    creds = hand_out_roles([c.role or c.name for c in children], run_dir, url=url,
+                           deployment=deployment, days=cert_days)
+    for c in children:
+        c.creds = creds[c.role or c.name]
+        c.argv += c.creds.argv()
+        c.security = security
+    return creds["operator"].redis_url_file
+
+
 def stack_security(role: str = "operator") -> SecurityConfig:
     """Credentials of a command-line tool: KVSERVE_TLS_DIR if set, else those of
     the running ``kvserve up`` (its state file), else an error naming both."""
@@ -227,12 +271,7 @@ def stack_security(role: str = "operator") -> SecurityConfig:
         raise UsageError(str(exc)) from exc
 
 
-def _write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
+_write_private = write_private          # 0600, atomic; a missing parent is made 0700
 
 
 def remove_state() -> None:
@@ -399,9 +438,8 @@ def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *, router: b
     that builds their command lines)."""
     host, p = cfg.ports.host, cfg.ports
     base = [sys.executable, "-m", "kvserve.cli"]
-    # No --redis-url: the URL may carry a password, and argv is world-readable in
-    # /proc. Children read it from the 0600 config file (REDIS_URL in their env
-    # wins there, so the launcher sets that too).
+    # No --redis-url, no secret: argv is world-readable in /proc. Each child's own
+    # credentials (Redis URL file, certificate) are added by _hand_out_credentials.
     common = ["--config", str(config_file), "--host", host]
     store_addr = f"{host}:{p.kvstore}"
     children = [
@@ -423,7 +461,8 @@ def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *, router: b
                                           str(slot.port), "--store", store_addr,
                                           "--metrics-port", str(slot.metrics_port), *ident,
                                           *pool],
-                              f"{host}:{slot.port}", run_dir / f"{slot.name}.log"))
+                              f"{host}:{slot.port}", run_dir / f"{slot.name}.log",
+                              role=slot.role))
     if router and router_available():
         keys = ["--api-key-file", str(Path(api_key_file).resolve())] if api_key_file else []
         children.append(Child("router", [*base, "router", "serve", *common, *keys],
@@ -476,13 +515,14 @@ def human_size(n: int) -> str:
 
 
 def _spawn(c: Child) -> subprocess.Popen[bytes]:
-    log = open(c.log, "wb")  # noqa: SIM115 - the child owns it for its lifetime
+    # 0600: a log may quote prompts; the child owns the file for its lifetime.
+    log = os.fdopen(os.open(c.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
     try:
         # Own process group: Ctrl-C reaches the launcher only, which stops
         # children in order; PDEATHSIG stops them if the launcher is killed.
         return subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=_die_with_parent, env=child_env(c.name))
     finally:
         log.close()
 
@@ -602,15 +642,21 @@ def _print_started(state: UpState, children: list[Child]) -> None:
     print("  try:      kvserve chat --prompt 'Hello'   |   kvserve status", flush=True)
 
 
-def _supervise(children: list[Child], stop: Stop) -> int:
+def _supervise(children: list[Child], stop: Stop, deployment: Path | None = None,
+               cert_days: int | None = None) -> int:
     """Until Ctrl-C / SIGTERM. A child that exits stops the stack, unless it is one
     of several instances of its role: then the router places around it (it leaves
     the registry) and the stack runs on while one instance of the role is left."""
+    days = {} if cert_days is None else {"days": cert_days}
     gone: set[str] = set()
     while not stop.requested:
         for c in children:
             assert c.proc is not None
-            if c.name in gone or c.proc.poll() is None:
+            if c.name in gone:
+                continue
+            if c.proc.poll() is None:
+                if c.creds is not None:     # short-lived certificates: renewed in place
+                    c.creds = renew_due(c.creds, deployment, **days)
                 continue
             gone.add(c.name)
             left = [o for o in children if _role(o.name) == _role(c.name)

@@ -192,12 +192,17 @@ class _SlotCopier:
         return True
 
 
+DEFAULT_CLIENT_ROLE = "engine"
+
+
 class KVStoreClient:
     def __init__(self, address: str, *, timeout_s: float = 5.0, use_shm: bool = True,
                  chunk_bytes: int = CHUNK_BYTES, copy_threads: int = COPY_THREADS,
                  security: SecurityConfig | None = None) -> None:
         """``security``: this caller's credentials (mTLS); None reads them from the
-        environment (``SecurityConfig.from_env("operator")``)."""
+        environment as the least-privileged kvstore client, ``engine`` (the data
+        methods and Stats; security/methods.py). Never an operator by default:
+        maintenance (Delete) must be asked for with an operator's credentials."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if copy_threads < 1:
@@ -207,7 +212,7 @@ class KVStoreClient:
         self.timeout_s = timeout_s
         self.use_shm = use_shm
         self.chunk_bytes = chunk_bytes
-        self.security = security or SecurityConfig.from_env("operator")
+        self.security = security or SecurityConfig.from_env(DEFAULT_CLIENT_ROLE)
         self._channel = self.security.aio_channel(address, "kvstore", options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])

@@ -44,6 +44,7 @@ from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.keys import DEFAULT_TENANT
 from kvstore.redis_conn import connect, is_cluster_url
 from kvstore.types import LOCAL_TIERS_MASK, TIER_BITS
+from security.redact import redact_url
 
 KEY_BYTES = 16
 PREFIX = b"B"
@@ -387,7 +388,8 @@ class BlockIndex:
             for name in sorted(self.classes.ttl_s):
                 self.class_ids[name] = await self._id_for("class", name, MAX_CLASS_ID)
         except RedisError as exc:
-            raise StoreUnavailable(f"Redis at {self.redis_url} unavailable: {exc}") from exc
+            raise StoreUnavailable(f"Redis at {redact_url(self.redis_url)} unavailable: "
+                                   f"{exc}") from exc
         top = max(self.class_ids.values())
         ttl_by_id = dict.fromkeys(range(top + 1), 0)
         for name, cid in self.class_ids.items():
@@ -431,7 +433,8 @@ class BlockIndex:
             try:
                 tid = await self._id_for("tenant", tenant, MAX_TENANT_ID)
             except RedisError as exc:
-                raise StoreUnavailable(f"Redis at {self.redis_url} unavailable: {exc}") from exc
+                raise StoreUnavailable(f"Redis at {redact_url(self.redis_url)} unavailable: "
+                                       f"{exc}") from exc
             if len(self._tenant_ids) < 65_536:  # bounded: names come from requests
                 self._tenant_ids[tenant] = tid
         return tid

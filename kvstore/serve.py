@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
 from kvstore.service import ServiceLimits, start_server
 from kvstore.warehouse import Warehouse, WarehouseConfig
 from security.config import SecurityConfig
+from security.redact import register_secret
+from security.secret_files import refuse_placeholder
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +58,32 @@ def warehouse_config(opts: StoreOptions, redis_url: str) -> WarehouseConfig:
                            fsync=opts.fsync, prefault_g2=opts.prefault_g2)
 
 
+# The object store's credentials, as Kubernetes hands them to the kvstore (k8s/components/s3-g4).
+OBJECT_STORE_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def check_object_store_secrets(g4_url: str) -> None:
+    """With a G4 URL, the object store's credentials in the environment must be
+    real ones (a shipped ``CHANGE-ME`` refuses to start, naming the variable);
+    they are registered for redaction."""
+    if not g4_url:
+        return
+    for name in OBJECT_STORE_SECRETS:
+        value = os.environ.get(name)
+        if value is not None:
+            refuse_placeholder(value, f"${name} (G4 credentials)")
+            register_secret(value)
+
+
 async def run_store(opts: StoreOptions) -> int:
+    check_object_store_secrets(opts.config.tiers.g4_url)
     embedded: EmbeddedRedis | None = None
     url = opts.redis_url or opts.config.redis.effective_url()
     if not url:
         embedded = EmbeddedRedis().start()
         url = embedded.url
-        log.info("no Redis configured: started an embedded one at %s", url)
+        log.info("no Redis configured: started an embedded one at %s:%d", embedded.host,
+                 embedded.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

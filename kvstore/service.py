@@ -46,7 +46,6 @@ from kvstore.warehouse import Warehouse
 from kvstore.wire import PutPart, decode_put_chunk, encode_get_chunks, get_chunk_prefix
 from proto import common_pb2, kvstore_pb2
 from security.authz import (
-    Access,
     AuthInterceptor,
     PermissionDenied,
     Unauthenticated,
@@ -55,6 +54,7 @@ from security.authz import (
 from security.config import SecurityConfig
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
+from security.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,8 @@ def rpc(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             self.wh.metrics.errors.labels(method, code.name).inc()
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method)
-            await context.abort(code, f"{method}: {exc}")
+            # Status text reaches any caller (tenants included): never a secret in it.
+            await context.abort(code, redact(f"{method}: {exc}"))
 
         if inspect.isasyncgenfunction(fn):
             @functools.wraps(fn)
@@ -522,14 +523,6 @@ class RunningServer:
             self.service.staging.close()
 
 
-# Who may call what (security.authz); unlisted methods (reflection) need a service.
-POLICY: dict[str, Access] = {
-    **{f"/{SERVICE_NAME}/{m}": Access.TENANT for m in ("Lookup", "Get", "Put", "Stage", "Stats")},
-    f"/{SERVICE_NAME}/Delete": Access.OPERATOR,
-    f"/{SERVICE_NAME}/Warm": Access.TENANT,      # for the caller's own tenant (acting_tenant)
-}
-
-
 async def start_server(wh: Warehouse, *, host: str = "127.0.0.1", port: int = 0,
                        limits: ServiceLimits | None = None,
                        security: SecurityConfig | None = None,
@@ -539,7 +532,8 @@ async def start_server(wh: Warehouse, *, host: str = "127.0.0.1", port: int = 0,
     limits = limits or ServiceLimits()
     security = security or SecurityConfig.from_env("kvstore")
     server = grpc.aio.server(options=limits.grpc_options(), interceptors=[
-        AuthInterceptor(POLICY, insecure=security.insecure), InputGuard()])
+        # Who may call what: the per-role table in security/methods.py.
+        AuthInterceptor(insecure=security.insecure), InputGuard()])
     service = KVStoreService(wh, limits)
     service.add_to_server(server)
     health = health_aio.HealthServicer()

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from common.config import ConfigError, TrafficClasses
 from router.errors import AuthenticationError, InvalidRequestError
+from security.redact import register_secret
+from security.secret_files import SecretFileError, read_secret_text, refuse_placeholder
 
 DEFAULT_TENANT = "default"
 CLASS_HEADER = "X-KV-Class"
@@ -59,9 +61,10 @@ class ApiKeys:
     def load(cls, path: str | Path) -> ApiKeys:
         p = Path(path)
         try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ApiKeyFileError(f"cannot read API key file {p}: {exc}") from exc
+            # Not world-readable; placeholders are checked per key below.
+            text = read_secret_text(p, "the API key file", whole_value=False)
+        except SecretFileError as exc:
+            raise ApiKeyFileError(str(exc)) from exc
         tenants: dict[str, str] = {}
         for lineno, raw in enumerate(text.splitlines(), start=1):
             line = raw.split("#", 1)[0].strip()
@@ -76,6 +79,11 @@ class ApiKeys:
             if not _KEY.match(key) or not _TENANT.match(tenant):
                 raise ApiKeyFileError(f"{p}:{lineno}: key must be 8..512 non-space characters "
                                       "and tenant [A-Za-z0-9._-]{1,64}")
+            try:
+                refuse_placeholder(key, f"the API key on {p}:{lineno}")
+            except SecretFileError as exc:
+                raise ApiKeyFileError(str(exc)) from exc
+            register_secret(key)
             tenants[key] = tenant
         if not tenants:
             raise ApiKeyFileError(f"API key file {p} lists no keys")

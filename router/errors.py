@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from security.redact import redact
+
 
 class RouterError(Exception):
     """Base of every error the router reports to a client."""
@@ -53,6 +55,17 @@ class AuthenticationError(RouterError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="invalid_api_key")
+
+
+class PermissionDeniedError(RouterError):
+    """Authenticated, but asking to act for a tenant it is not (router.service.tenant_of)."""
+
+    http_status = 403
+    error_type = "permission_error"
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="permission_denied")
 
 
 class ModelNotFoundError(RouterError):
@@ -240,11 +253,12 @@ def error_body(message: str, *, error_type: str, param: str | None = None,
 def http_error(exc: BaseException) -> HttpError:
     """The HTTP status and OpenAI-shaped body for any exception."""
     if isinstance(exc, RouterError):
-        return HttpError(exc.http_status, error_body(exc.message, error_type=exc.error_type,
+        return HttpError(exc.http_status, error_body(redact(exc.message),
+                                                     error_type=exc.error_type,
                                                      param=exc.param, code=exc.code),
                          retry_headers(exc))
     # Anything else is our bug; say so without leaking internals beyond the type.
-    return HttpError(500, error_body(f"internal error: {type(exc).__name__}: {exc}",
+    return HttpError(500, error_body(redact(f"internal error: {type(exc).__name__}: {exc}"),
                                      error_type="server_error", code="internal_error"))
 
 
@@ -269,5 +283,6 @@ def grpc_status(exc: BaseException) -> GrpcStatus:
                           ((RETRY_AFTER_KEY, str(exc.retry_after_s * 1000)),))
     if isinstance(exc, RouterError):
         message = f"{exc.param}: {exc.message}" if exc.param else exc.message
-        return GrpcStatus(exc.grpc_code, message)
-    return GrpcStatus(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        return GrpcStatus(exc.grpc_code, redact(message))
+    return GrpcStatus(grpc.StatusCode.INTERNAL,
+                      redact(f"internal error: {type(exc).__name__}: {exc}"))

@@ -11,6 +11,7 @@ leave the registry, stop accepting, let in-flight requests finish for up to
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from common.config import AdmissionSection, ConfigError, HitRule, TrafficClasses
 from kvstore.registry import InstanceInfo, LoadReport
 from proto import router_pb2_grpc
 from router.admission import Admission, Capacity
-from router.auth import ApiKeys
+from router.auth import DEFAULT_TENANT, ApiKeys
 from router.backends import make_backend
 from router.cluster_ops import ClusterOps, operator_key
 from router.core import CoreConfig, RouterCore
@@ -36,7 +37,7 @@ from router.metrics import RouterMetrics
 from router.model_meta import load_model_meta
 from router.service import SERVICE_NAME, RouterService
 from router.upstream import CallTimeouts, Upstreams
-from security.authz import Access, AuthInterceptor
+from security.authz import AuthInterceptor
 from security.config import SecurityConfig
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
@@ -119,6 +120,7 @@ class RunningRouter:
 async def start_router(cfg: RouterConfig) -> RunningRouter:
     meta = load_model_meta(cfg.model, served_name=cfg.served_name)
     api_keys = ApiKeys.load(cfg.api_key_file) if cfg.api_key_file else ApiKeys()
+    warn_if_open(cfg.host, api_keys)
     # The model decides the hit rule's reserve (sliding-window models keep more).
     rule = meta.config.hit_rule(cfg.hit_rule.block_tokens)
     metrics = RouterMetrics()
@@ -136,12 +138,12 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
     core.ops = ops
     backend = make_backend(cfg.backend, core)   # the fronts' one seam (router.backends)
 
-    # The Router API checks its own API keys; any identity of the deployment may call it.
+    # Tenants and operators may call the Router API (security/methods.py); the
+    # tenant of a call comes from its identity or API key (router.service).
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20),
                                       ("grpc.max_send_message_length", 64 * 2**20),
                                       ("grpc.so_reuseport", 0)],  # taken port: fail, not share
-                             interceptors=[AuthInterceptor({}, default=Access.ANY,
-                                                           insecure=security.insecure),
+                             interceptors=[AuthInterceptor(insecure=security.insecure),
                                            InputGuard()])
     router_pb2_grpc.add_RouterServicer_to_server(
         RouterService(backend, classes=cfg.classes, api_keys=api_keys), server)  # type: ignore[arg-type]
@@ -212,6 +214,26 @@ def _admission(cfg: AdmissionSection, view: LiveView, metrics: RouterMetrics) ->
 
     view.on_change(instances_changed)
     return admission
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False                  # a name or a wildcard: reachable from elsewhere
+
+
+def warn_if_open(host: str, api_keys: ApiKeys) -> bool:
+    """Logs (and returns True) when the fronts listen beyond loopback with no API
+    keys: every HTTP client is then the one tenant ``default``."""
+    if api_keys.enabled or is_loopback(host):
+        return False
+    log.warning("SECURITY: the router listens on %s with no API keys (--api-key-file): every "
+                "HTTP client acts as the one tenant %r and shares its cache; give each tenant "
+                "a key (docs/security.md)", host, DEFAULT_TENANT)
+    return True
 
 
 def ready_line(r: RunningRouter) -> str:

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
+from security.redact import redact
+
 log = logging.getLogger(__name__)
 
 
@@ -131,6 +133,8 @@ def status_for(exc: BaseException) -> Status:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, where: str) -> None:
     status = status_for(exc)
+    # Status text reaches the caller: never a secret in it (security.redact).
+    status = Status(status.code, redact(status.message))
     if status.code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", where, exc_info=exc)
     else:

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
-from security.authz import Access, AuthInterceptor
+from security.authz import AuthInterceptor
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
 from service.config import Endpoint, EngineSpec
@@ -112,7 +112,7 @@ async def start_server(endpoint: Endpoint, spec: ServiceSpec
     """Bind, build the servicer with its dial address, start, mark SERVING."""
     security = endpoint.security_for(spec.role)
     server = grpc.aio.server(options=server_options(endpoint), interceptors=[
-        AuthInterceptor({}, default=Access.SERVICE, insecure=security.insecure), InputGuard()])
+        AuthInterceptor(insecure=security.insecure), InputGuard()])
     port = security.add_port(server, f"{endpoint.host}:{endpoint.port}")
     if port == 0:
         raise OSError(f"cannot bind {endpoint.host}:{endpoint.port}")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from common.config import ConfigError, KVServeConfig
 from kvserve.cli import CommandRegistry, UsageError
-from security.flags import add_security_flags, security_from_args
+from security.flags import add_redis_flags, add_security_flags, redis_url_from, security_from_args
 
 if TYPE_CHECKING:
     from router.serve import RouterConfig
@@ -25,8 +25,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="gRPC Router port (default [ports].router_grpc; 0 = any free port)")
     p.add_argument("--http-port", type=int, default=None,
                    help="OpenAI HTTP port (default [ports].http; 0 = any free port)")
-    p.add_argument("--redis-url", default=None,
-                   help="Redis of the instance registry (default [redis].url / REDIS_URL)")
+    add_redis_flags(p, default="[redis] / REDIS_URL(_FILE)")
     p.add_argument("--node", default=None, help="node name (default [tiers].node)")
     p.add_argument("--policy", default=None,
                    help="placement policy (default [router].policy), e.g. round_robin, "
@@ -72,7 +71,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         host=args.host or cfg.ports.host,
         grpc_port=cfg.ports.router_grpc if args.port is None else args.port,
         http_port=cfg.ports.http if args.http_port is None else args.http_port,
-        redis_url=args.redis_url or cfg.redis.effective_url(),
+        redis_url=redis_url_from(args, cfg.redis),
         node=args.node or cfg.tiers.node, instance_id=args.instance_id or "",
         api_key_file=args.api_key_file or "", hit_rule=cfg.blocks, classes=cfg.classes,
         view=view, core=core, admission=cfg.admission,

@@ -9,7 +9,14 @@ import json
 
 from common.config import ConfigError, KVServeConfig, parse_size
 from kvserve.cli import CommandRegistry, UsageError
-from security.flags import add_security_flags, security_from_args
+from security.flags import (
+    add_redis_flags,
+    add_security_flags,
+    argv_url,
+    redis_url_from,
+    security_from_args,
+)
+from security.secret_files import SecretFileError
 
 
 def _load(args: argparse.Namespace) -> KVServeConfig:
@@ -32,11 +39,11 @@ def _load(args: argparse.Namespace) -> KVServeConfig:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="kvserve TOML config file")
-    p.add_argument("--redis-url", default="", help="Redis URL (default: config, REDIS_URL, "
-                   "else an embedded server)")
+    add_redis_flags(p, default="config, REDIS_URL, else an embedded server")
     p.add_argument("--node", help="node name (overrides [tiers].node)")
     p.add_argument("--g3-path", help="G3 disk directory (overrides [tiers].g3_path)")
-    p.add_argument("--g4-url", help="G4 fsspec URL (overrides [tiers].g4_url)")
+    p.add_argument("--g4-url", type=argv_url,
+                   help="G4 fsspec URL (overrides [tiers].g4_url); no credentials in it")
 
 
 def _configure_serve(p: argparse.ArgumentParser) -> None:
@@ -59,18 +66,20 @@ def _configure_serve(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvstore.serve import StoreOptions, main
+    from kvstore.serve import StoreOptions, check_object_store_secrets, main
 
     cfg = _load(args)
     try:
+        check_object_store_secrets(cfg.tiers.g4_url)
         opts = StoreOptions(
             config=cfg, host=args.host or cfg.ports.host,
             port=cfg.ports.kvstore if args.port is None else args.port,
             metrics_port=cfg.ports.metrics if args.metrics_port is None else args.metrics_port,
-            redis_url=args.redis_url, grace_s=args.grace, sweep_interval_s=args.sweep_interval,
+            redis_url=redis_url_from(args, cfg.redis), grace_s=args.grace,
+            sweep_interval_s=args.sweep_interval,
             fsync=not args.no_fsync, prefault_g2=not args.no_prefault,
             security=security_from_args(args, "kvstore"), health_port=args.health_port)
-    except ValueError as exc:
+    except ValueError as exc:               # SecretFileError included
         raise UsageError(str(exc)) from exc
     return main(opts)
 
@@ -80,11 +89,12 @@ def _running_config(args: argparse.Namespace) -> None:
     finds it), whose effective config names its Redis, disk tier and node."""
     from kvserve.launcher import UpState
 
-    if args.config or args.redis_url:
+    if args.config or args.redis_url or args.redis_url_file:
         return
     state = UpState.load()
     if state is not None and state.config:
         args.config = state.config
+        args.redis_url_file = state.redis_url_file or None
 
 
 def _reindex(args: argparse.Namespace) -> int:
@@ -93,7 +103,10 @@ def _reindex(args: argparse.Namespace) -> int:
 
     _running_config(args)
     cfg = _load(args)
-    url = args.redis_url or cfg.redis.effective_url()
+    try:
+        url = redis_url_from(args, cfg.redis)
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from exc
     if not url:
         raise UsageError("reindex needs the store's Redis: start `kvserve up`, pass --config "
                          "or --redis-url, or set REDIS_URL")

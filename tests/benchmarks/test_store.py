@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.redis_args import redis_args
+
 KEYS = ("g2_put_gbps", "g2_get_gbps", "memcpy_gbps", "g3_write_gbps", "g3_read_gbps",
         "raw_write_gbps", "raw_read_gbps", "redis_put_gbps", "redis_get_gbps",
         "lookup_p50_ms", "lookup_p99_ms", "grpc_gbps", "grpc_put_gbps", "shm_gbps",
@@ -20,7 +22,7 @@ def test_bench_store_json(redis_url: str, tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvserve.cli", "bench", "store", "--json", "--blocks", "4",
          "--block-bytes", "65536", "--repeats", "1", "--chain", "64", "--lookups", "5",
-         "--redis-url", redis_url, "--dir", str(tmp_path), "--png", str(png)],
+         *redis_args(redis_url), "--dir", str(tmp_path), "--png", str(png)],
         capture_output=True, text=True, timeout=240, check=True)
     res = json.loads(out.stdout)
     for k in KEYS:
