@@ -30,6 +30,10 @@ _LUA_ENSURE_ID = Template("""
 local h, name, limit = '$ids', ARGV[1], tonumber(ARGV[2])
 local id = redis.call('HGET', h, ARGV[3] .. 'n:' .. name)
 if id then return tonumber(id) end
+-- Full: refuse before counting, so refusals do not advance the counter.
+if tonumber(redis.call('HGET', h, ARGV[3] .. '#next') or '0') > limit then
+  return redis.error_reply('id space exhausted for ' .. ARGV[3])
+end
 local nid = redis.call('HINCRBY', h, ARGV[3] .. '#next', 1) - 1
 while redis.call('HEXISTS', h, ARGV[3] .. 'i:' .. nid) == 1 do
   nid = redis.call('HINCRBY', h, ARGV[3] .. '#next', 1) - 1

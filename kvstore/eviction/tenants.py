@@ -166,8 +166,10 @@ class TenantCache:
         return evicted
 
     def usage(self) -> list[TenantUsage]:
-        """One row per tenant holding blocks or with an explicit quota, by name."""
-        names = sorted(set(self._usage) | set(self.quotas) | set(self._evicted))
+        """One row per tenant holding blocks, with an explicit quota or evictions, by
+        name (blocks of no known owner yet are in ``used_bytes`` only)."""
+        names = sorted((set(self._usage) | set(self.quotas) | set(self._evicted))
+                       - {UNATTRIBUTED})
         return [TenantUsage(t, self._usage.get(t, 0), self._counts.get(t, 0), self.quota(t),
                             self._evicted.get(t, 0)) for t in names]
 
