@@ -218,7 +218,8 @@ class _SlotCopier:
 class KVStoreClient:
     def __init__(self, address: str, *, timeout_s: float = 5.0, use_shm: bool = True,
                  chunk_bytes: int = CHUNK_BYTES, copy_threads: int = COPY_THREADS,
-                 security: SecurityConfig | None = None) -> None:
+                 security: SecurityConfig | None = None,
+                 put_call_bytes: int = PUT_CALL_BYTES) -> None:
         """``security``: this caller's credentials (mTLS); None reads them from the
         environment (``SecurityConfig.from_env("operator")``)."""
         if timeout_s <= 0:
@@ -230,6 +231,7 @@ class KVStoreClient:
         self.timeout_s = timeout_s
         self.use_shm = use_shm
         self.chunk_bytes = chunk_bytes
+        self.put_call_bytes = put_call_bytes
         self.security = security or SecurityConfig.from_env("operator")
         self._channel = self.security.aio_channel(address, "kvstore", options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -279,7 +281,7 @@ class KVStoreClient:
                   timeout_s: float | None = None) -> PutResult:
         """Store blocks (a tensor [n, layers, 2, kv_heads, block_tokens, head_dim] or
         n bytes-likes); ``token_count`` per block, or one value for all. Split into
-        calls of at most ``PUT_CALL_BYTES`` (whole blocks each)."""
+        calls of at most ``put_call_bytes`` (whole blocks each)."""
         views = as_byte_views(blocks, len(keys))
         if len(views) != len(keys):
             raise InvalidRequest(f"{len(keys)} keys but {len(views)} blocks")
@@ -289,7 +291,7 @@ class KVStoreClient:
         while start < len(keys) or not keys:
             end, size = start, 0
             while end < len(keys) and (end == start or size + views[end].nbytes
-                                       <= PUT_CALL_BYTES):
+                                       <= self.put_call_bytes):
                 size += views[end].nbytes
                 end += 1
             res = await self._put_one(keys[start:end], views[start:end], counts[start:end],

@@ -188,10 +188,17 @@ class StagingSegments:
     def _held(self, caller: str) -> int:
         return sum(st.seg.size for st in self._by_name.values() if st.caller == caller)
 
-    def held(self, caller: str) -> int:
-        """Bytes of staging segments counted against ``caller``."""
+    def usage(self) -> dict[str, int]:
+        """Bytes of staging segments per calling identity."""
         with self._lock:
-            return self._held(caller)
+            out: dict[str, int] = {}
+            for st in self._by_name.values():
+                out[st.caller] = out.get(st.caller, 0) + st.seg.size
+            return out
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._by_name
 
     def _drop(self, name: str) -> None:
         st = self._by_name.pop(name)
