@@ -169,7 +169,8 @@ class DiskTier(Tier):
                     if key is None:
                         continue
                     if not entry.is_file(follow_symlinks=False):   # a link: never followed
-                        os.unlink(entry.path)
+                        if self.owns_files:
+                            os.unlink(entry.path)
                         self.rejected_at_open += 1
                         continue
                     st = entry.stat(follow_symlinks=False)
@@ -188,16 +189,27 @@ class DiskTier(Tier):
         self._cache.evictions = 0
         if self.rejected_at_open:
             log.warning("G3 %s: %d block files at %s failed verification at open (an older "
-                        "format, written under another deployment secret, forged or damaged) "
-                        "and were removed; those blocks are recomputed when next needed",
-                        self.name, self.rejected_at_open, self.root)
+                        "format, written under another deployment secret, forged or damaged)"
+                        " and were %s; those blocks are recomputed when next needed",
+                        self.name, self.rejected_at_open, self.root,
+                        "removed" if self.owns_files else "skipped")
         if self.tightened_at_open:
             log.warning("G3 %s: tightened the mode of %d files/directories under %s to "
                         "private (0600/0700)", self.name, self.tightened_at_open, self.root)
 
+    @property
+    def owns_files(self) -> bool:
+        """The serving store owns the directory and removes bad files; a tool opened
+        beside it (``temp_grace_s`` > 0, e.g. a reindex, perhaps with the wrong key)
+        only skips them."""
+        return self.temp_grace_s <= 0
+
     def _owners(self, found: list[Found]) -> list[str | None]:
-        """Each file's tenant from its verified header (None: removed as bad). One
-        small read per file; the writer pool keeps many in flight on a cold disk."""
+        """Each file's tenant from its verified header (None: gone, or bad and not
+        accounted). One small read per file; the writer pool keeps many in flight
+        on a cold disk."""
+        bad: list[str] = []     # list.append is atomic: the pool's threads share it
+
         def owner(f: Found) -> str | None:
             try:
                 meta = read_header(f.path, self.mac)
@@ -207,15 +219,17 @@ class DiskTier(Tier):
             except FileNotFoundError:
                 return None
             except (OSError, BlockCorruptError):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f.path)
+                bad.append(f.path)
+                if self.owns_files:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f.path)
                 return None
 
         if len(found) < 64 or self.writers == 1:
             owners = [owner(f) for f in found]
         else:
             owners = list(self._writer_pool().map(owner, found, chunksize=64))
-        self.rejected_at_open += sum(1 for o in owners if o is None)
+        self.rejected_at_open += len(bad)
         return owners
 
     # -- write -----------------------------------------------------------------
@@ -528,12 +542,13 @@ class DiskTier(Tier):
         return TierHit(block.meta, block.payload)
 
     def _drop_corrupt(self, key: bytes, path: Path, exc: Exception) -> None:
-        log.warning("G3 %s: %s; deleted", self.name, exc)
+        log.warning("G3 %s: %s; %s", self.name, exc, "deleted" if self.owns_files else "skipped")
         with self._lock:
             self._cache.discard(key)
             self._checksum_failures += 1
             self._misses += 1
-            path.unlink(missing_ok=True)
+            if self.owns_files:
+                path.unlink(missing_ok=True)
 
     def delete(self, key: bytes) -> bool:
         with self._lock:

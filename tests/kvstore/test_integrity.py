@@ -147,16 +147,25 @@ def test_forged_and_old_g3_blocks_are_never_served_nor_reindexed(
         assert bad["G3"] == 2
         assert not (g3 / key_relpath(ks[0])).exists() and not (g3 / key_relpath(ks[1])).exists()
         # Redis loses everything; a reindex beside the running store indexes only blocks
-        # whose MAC verifies under the store's key.
+        # whose MAC verifies under the store's key. One run with a wrong key indexes
+        # nothing and deletes nothing (only the store itself removes bad files).
         redis.Redis.from_url(redis_url).flushall()
+        wrong = write_key_file(tmp_path / "wrong.key", os.urandom(32))
+        files = sorted(g3.rglob("*.kvb"))
+        assert _reindex(redis_url, "--g3-path", str(g3), "--integrity-key-file",
+                        str(wrong))["blocks"] == {"G3": 0}
+        assert sorted(g3.rglob("*.kvb")) == files
         report = _reindex(redis_url, "--g3-path", str(g3))
         assert report["blocks"] == {"G3": 4}
         assert run(lambda: _matched(store.address, ks[2:])) == 4
         assert run(lambda: _matched(store.address, [planted])) == 0
         assert run(lambda: _matched(store.address, [moved])) == 0
-        assert not (g3 / key_relpath(planted)).exists() and not (g3 / key_relpath(moved)).exists()
     finally:
         store.terminate()
+    # The store's next start removes what does not verify.
+    StoreProc.start(redis_url, g3, g2_bytes="2KiB", config=_durable_config(tmp_path)).terminate()
+    assert not (g3 / key_relpath(planted)).exists() and not (g3 / key_relpath(moved)).exists()
+    assert len(list(g3.rglob("*.kvb"))) == 4
 
 
 def test_forged_g4_objects_are_never_served_nor_reindexed(
