@@ -451,8 +451,10 @@ class KVStoreService:
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext,
                     ) -> kvstore_pb2.StatsResponse:
         _parsed(request, "StatsRequest")
-        # A tenant identity learns nothing of other tenants (names, volumes).
-        s = await self.wh.stats(tenant=current_identity().tenant)
+        # A tenant identity learns nothing of other tenants (names, volumes, how many):
+        # only the aggregate tier and class counters (docs/security.md, side channels).
+        own = current_identity().tenant
+        s = await self.wh.stats(tenant=own)
         return kvstore_pb2.StatsResponse(
             node=s.node,
             tiers=[kvstore_pb2.TierStats(tier=t.tier, capacity_bytes=t.capacity_bytes,
@@ -468,7 +470,7 @@ class KVStoreService:
                                              used_bytes=t.used_bytes, blocks=t.blocks,
                                              quota_bytes=t.quota_bytes, evictions=t.evictions)
                      for t in s.tenants],
-            tenant_names=s.tenant_names, max_tenants=s.max_tenants)
+            tenant_names=0 if own else s.tenant_names, max_tenants=s.max_tenants)
 
     @rpc("SetQuota")
     async def SetQuota(self, request: Any, context: grpc.aio.ServicerContext,
