@@ -21,8 +21,8 @@ class Xxh3Tag(BlockMac):
     def tag(self, data: bytes) -> str:
         return xxhash.xxh3_64_hexdigest(data)
 
-    def verify(self, data: bytes, tag: object) -> bool:
-        return self.tag(data) == tag
+    def verify(self, data: bytes, tag: bytes) -> bool:
+        return self.tag(data).encode() == tag
 
 
 def mac_tag_us(n: int = 20_000) -> dict[str, float]:

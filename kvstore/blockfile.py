@@ -13,8 +13,11 @@ compression ("none" | "lz4"), tenant (namespace), format, and header_mac.
 
 Integrity at rest is keyed (docs/security.md, "Integrity at rest and
 quotas"): ``header_mac`` is BLAKE2b-128, keyed by a key derived from the
-deployment secret (``BlockMac``, kvstore.integrity), over the canonical JSON
-of everything else in the header. That header holds the payload's xxh3-128,
+deployment secret (``BlockMac``, kvstore.integrity), over the whole header as
+stored (length prefix, JSON, padding) with the tag's own 32 hex digits read as
+zeros. It is the last field of the JSON, so a reader finds it at a fixed
+distance from the end and checks it *before* parsing anything: only bytes a
+key holder wrote are ever parsed. That header holds the payload's xxh3-128,
 so the MAC binds key, tenant namespace, layout, size, fingerprint and payload
 together without a second pass over the payload: whoever can write G3 or G4
 but lacks the key cannot make a block, or move one to another key or tenant,
@@ -93,8 +96,9 @@ class BlockMac:
         h.update(data)
         return h.hexdigest()
 
-    def verify(self, data: bytes, tag: object) -> bool:
-        return isinstance(tag, str) and hmac.compare_digest(self.tag(data), tag)
+    def verify(self, data: bytes, tag: bytes) -> bool:
+        """Whether ``tag`` (hex digits as stored) is this key's tag of ``data``."""
+        return hmac.compare_digest(self.tag(data).encode(), tag)
 
     def __repr__(self) -> str:   # never the key
         return f"BlockMac(keyed={self.keyed})"
@@ -165,11 +169,20 @@ class BlockHeader(NamedTuple):
     data_end: int
 
 
-def _canonical(tensor: dict[str, object], md: dict[str, str]) -> bytes:
-    """What the header MAC covers: the tensor entry and every metadata field but the tag."""
-    body = {k: v for k, v in md.items() if k != "header_mac"}
-    return json.dumps({"kv": tensor, "__metadata__": body}, sort_keys=True,
-                      separators=(",", ":")).encode()
+_MAC_FIELD = b'"header_mac":"'
+_MAC_HEX = 2 * MAC_BYTES
+_MAC_BLANK = b"0" * _MAC_HEX
+_JSON_END = b'"}}'      # the tag's closing quote, then __metadata__'s and the document's
+
+
+def _mac_at(head: bytes) -> int:
+    """Offset of the tag's hex digits in a whole header (it ends the JSON)."""
+    end = len(head.rstrip(b" "))
+    at = end - len(_JSON_END) - _MAC_HEX
+    if head[end - len(_JSON_END):end] != _JSON_END or \
+            head[at - len(_MAC_FIELD):at] != _MAC_FIELD:
+        raise BlockCorruptError("block header carries no MAC (format v1, or not a kvserve block)")
+    return at
 
 
 def _tensor_entry(layout: str, nbytes: int) -> tuple[str, list[int]]:
@@ -205,14 +218,17 @@ def encode_parts(payload: bytes | bytearray | memoryview, meta: BlockMeta,
         "traffic_class": meta.traffic_class, "expires_at": repr(float(meta.expires_at)),
         "checksum": digest.hex(), "size": str(view.nbytes),
         "compression": "lz4" if lz4 else "none", "tenant": meta.tenant,
+        "header_mac": _MAC_BLANK.decode(),     # last: see _mac_at
     }
     tensor = {"dtype": dtype, "shape": shape, "data_offsets": [0, body.nbytes]}
-    md["header_mac"] = mac.tag(_canonical(tensor, md))
     text = json.dumps({"kv": tensor, "__metadata__": md}, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + _LEN.size) % _ALIGN)
+    head = bytearray(_LEN.pack(len(text)) + text)
+    at = _mac_at(bytes(head))
+    head[at:at + _MAC_HEX] = mac.tag(bytes(head)).encode()
     full = BlockMeta(meta.key, meta.fingerprint, meta.layout, meta.token_count,
                      meta.traffic_class, meta.expires_at, digest, view.nbytes, meta.tenant)
-    return EncodedBlock(_LEN.pack(len(text)) + text, body, full)
+    return EncodedBlock(bytes(head), body, full)
 
 
 def encode_block(payload: bytes | bytearray | memoryview, meta: BlockMeta,
@@ -234,21 +250,23 @@ def header_length(prefix: bytes | bytearray | memoryview) -> int:
 
 def parse_header(head: bytes | bytearray | memoryview, *,
                  mac: BlockMac = UNKEYED) -> BlockHeader:
-    """Parse the header from the file's first ``header_length`` bytes (payload not
-    needed) and verify its MAC: a header that ``mac`` did not tag is corrupt."""
+    """Verify the MAC of the header in the file's first ``header_length`` bytes, then
+    parse it (payload not needed): a header that ``mac`` did not tag is corrupt."""
     hlen = header_length(head)
     if len(head) < hlen:
         raise BlockCorruptError(f"block truncated inside its header ({len(head)} < {hlen} bytes)")
+    raw = bytes(head[:hlen])
+    at = _mac_at(raw)
+    if not mac.verify(raw[:at] + _MAC_BLANK + raw[at + _MAC_HEX:], raw[at:at + _MAC_HEX]):
+        raise BlockCorruptError("block header MAC mismatch (forged, damaged, or written under "
+                                "another deployment secret)")
     try:
-        doc = json.loads(bytes(head[_LEN.size:hlen]))
+        doc = json.loads(raw[_LEN.size:])
         md = doc["__metadata__"]
         tensor = doc["kv"]
         start, end = (int(x) for x in tensor["data_offsets"])
         if md["format"] != FORMAT:
             raise BlockCorruptError(f"unknown block format {md['format']!r} (want {FORMAT})")
-        if not mac.verify(_canonical(tensor, md), md["header_mac"]):
-            raise BlockCorruptError("block header MAC mismatch (forged, damaged, or written "
-                                    "under another deployment secret)")
         compression = md["compression"]
         if compression not in _COMPRESSIONS:
             raise BlockCorruptError(f"unknown compression {compression!r}")
