@@ -12,8 +12,10 @@ moments of a shared machine):
   sequence with one fsync, read back block by block with ``f.read``;
   g3_write / g3_read: the G3 tier as the warehouse drives it (one file per
   block, atomic: temp file, fsync, rename, directory fsync, group-committed
-  through ``put_many``; read + verify). Reads come from the page cache for
-  both, as the files were just written;
+  through ``put_many``; read + verify, keyed header MAC). Reads come from the
+  page cache, as the files were just written. g3_xxh3tag_*: the same with the
+  header tag before keyed integrity (kvstore/bench_mac.py), in the same rounds;
+  mac_*_ratio = the MAC's cost; mac_tag_us / xxh3_tag_us: one header tag;
 - redis_put / redis_get: the blocks as Redis values, one SET/GET each (what
   LMCache's Redis backend does);
 - lookup p50/p99 ms: one chain lookup of ``--chain`` blocks (loopback Redis,
@@ -147,7 +149,8 @@ def bench_memory(d: _Data, repeats: int) -> dict[str, float]:
 
 
 def bench_disk(d: _Data, repeats: int, root: Path) -> dict[str, float]:
-    from kvstore.blockfile import BlockMeta
+    from kvstore.bench_mac import Xxh3Tag, mac_rows
+    from kvstore.blockfile import BlockMac, BlockMeta
     from kvstore.tiers import open_tier
 
     raw_dir = root / "raw"
@@ -169,32 +172,36 @@ def bench_disk(d: _Data, repeats: int, root: Path) -> dict[str, float]:
                 if len(f.read(d.size)) != d.size:
                     raise RuntimeError("short read")
 
-    g3 = open_tier(str(root / "g3"), name="G3", capacity_bytes=100 * d.total)
-    keys: list[list[bytes]] = []
+    g3 = open_tier(str(root / "g3"), name="G3", capacity_bytes=100 * d.total,
+                   mac=BlockMac(os.urandom(32)))
+    v1 = open_tier(str(root / "g3-v1"), name="G3", capacity_bytes=100 * d.total, mac=Xxh3Tag())
 
-    def g3_write(r: int) -> None:
-        ks = d.keys(100 + r)
-        keys.append(ks)
-        items = [(k, v, BlockMeta(k, "", "", 1, "chat", time.time() + 3600))
-                 for k, v in zip(ks, d.views, strict=True)]
-        put_many = getattr(g3, "put_many", None)      # the warehouse's batched path
-        if callable(put_many):
-            put_many(items)
-        else:
-            for item in items:
-                g3.put(*item)
+    def writer(tier: Any, tag: int) -> tuple[Callable[[int], None], Callable[[int], None]]:
+        keys: list[list[bytes]] = []
 
-    def g3_read(_: int) -> None:
-        for k in keys[0]:
-            if g3.get(k) is None:
-                raise RuntimeError("G3 lost a block during the benchmark")
+        def write(r: int) -> None:
+            ks = d.keys(tag + r)
+            keys.append(ks)
+            tier.put_many([(k, v, BlockMeta(k, "", "", 1, "chat", time.time() + 3600))
+                           for k, v in zip(ks, d.views, strict=True)])  # the warehouse's path
 
+        def read(_: int) -> None:
+            for k in keys[0]:
+                if tier.get(k) is None:
+                    raise RuntimeError("G3 lost a block during the benchmark")
+
+        return write, read
+
+    (g3_write, g3_read), (v1_write, v1_read) = writer(g3, 100), writer(v1, 200)
     out = _interleaved(d.total, repeats, {"raw_write_gbps": raw_write,
-                                          "g3_write_gbps": g3_write})
+                                          "g3_write_gbps": g3_write,
+                                          "g3_xxh3tag_write_gbps": v1_write})
     out.update(_interleaved(d.total, repeats, {"raw_read_gbps": raw_read,
-                                               "g3_read_gbps": g3_read}))
-    g3.close()
-    return out
+                                               "g3_read_gbps": g3_read,
+                                               "g3_xxh3tag_read_gbps": v1_read}))
+    for t in (g3, v1):
+        t.close()
+    return {**out, **mac_rows(out)}
 
 
 def bench_redis(d: _Data, repeats: int, url: str) -> dict[str, float]:

@@ -48,6 +48,9 @@ _TYPE_CHECKS: dict[str, tuple[Any, str]] = {
     "dict[str, int]": (lambda v: isinstance(v, dict) and all(
         isinstance(k, str) and _is_int(x) for k, x in v.items()),
         "a table of name = integer"),
+    "dict[str, int | str]": (lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and (_is_int(x) or isinstance(x, str)) for k, x in v.items()),
+        "a table of name = size (an integer or e.g. \"1GiB\")"),
 }
 _SIZE_CHECK = (lambda v: _is_int(v) or isinstance(v, str), "an integer or a size such as 4GiB")
 
@@ -171,6 +174,46 @@ class TierConfig:
             object.__setattr__(self, name, parse_size(getattr(self, name), f"tiers.{name}"))
         if not re.match(r"^[A-Za-z0-9._-]{1,64}$", self.node):
             raise ConfigError(f"tiers.node {self.node!r} must match [A-Za-z0-9._-]{{1,64}}")
+
+
+QUOTA_TIERS = ("G2", "G3", "G4")
+ALL_TENANTS = "*"                   # a [quotas] table's entry for every tenant not listed
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaSection:
+    """Per-tenant byte quotas per tier (docs/operators.md, "Per-tenant quotas"): per
+    tier a table of tenant = size, ``"*"`` for every tenant not listed; a tenant
+    with no entry (and no ``"*"``) has no limit. Operators change them at run time
+    (``kvserve store quota``); those settings live in Redis and win over these.
+    ``max_tenants`` bounds the tenant-name table (every name that ever stored a
+    block keeps an id in Redis): a new name beyond it is refused."""
+
+    g2: dict[str, int | str] = field(default_factory=dict)
+    g3: dict[str, int | str] = field(default_factory=dict)
+    g4: dict[str, int | str] = field(default_factory=dict)
+    max_tenants: int = 4096
+    refresh_s: float = 10.0         # how often a store picks up other nodes' quota changes
+
+    def __post_init__(self) -> None:
+        for tier in ("g2", "g3", "g4"):
+            table = getattr(self, tier)
+            parsed: dict[str, int | str] = {}
+            for name, value in table.items():
+                if name != ALL_TENANTS and not _TENANT_NAME.match(name):
+                    raise ConfigError(f"quotas.{tier}: {name!r} is not a tenant name "
+                                      "([A-Za-z0-9._-]{1,64}) nor \"*\"")
+                parsed[name] = parse_size(value, f"quotas.{tier}.{name}")
+            object.__setattr__(self, tier, parsed)
+        if not 1 <= self.max_tenants <= 2**32:
+            raise ConfigError(f"quotas.max_tenants must be in 1..2^32, got {self.max_tenants}")
+        if self.refresh_s <= 0:
+            raise ConfigError(f"quotas.refresh_s must be > 0, got {self.refresh_s}")
+
+    def table(self, tier: str) -> dict[str, int]:
+        """Tenant (or "*") -> bytes for tier "G2" | "G3" | "G4"."""
+        return {k: int(v) for k, v in getattr(self, tier.lower()).items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,6 +391,7 @@ _SECTIONS: dict[str, type] = {
     "blocks": HitRule,
     "classes": TrafficClasses,
     "tiers": TierConfig,
+    "quotas": QuotaSection,
     "redis": RedisSection,
     "router": RouterSection,
     "admission": AdmissionSection,
@@ -363,6 +407,7 @@ class KVServeConfig:
     blocks: HitRule = field(default_factory=HitRule)
     classes: TrafficClasses = field(default_factory=TrafficClasses)
     tiers: TierConfig = field(default_factory=TierConfig)
+    quotas: QuotaSection = field(default_factory=QuotaSection)
     redis: RedisSection = field(default_factory=RedisSection)
     router: RouterSection = field(default_factory=RouterSection)
     admission: AdmissionSection = field(default_factory=AdmissionSection)

@@ -128,6 +128,20 @@ def _rate(hits: object, misses: object) -> str:
     return f"{100 * h / (h + m):.1f}%" if h + m else "-"
 
 
+def _tenant_rows(s: dict[str, object]) -> list[str]:
+    """Per-tier tenant usage and quotas (kvstore quotas, docs/operators.md)."""
+    rows = s.get("tenants") or []
+    out = [f"  tenants: {s.get('tenant_names', 0)} of {s.get('max_tenants', 0)} names"]
+    if rows:
+        out.append(f"  {'tier':<5} {'tenant':<20} {'used bytes':>14} {'quota':>14} "
+                   f"{'blocks':>8} {'evicted':>8}")
+    for t in rows:  # type: ignore[attr-defined]
+        quota = "none" if int(t["quota_bytes"]) < 0 else f"{int(t['quota_bytes']):,}"
+        out.append(f"  {t['tier']:<5} {str(t['tenant'])[:20]:<20} {t['used_bytes']:>14,} "
+                   f"{quota:>14} {t['blocks']:>8} {t['evictions']:>8}")
+    return out
+
+
 def render(snap: Snapshot) -> str:
     now = time.time()
     out = [f"registry {snap.redis_url}: {len(snap.instances)} instance(s)",
@@ -156,6 +170,7 @@ def render(snap: Snapshot) -> str:
             ttl = f"{int(c['ttl_s']) / 86400:.1f}d"
             out.append(f"  {c['traffic_class']:<8} {ttl:>9} {c['blocks']:>8} {c['hits']:>8} "
                        f"{c['misses']:>8} {_rate(c['hits'], c['misses']):>8}")
+        out += _tenant_rows(s)
     if snap.cached:
         c = {k: int(snap.cached.get(k, 0)) for k in CACHED_METRICS}
         out += ["", f"cached tokens since start: engine G1 {c['engine_g1_tokens']:,} + warehouse "

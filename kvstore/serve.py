@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 
 from common.config import KVServeConfig
+from kvstore.integrity import block_mac
 from kvstore.memtune import tune_malloc
 from kvstore.redis_server import EmbeddedRedis
 from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
@@ -43,6 +44,7 @@ class StoreOptions:
     prefault_g2: bool = True
     security: SecurityConfig | None = None   # None: from the environment (KVSERVE_TLS_DIR)
     health_port: int = -1                    # plain-text health-only port for probes
+    integrity_key_file: str = ""             # block MAC key; default: from the secret
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or self.metrics_port > 65535:
@@ -55,7 +57,9 @@ def warehouse_config(opts: StoreOptions, redis_url: str) -> WarehouseConfig:
     cfg = opts.config
     return WarehouseConfig(redis_url=redis_url, tiers=cfg.tiers, classes=cfg.classes,
                            hit_rule=cfg.blocks, sweep_interval_s=opts.sweep_interval_s,
-                           fsync=opts.fsync, prefault_g2=opts.prefault_g2)
+                           fsync=opts.fsync, prefault_g2=opts.prefault_g2,
+                           mac=block_mac(opts.security, opts.integrity_key_file),
+                           quotas=cfg.quotas)
 
 
 # The object store's credentials, as Kubernetes hands them to the kvstore (k8s/components/s3-g4).
@@ -141,6 +145,7 @@ async def _heartbeats(registry: InstanceRegistry, info: InstanceInfo, wh: Wareho
 
 def main(opts: StoreOptions) -> int:
     tune_malloc()
+    os.umask(0o077)   # whatever a library creates for us (G4 on a mount, temp files) is private
     try:
         return asyncio.run(run_store(opts))
     except KeyboardInterrupt:

@@ -9,6 +9,13 @@ G3, else G4, verified by the tier; a G3/G4 hit is promoted into G2 (and a G4
 hit also lands in G3), a block evicted from G2 that no lower tier holds is
 demoted into G3.
 
+Integrity at rest: G3/G4 blocks carry a header MAC under ``cfg.mac`` (the
+deployment's block MAC key, kvstore.integrity); every read and every reindex
+verifies it, so a forged or old-format block is a miss, never served or
+indexed. Quotas: per-tenant bytes per tier (``cfg.quotas`` and operators'
+settings in Redis, kvstore.quotas); each tier evicts a tenant over quota from
+its own blocks only (kvstore.eviction.tenants).
+
 Concurrency: tier I/O runs in worker threads (tiers lock themselves); the
 asyncio loop owns the index. ``_g2_lock`` makes "G2 put + index update" one
 step, so an eviction from another request cannot clear a bit before it is set.
@@ -33,13 +40,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from common.config import ConfigError, HitRule, TierConfig, TrafficClasses
+from common.config import ConfigError, HitRule, QuotaSection, TierConfig, TrafficClasses
 from kvstore import maintenance
-from kvstore.blockfile import BlockMeta, checksum
+from kvstore.blockfile import UNKEYED, BlockMac, BlockMeta, checksum
 from kvstore.errors import InvalidRequest, StoreDraining, StoreUnavailable
 from kvstore.index import BlockIndex, IndexEntry, IndexRecord
 from kvstore.keys import DEFAULT_TENANT
 from kvstore.metrics import StoreMetrics
+from kvstore.quotas import QuotaKeeper, QuotaTable
 from kvstore.tiers import ShmSlot, Tier, TierHit, open_tier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.objstore import TierUnavailable
@@ -85,6 +93,8 @@ class WarehouseConfig:
     max_pending_bytes: int = 512 * 2**20   # queued G3/G4 writes before puts wait
     fsync: bool = True
     prefault_g2: bool = False              # touch all of G2 at start (steady-state speed at once)
+    mac: BlockMac = UNKEYED                # G3/G4 header MAC (kvstore.integrity.block_mac)
+    quotas: QuotaSection = field(default_factory=QuotaSection)
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -119,8 +129,10 @@ class Warehouse:
         self.hit_rule = cfg.hit_rule
         self.metrics = metrics or StoreMetrics()
         self.index = BlockIndex(cfg.redis_url, node=self.node, classes=cfg.classes,
-                                instance=cfg.instance or self.node)
+                                instance=cfg.instance or self.node,
+                                max_tenants=cfg.quotas.max_tenants)
         self.tiers: dict[str, Tier] = {}
+        self.quotas = QuotaKeeper(cfg.redis_url, cfg.quotas, self.tiers)
         self.g2: HostTier | None = None
         self.accepting = True
         self.whatif: WhatIfEstimator | None = None   # live what-if (kvstore.whatif)
@@ -147,16 +159,18 @@ class Warehouse:
         await self.index.start()
         if not serve:
             return self
+        await self._drop_evicted(await self.quotas.refresh(force=True))
         stale = await self.index.reconcile_g2()
         if stale:
             log.info("cleared %d G2 index bits left by this node's previous process", stale)
         if not await self.index.epoch_present():
             report = await maintenance.reindex(self)
             log.info("index epoch missing: rebuilt from tiers: %s", report)
-        self.metrics.watch_tiers(self.tier_snapshots)
+        self.metrics.watch_tiers(self.tier_snapshots, self.quotas.usage)
         self.writeback.start(self.cfg.write_workers)
         if self.cfg.sweep_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._sweeper(), name="kv-sweeper"))
+        self._tasks.append(asyncio.create_task(self._quota_refresher(), name="kv-quotas"))
         self._load_whatif()
         return self
 
@@ -175,11 +189,11 @@ class Warehouse:
             # Not serving (reindex beside a live store): leave young temp files alone.
             self.tiers["G3"] = open_tier(t.g3_path, name="G3", capacity_bytes=t.g3_bytes,
                                          policy=t.eviction_policy, lz4=t.lz4,
-                                         fsync=self.cfg.fsync,
+                                         fsync=self.cfg.fsync, mac=self.cfg.mac,
                                          temp_grace_s=0.0 if with_g2 else 600.0)
         if t.g4_url:
             self.tiers["G4"] = open_tier(t.g4_url, name="G4", capacity_bytes=self.cfg.g4_bytes,
-                                         policy=t.eviction_policy, lz4=t.lz4)
+                                         policy=t.eviction_policy, lz4=t.lz4, mac=self.cfg.mac)
 
     def _load_whatif(self) -> None:
         self.whatif = WhatIfEstimator()
@@ -246,6 +260,7 @@ class Warehouse:
             self._whatif_thread = None
         for tier in self.tiers.values():
             tier.close()
+        await self.quotas.close()
         await self.index.close()
 
     async def __aenter__(self) -> Warehouse:
@@ -514,12 +529,41 @@ class Warehouse:
                                     s.misses, s.evictions, s.checksum_failures))
         return out
 
+    # -- quotas ------------------------------------------------------------------------------
+    async def set_quota(self, tier: str, tenant: str, quota_bytes: int | None, *,
+                        reset: bool = False) -> QuotaTable:
+        """An operator's quota (None: no limit; ``reset``: back to the config's),
+        kept in Redis and applied here at once (other stores within refresh_s)."""
+        await self._drop_evicted(await self.quotas.set(tier, tenant, quota_bytes, reset))
+        return self.quotas.table
+
+    async def _drop_evicted(self, evicted: dict[str, list[BlockMeta]]) -> None:
+        """Index bits of blocks a quota change evicted (G2's as one step with G2, as
+        puts do; a G2 block no lower tier holds is demoted like any G2 eviction)."""
+        for name, metas in evicted.items():
+            keys = [m.key for m in metas]
+            if name == "G2":
+                async with self._g2_lock:
+                    await self.index.remove(keys, tier=name)
+                await self._demote()
+            else:
+                await self.index.remove(keys, tier=name)
+
+    async def _quota_refresher(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.quotas.refresh_s)
+            try:
+                await self._drop_evicted(await self.quotas.refresh())
+            except Exception:  # Redis hiccup: keep the quotas in force, retry later
+                log.warning("quota refresh failed", exc_info=True)
+
     def count_class_blocks(self, traffic_class: str, n: int) -> None:
         """Blocks of a class this store holds: written, or found in a tier at a reindex."""
         if traffic_class in self._class_blocks:
             self._class_blocks[traffic_class] += n
 
-    async def stats(self) -> StoreStats:
+    async def stats(self, tenant: str = "") -> StoreStats:
+        """Counters; with ``tenant``, only that tenant's per-tenant rows."""
         classes = [ClassSnapshot(c, ttl, self._class_hits[c], self._class_misses[c],
                                  self._class_blocks[c])
                    for c, ttl in sorted(self.classes.ttl_s.items())]
@@ -530,8 +574,11 @@ class Warehouse:
                     whatif_json = self.whatif.to_json()
             except Exception:  # stats must answer even if the estimator fails
                 log.exception("what-if estimator failed")
+        names = await self.index.ids.tenant_count()
         return StoreStats(self.node, self.tier_snapshots(), classes, whatif_json,
-                          shm_capable=self.g2 is not None, hostname=socket.gethostname())
+                          shm_capable=self.g2 is not None, hostname=socket.gethostname(),
+                          tenants=self.quotas.usage(tenant), tenant_names=names,
+                          max_tenants=self.cfg.quotas.max_tenants)
 
     async def sweep(self) -> maintenance.SweepReport:
         return await maintenance.sweep(self)

@@ -28,6 +28,10 @@ from service.config import Endpoint, EngineSpec
 from service.metrics import Source, serve_metrics
 
 log = logging.getLogger(__name__)
+# Calls a server runs at once; beyond it gRPC answers RESOURCE_EXHAUSTED before any
+# handler runs, so a flood of calls cannot exhaust the process (the services' own
+# bounded queues answer "busy" well before this: contracts, "Busy instance").
+MAX_CONCURRENT_RPCS = 1024
 
 
 def server_options(endpoint: Endpoint) -> list[tuple[str, int]]:
@@ -112,7 +116,8 @@ async def start_server(endpoint: Endpoint, spec: ServiceSpec
     """Bind, build the servicer with its dial address, start, mark SERVING."""
     security = endpoint.security_for(spec.role)
     server = grpc.aio.server(options=server_options(endpoint), interceptors=[
-        AuthInterceptor(insecure=security.insecure), InputGuard()])
+        AuthInterceptor(insecure=security.insecure), InputGuard()],
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     port = security.add_port(server, f"{endpoint.host}:{endpoint.port}")
     if port == 0:
         raise OSError(f"cannot bind {endpoint.host}:{endpoint.port}")
