@@ -39,7 +39,7 @@ def _run(check: str) -> None:
     assert proc.stdout.strip().endswith(f"{check} ok"), proc.stdout[-2000:]
 
 
-@pytest.mark.parametrize("check", ["gemm", "attention", "decode_graph_path"])
+@pytest.mark.parametrize("check", ["gemm", "attention", "decode_graph_path", "paged_decode"])
 def test_kernel_logic_under_the_interpreter(check: str) -> None:
     _run(check)
 
@@ -210,8 +210,29 @@ def _fixed_order_dot() -> None:
     it.InterpreterBuilder.create_dot = create_dot  # type: ignore[method-assign]
 
 
+def check_paged_decode() -> None:
+    """The ``triton`` family's decode kernel with key splits merged by one kernel."""
+    from engine.paged_decode import paged_decode
+
+    heads, kv_heads, dim, bt, nb = 8, 2, 16, 16, 40
+    pool, table, q, k, v = _pool_and_inputs(nb * bt, heads, kv_heads, dim, bt, nb, 9)
+    lens = [1, 15, 16, 130, 300]
+    tables = torch.zeros(len(lens), 20, dtype=torch.int32)
+    tables[:] = table[:20].to(torch.int32)
+    for window in (0, 50):
+        want = torch.cat([_reference(q[:n], k[:n], v[:n], window)[n - 1:n] for n in lens])
+        for splits in (1, 4):
+            acc = torch.full((len(lens), splits, heads, dim), float("nan"))
+            ml = torch.full((len(lens), splits, heads, 2), float("nan"))
+            out = paged_decode(q[[n - 1 for n in lens]], pool[0, 0], pool[0, 1], tables,
+                               torch.tensor(lens, dtype=torch.int32), window, splits, acc, ml)
+            err = ((out.double() - want).norm() / want.norm()).item()
+            assert torch.isfinite(out).all() and err < 2e-3, (window, splits, err)
+    print("paged_decode ok")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     _fixed_order_dot()
-    {"gemm": check_gemm, "attention": check_attention,
+    {"gemm": check_gemm, "attention": check_attention, "paged_decode": check_paged_decode,
      "decode_graph_path": check_decode_graph_path}[sys.argv[1]]()
