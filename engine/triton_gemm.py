@@ -87,7 +87,7 @@ def _prec(dtype: torch.dtype) -> str:
 
 
 # M is not specialised: Triton would compile another binary for M == 1 or
-# M % 16 == 0, and nothing is gained (rows are clamped, not masked).
+# M % 16 == 0, and nothing is gained.
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
@@ -103,21 +103,21 @@ def _gemm_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
     pn = (pid % width) // size_m
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
-    # rows and columns past the edge read a valid row again (never stored), so
-    # the loads need no mask and pipeline as plain copies
-    am = (rm % M).to(tl.int64)
+    row_ok = rm < M
+    # rows past M are masked (a one-row decode then fetches one row, not 64);
+    # columns past N read a valid column again (never stored), mask-free
     bn = (rn % N).to(tl.int64)
     rk = tl.arange(0, BK)
-    a_ptr = A + am[:, None] * s_am + rk[None, :] * s_ak
+    a_ptr = A + rm[:, None].to(tl.int64) * s_am + rk[None, :] * s_ak
     b_ptr = B + rk[:, None] * s_bk + bn[None, :] * s_bn
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         if EVEN_K:
-            a = tl.load(a_ptr)
+            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptr)
         else:                        # zeros past K add +0 to every chain
             kk = k0 + rk
-            a = tl.load(a_ptr, mask=(kk < K)[None, :], other=0.0)
+            a = tl.load(a_ptr, mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
             b = tl.load(b_ptr, mask=(kk < K)[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptr += BK * s_ak
@@ -125,7 +125,7 @@ def _gemm_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(C + rm[:, None].to(tl.int64) * s_cm + rn[None, :],
-             acc.to(C.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+             acc.to(C.dtype.element_ty), mask=row_ok[:, None] & (rn < N)[None, :])
 
 
 def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
