@@ -48,6 +48,7 @@ class GemmPlan:
     warps: int
     stages: int
     group_m: int = 8          # programs of GROUP_M row tiles walk N together (L2 reuse)
+    persistent: bool = False  # one program per SM looping over tiles, TMA loads (16-bit)
 
     def __post_init__(self) -> None:
         if self.bm % 64 or self.warps % 4 or self.bm // 16 < self.warps:
@@ -128,6 +129,59 @@ def _gemm_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
              acc.to(C.dtype.element_ty), mask=row_ok[:, None] & (rn < N)[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _gemm_tma_kernel(a_desc, b_desc, BIAS, C, M, N, K, s_cm, HAS_BIAS: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    """Persistent variant: each program walks tiles pid, pid + NUM_SMS, ... with
+    the tensor-copy engine loading A [BM, BK] and the weight [BN, BK] (zeros
+    past the edges). The same K chain per output as ``_gemm_kernel``."""
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    width = GROUP_M * grid_n
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS):
+        first_m = (tile // width) * GROUP_M
+        size_m = tl.minimum(grid_m - first_m, GROUP_M)
+        pm = first_m + (tile % width) % size_m
+        pn = (tile % width) // size_m
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            a = a_desc.load([pm * BM, k0])
+            b = b_desc.load([pn * BN, k0])
+            acc = tl.dot(a, b.T, acc)
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(C + rm[:, None].to(tl.int64) * s_cm + rn[None, :],
+                 acc.to(C.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def _sms(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" \
+        else 4
+
+
+def _linear_tma(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                p: GemmPlan) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x.shape
+    n = w_t.shape[1]
+    w = w_t.t()                                    # [N, K], unit stride in K (weights.py)
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("the TMA plan needs unit stride along K")
+    a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [p.bm, BK])
+    b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [p.bn, BK])
+    tiles = triton.cdiv(m, p.bm) * triton.cdiv(n, p.bn)
+    sms = _sms(x.device)
+    b = bias.contiguous() if bias is not None else out
+    _gemm_tma_kernel[(min(sms, tiles),)](a_desc, b_desc, b, out, m, n, k, out.stride(0),
+                                         HAS_BIAS=bias is not None, BM=p.bm, BN=p.bn, BK=BK,
+                                         GROUP_M=p.group_m, NUM_SMS=sms, num_warps=p.warps,
+                                         num_stages=p.stages)
+
+
 def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
            plan: GemmPlan | None = None) -> torch.Tensor:
     """x: [M, K] @ w_t: [K, N] (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation.
@@ -140,6 +194,9 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
     if m == 0:
         return out
     p = plan or PLANS[x.dtype](m, n)
+    if p.persistent:
+        _linear_tma(x, w_t, bias, out, p)
+        return out
     grid = (triton.cdiv(m, p.bm) * triton.cdiv(n, p.bn),)
     b = bias.contiguous() if bias is not None else out
     _gemm_kernel[grid](x, w_t, b, out, m, n, k, x.stride(0), x.stride(1), w_t.stride(0),

@@ -8,7 +8,8 @@ spills are read here at no device time.
   family every 16-bit plan must stay on; HMMA = the older, slower path);
 - ``warps``: the accumulator layout's warpsPerCTA (warps along M only keeps a
   row inside one warp's shuffles);
-- ``cp``: asynchronous copies in the TTGIR (0 = the K loop is not pipelined);
+- ``cp``: asynchronous copies (cp.async or TMA) in the TTGIR (0 = the K loop
+  is not pipelined);
 - ``smem`` bytes, ``regs`` per thread and ``local`` bytes (spills).
 
 Arguments are specialised as Triton's launcher does for real tensors (pointers
@@ -67,7 +68,8 @@ def compile_offline(fn: triton.JITFunction, args: dict[str, object], constexprs:
         v = args[name]
         if isinstance(v, str):
             sig[name] = v
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if v.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
             sig[name] = "fp32"
         elif v == 1 and name not in fn.do_not_specialize:
@@ -130,6 +132,14 @@ def gemm_builds(dtype: str = "bf16") -> list[Build]:
                  "GROUP_M": p.group_m, "PREC": "tf32"}, p.warps, p.stages)
             out.append(inspect_build(f"gemm M={m} {wname} {p.bm}x{p.bn} w{p.warps} s{p.stages}",
                                      b))
+    for p in (tg.GemmPlan(128, 256, 8, 3, persistent=True),):      # a candidate (triton_tune)
+        b = compile_offline(tg._gemm_tma_kernel, {
+            "a_desc": f"tensordesc<{dtype}[{p.bm}, {tg.BK}]>",
+            "b_desc": f"tensordesc<{dtype}[{p.bn}, {tg.BK}]>", "BIAS": f"*{dtype}",
+            "C": f"*{dtype}", "M": 2048, "N": 6144, "K": 4096, "s_cm": 6144},
+            {"HAS_BIAS": False, "BM": p.bm, "BN": p.bn, "BK": tg.BK, "GROUP_M": p.group_m,
+             "NUM_SMS": 132}, p.warps, p.stages)
+        out.append(inspect_build(f"gemm TMA persistent {p.bm}x{p.bn} w{p.warps} s{p.stages}", b))
     return out
 
 

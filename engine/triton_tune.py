@@ -41,6 +41,7 @@ CANDIDATES = (
     tg.GemmPlan(64, 64, 4, 6), tg.GemmPlan(64, 128, 4, 4),
     tg.GemmPlan(128, 128, 8, 3), tg.GemmPlan(128, 128, 8, 4),
     tg.GemmPlan(128, 256, 8, 3), tg.GemmPlan(128, 256, 8, 4, group_m=16),
+    tg.GemmPlan(128, 256, 8, 3, persistent=True), tg.GemmPlan(128, 128, 8, 4, persistent=True),
 )
 
 
@@ -97,7 +98,8 @@ def tune_gemm(su: Setup) -> dict[str, object]:
             except Exception as e:           # a plan the compiler refuses: say so, go on
                 _log(f"{name:<8} {p!s:<22} failed: {type(e).__name__}: {e}"[:200])
                 continue
-            label = f"{p.bm}x{p.bn} w{p.warps} s{p.stages} g{p.group_m}"
+            label = f"{p.bm}x{p.bn} w{p.warps} s{p.stages} g{p.group_m}" + \
+                (" tma" if p.persistent else "")
             rows[label] = {"same_bits": same, "ms": t}
             _log(f"{name:<8} {label:<22} {same!s:>9} " +
                  " ".join(f"{cublas[m] / t[m]:>8.2f}x" for m in M_TIMED))
