@@ -36,11 +36,9 @@ TRITON_BI_COST: float | None = None
 AUTO_MAX_COST = 0.10        # issue 21: exactness is the default when it costs <= 10 %
 
 
-def cuda_auto() -> str:
-    """The family ``auto`` picks on CUDA."""
-    if TRITON_BI_COST is not None and TRITON_BI_COST <= AUTO_MAX_COST:
-        return "triton_bi"
-    return "triton"
+def cuda_auto(cost: float | None = TRITON_BI_COST) -> str:
+    """The family ``auto`` picks on CUDA, given triton_bi's measured cost."""
+    return "triton_bi" if cost is not None and cost <= AUTO_MAX_COST else "triton"
 
 
 class Kernels(Protocol):

@@ -22,6 +22,15 @@ def test_triton_bi_without_cuda_is_a_clear_config_error() -> None:
         make_engine("tiny-dense", kernels="triton_bi")
 
 
+def test_auto_takes_triton_bi_on_cuda_only_once_measured_within_ten_percent() -> None:
+    from engine.kernels import TRITON_BI_COST, cuda_auto
+
+    assert cuda_auto(None) == "triton"                 # not measured for this version
+    assert cuda_auto(0.10) == cuda_auto(0.03) == "triton_bi"
+    assert cuda_auto(0.11) == "triton"
+    assert cuda_auto() == cuda_auto(TRITON_BI_COST)
+
+
 # ------------------------------------------------------------------ (a) GEMM
 @pytest.mark.gpu
 @needs_cuda
