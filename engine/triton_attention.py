@@ -29,7 +29,12 @@ key yet subtracts 0 instead of -inf and stays at (-inf, 0, 0). The only trace
 is the sign of an exactly-zero accumulator, folded by the final ``+ 0.0``.
 
 Tiles every row of a program sees in full skip the mask (``MASK=False``): the
-same numbers, fewer instructions. Prefill programs run longest first.
+same numbers, fewer instructions. Prefill programs run longest first. Both
+kernels compile with ``enable_fp_fusion=False``: with fusion on, the compiler
+contracts ``dot * scale - m`` into an FMA in the unmasked path but not through
+the masked path's ``where``, and which path a tile takes depends on the rows
+sharing its program (seen on the H200: chunked prefill and decode rows differed
+from a whole prefill). Every FMA that matters is written out (``tl.fma``).
 
 Only imported on CUDA (or under ``TRITON_INTERPRET=1`` for CPU checks).
 """
@@ -253,11 +258,11 @@ def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor
         sm[0], sm[1], sm[2], window, LOG2E / dim ** 0.5, block_tokens,
         G=group, GP=gp, TQ=tile_tokens(group, rows), D=dim, BN=KEY_TILE,
         TPS=split // KEY_TILE, PARTS=parts, PREC=_prec(q.dtype),
-        num_warps=rows // 16)
+        num_warps=rows // 16, enable_fp_fusion=False)
     if parts > 1:
         _fold_parts[(n_tiles, kv_heads)](acc, ml, out, sa[0], sa[1], sa[2], sm[0], sm[1],
                                          sm[2], out.stride(0), G=group, GP=gp, D=dim,
-                                         PARTS=parts)
+                                         PARTS=parts, enable_fp_fusion=False)
 
 
 @dataclass(frozen=True, slots=True)
