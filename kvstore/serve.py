@@ -15,6 +15,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from common import exit_watchdog
 from common.config import KVServeConfig
 from kvstore.integrity import block_mac
 from kvstore.memtune import tune_malloc
@@ -114,6 +115,7 @@ async def run_store(opts: StoreOptions) -> int:
         wh.accepting = False
         await running.drain(opts.grace_s)
     finally:
+        exit_watchdog.arm("kvstore", opts.grace_s)
         beat.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await beat

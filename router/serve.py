@@ -14,7 +14,6 @@ import asyncio
 import ipaddress
 import json
 import logging
-import os
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -22,6 +21,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import exit_watchdog
 from common.config import AdmissionSection, ConfigError, HitRule, TrafficClasses
 from kvstore.registry import InstanceInfo, LoadReport
 from proto import router_pb2_grpc
@@ -44,8 +44,6 @@ from security.health_port import start_health_port
 from service.hosting import READY_PREFIX, Heartbeat, stop_event_on_signals
 
 log = logging.getLogger(__name__)
-# Seconds a drain may run past its grace before the process exits regardless.
-STOP_SLACK_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,11 +253,5 @@ async def serve(cfg: RouterConfig) -> None:
     finally:
         # A drain that cannot finish (its Redis or peers already gone, e.g. after the
         # launcher was kill -9'ed) must not keep the process alive past SIGTERM.
-        try:
-            await asyncio.wait_for(running.stop(cfg.drain_grace_s),
-                                   timeout=cfg.drain_grace_s + STOP_SLACK_S)
-        except TimeoutError:
-            log.warning("router drain did not finish within %.1fs; exiting anyway",
-                        cfg.drain_grace_s + STOP_SLACK_S)
-            logging.shutdown()
-            os._exit(0)
+        exit_watchdog.arm("router", cfg.drain_grace_s)
+        await running.stop(cfg.drain_grace_s)

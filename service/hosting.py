@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import exit_watchdog
 from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
 from security.authz import AuthInterceptor
 from security.grpc_input import InputGuard
@@ -165,6 +166,7 @@ async def run_service(endpoint: Endpoint, spec: ServiceSpec, *,
         await stop.wait()
         log.info("%s draining (grace %.1fs)", spec.role, endpoint.drain_grace_s)
     finally:
+        exit_watchdog.arm(spec.role, endpoint.drain_grace_s)
         await drain(hosted, heartbeat, endpoint.drain_grace_s)
         await service.close()
 
