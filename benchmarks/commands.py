@@ -138,6 +138,12 @@ def _vllm(p: argparse.ArgumentParser) -> None:
     output_flags(p)
 
 
+def _serve(p: argparse.ArgumentParser) -> None:
+    from benchmarks.serve import configure
+
+    configure(p)
+
+
 # command -> (help, flags); the benchmark is benchmarks/<command>.py
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "engine": ("engine prefill/decode throughput and KV export/import", _engine),
@@ -148,6 +154,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "policies": ("eviction policies against Belady's optimum on trace replays (hit rate and "
                  "ratio per capacity)", _policies),
     "router": ("placement decisions per second on one core", _router),
+    "serve": ("kvserve vs a peer (vLLM-CPU) under a trace replayed by vllm bench serve or "
+              "AIPerf, same G1 budget, a sweep of rates: table, PNGs, JSON", _serve),
     "store": ("warehouse throughput and lookup latency against raw baselines", _store),
     "vllm": ("vLLM TTFT: cold, warm from the warehouse in a fresh process, warm from its own "
              "cache", _vllm),

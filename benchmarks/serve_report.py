@@ -9,16 +9,43 @@ kvserve's by the peer's; ``points`` lists every point of both.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any
 
 import numpy as np
 
-from kvserve.bench_serve_tools import ToolRun
+from benchmarks.harness import Table
+from benchmarks.serve_tools import ToolRun
 
-if TYPE_CHECKING:
-    from kvserve.bench_serve import PointResult, Slo
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float = 10.0
+    tpot_s: float = 1.0
+
+    def met(self, ttft_s: float, tpot_s: float) -> bool:
+        return ttft_s <= self.ttft_s and tpot_s <= self.tpot_s
+
+
+@dataclass(frozen=True, slots=True)
+class PointResult:
+    system: str
+    speed: float
+    offered_rps: float
+    requests: int
+    errors: int
+    duration_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    goodput_rps: float
+    cached_token_fraction: float       # server counters: hits / queries
+    prompt_tokens: int
+    effective_prefill_tps: float       # all prompt tokens served (cached included) per second
+    tool_result: str
+
 
 KEYS = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "goodput_rps", "cached_token_fraction",
         "errors")
@@ -30,8 +57,6 @@ def _pct(xs: Sequence[float], p: float) -> float:
 
 def point_result(system: str, speed: float, offered: float, run: ToolRun,
                  before: dict[str, float], after: dict[str, float], slo: Slo) -> PointResult:
-    from kvserve.bench_serve import PointResult
-
     ok = [r for r in run.requests if r.ok]
     ttfts = [r.ttft_s for r in ok]
     tpots = [r.tpot_s for r in ok if r.output_tokens > 1]
@@ -81,18 +106,15 @@ def summary(results: Sequence[PointResult], *, trace: str, trace_reuse: float, s
     return doc
 
 
-def print_table(results: Sequence[PointResult], trace_reuse: float, file: TextIO) -> None:
-    print(f"{'system':<8} {'speed':>5} {'offered':>8} {'ok':>7} {'TTFT p50':>9} {'p90':>8} "
-          f"{'p99':>8} {'TPOT p50':>9} {'goodput':>8} {'cached':>7} {'prefill tok/s':>13}",
-          file=file)
+def table(results: Sequence[PointResult]) -> Table:
+    """One row per system and speed (latencies over completed requests, as the tools')."""
+    t = Table(("system", "speed", "offered req/s", "ok", "TTFT p50 s", "p90 s", "p99 s",
+               "TPOT p50 s", "goodput req/s", "cached %", "prefill tok/s"))
     for r in results:
-        print(f"{r.system:<8} {r.speed:>5g} {r.offered_rps:>7.3f}/s "
-              f"{r.requests - r.errors:>3}/{r.requests:<3} {r.ttft_p50_s:>8.2f}s "
-              f"{r.ttft_p90_s:>7.2f}s {r.ttft_p99_s:>7.2f}s {r.tpot_p50_s:>8.3f}s "
-              f"{r.goodput_rps:>6.3f}/s {100 * r.cached_token_fraction:>6.1f}% "
-              f"{r.effective_prefill_tps:>13.0f}", file=file)
-    print(f"trace reuse (a 64-token block cache of unbounded size): {100 * trace_reuse:.1f} % "
-          "of prompt tokens", file=file)
+        t.add(r.system, r.speed, r.offered_rps, f"{r.requests - r.errors}/{r.requests}",
+              r.ttft_p50_s, r.ttft_p90_s, r.ttft_p99_s, r.tpot_p50_s, r.goodput_rps,
+              100 * r.cached_token_fraction, r.effective_prefill_tps)
+    return t
 
 
 def write_pngs(results: Sequence[PointResult], trace_reuse: float, slo: Slo,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench_serve import Slo, _rows, _scaled
-from kvserve.bench_serve_report import KEYS, point_result, summary, write_pngs
-from kvserve.bench_serve_tools import ToolRun, parse_vllm_result
+from benchmarks.serve import _rows, _scaled
+from benchmarks.serve_report import KEYS, Slo, point_result, summary, write_pngs
+from benchmarks.serve_tools import ToolRun, parse_vllm_result
 
 VLLM_DOC = {
     "duration": 10.0,
