@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Report
+from benchmarks.harness import Report, output_flags
 from benchmarks.serve_report import PointResult, Slo
 from benchmarks.serve_tools import TOOLS, ToolJob, ToolRun
 from common.config import parse_size
@@ -81,8 +81,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-url", default="", help="use this running peer instead of starting one")
     p.add_argument("--out", default="", help="folder for logs, tool JSON and PNGs (default: "
                    "a new folder under /tmp)")
-    p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
-    p.add_argument("--png", action="store_true", help="write PNG plots into --out")
+    output_flags(p)     # --json; --png PATH: TTFT/TPOT there, goodput and cache beside it
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per tool run")
 
 
@@ -133,7 +132,8 @@ def report(args: argparse.Namespace) -> Report:
     notes = [f"trace reuse (a 64-token block cache of unbounded size): {100 * trace_reuse:.1f} % "
              f"of prompt tokens; logs, tool JSON and summary.json in {out}"]
     if args.png:
-        notes += [f"chart: {path}" for path in write_pngs(results, trace_reuse, slo, out)]
+        notes += [f"chart: {path}" for path in write_pngs(results, trace_reuse, slo,
+                                                           Path(args.png))]
     return Report(f"bench serve: {trace.name}, tool {args.tool}, G1 {args.g1} per engine",
                   doc, [table(results)], notes=notes)
 

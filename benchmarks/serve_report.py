@@ -118,7 +118,9 @@ def table(results: Sequence[PointResult]) -> Table:
 
 
 def write_pngs(results: Sequence[PointResult], trace_reuse: float, slo: Slo,
-               out: Path) -> list[Path]:
+               first: Path) -> list[Path]:
+    """TTFT and TPOT vs rate into ``first``; goodput and the cache/prefill figures
+    beside it (``<stem>-goodput.png``, ``<stem>-cache.png``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,7 +132,7 @@ def write_pngs(results: Sequence[PointResult], trace_reuse: float, slo: Slo,
     paths = []
 
     def save(fig: Any, name: str) -> None:
-        path = out / name
+        path = first if name == "ttft_tpot" else first.with_name(f"{first.stem}-{name}.png")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -149,7 +151,7 @@ def write_pngs(results: Sequence[PointResult], trace_reuse: float, slo: Slo,
     b.set(xlabel="offered rate (req/s)", ylabel="TPOT (s)", title="TPOT vs offered rate")
     a.legend(fontsize=7)
     b.legend(fontsize=7)
-    save(fig, "ttft_tpot.png")
+    save(fig, "ttft_tpot")
 
     fig, a = plt.subplots(figsize=(6, 4))
     for s, rs in series.items():
@@ -157,7 +159,7 @@ def write_pngs(results: Sequence[PointResult], trace_reuse: float, slo: Slo,
     a.set(xlabel="offered rate (req/s)", ylabel="goodput (req/s)",
           title=f"goodput (TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s)")
     a.legend()
-    save(fig, "goodput.png")
+    save(fig, "goodput")
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for s, rs in series.items():
@@ -171,5 +173,5 @@ def write_pngs(results: Sequence[PointResult], trace_reuse: float, slo: Slo,
           title="effective prefill (cached included)")
     a.legend()
     b.legend()
-    save(fig, "cache_prefill.png")
+    save(fig, "cache")
     return paths

@@ -145,7 +145,8 @@ def test_runner_prints_json_on_stdout_the_table_on_stderr_and_draws(
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_bench_command_runs_on_the_harness(command: str) -> None:
-    extra = ["--trace", "t.jsonl", "--capacity", "1e6"] if command == "policies" else []
+    extra = {"policies": ["--trace", "t.jsonl", "--capacity", "1e6"],
+             "serve": ["--trace", "t.jsonl"]}.get(command, [])
     args = build_parser().parse_args(["bench", command, *extra, "--json", "--png", "x.png"])
     assert args.json is True and args.png == "x.png"
     assert args._run.__qualname__ == "runner.<locals>.run"

@@ -60,8 +60,8 @@ def test_summary_compares_at_the_highest_speed_both_ran(tmp_path: Path) -> None:
     assert doc["ratios"]["ttft_p50_s"] == 1.0
     assert len(doc["points"]) == 5
     json.dumps(doc)                                        # what --json prints
-    paths = write_pngs(pts, 0.9, slo, tmp_path)
-    assert [p.name for p in paths] == ["ttft_tpot.png", "goodput.png", "cache_prefill.png"]
+    paths = write_pngs(pts, 0.9, slo, tmp_path / "serve.png")
+    assert [p.name for p in paths] == ["serve.png", "serve-goodput.png", "serve-cache.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
