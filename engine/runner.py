@@ -1,5 +1,7 @@
 """The Engine: prefill (with G1 hits and restored blocks), batched decode,
-block export/import, canonical blocks. See docs/engine.md.
+block export/import, canonical blocks. See docs/engine.md. Admission and
+batched prefill steps (what a scheduler drives) are engine/prefill_steps.py,
+mixed in; ``prefill`` here is their one-shot form.
 
 Exactness by construction, in one of two ways (engine/kernels.py):
 - batch-invariant kernels (``bik``, the CPU fp32 default): a row's bits depend

@@ -58,7 +58,8 @@ class Scenario:
 class Run:
     checkout: str
     round: int
-    burst_ttft_s: list[float] = field(default_factory=list)
+    burst_ttft_s: list[float] = field(default_factory=list)     # answered requests only
+    errors: list[str] = field(default_factory=list)             # what the others got
     burst_total_s: float = 0.0
     long_ttft_s: float = 0.0
     chat_ttft_s: float = 0.0
@@ -68,8 +69,9 @@ class Run:
     uptime: str = ""
 
     def summary(self) -> dict[str, float]:
-        xs = sorted(self.burst_ttft_s)
+        xs = sorted(self.burst_ttft_s) or [float("nan")]
         return {"burst_p50_s": statistics.median(xs), "burst_p99_s": _pct(xs, 0.99),
+                "errors": float(len(self.errors)),
                 "burst_total_s": self.burst_total_s, "long_ttft_s": self.long_ttft_s,
                 "chat_ttft_s": self.chat_ttft_s, "cold_ttft_s": self.cold_ttft_s,
                 "warm_ttft_s": self.warm_ttft_s}
@@ -130,15 +132,20 @@ async def _scenarios(base: str, sc: Scenario, seed: int, run: Run, prefill: str)
         return _prompt(rng, n, sc.vocab)
 
     async def _ttft(s: aiohttp.ClientSession, base: str, p: list[int], n: int) -> float:
-        return await ttft(s, base, p, n, sc.model or "smollm2")
+        """TTFT, or NaN for a request that failed (its error is kept)."""
+        try:
+            return await ttft(s, base, p, n, sc.model or "smollm2")
+        except (RuntimeError, aiohttp.ClientError, TimeoutError) as exc:
+            run.errors.append(str(exc)[:300])
+            return float("nan")
 
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         await _ttft(s, base, prompt(64), 1)          # first-request costs, not timed
         prompts = [prompt(sc.burst_tokens) for _ in range(sc.burst)]
         t0 = time.perf_counter()
-        run.burst_ttft_s = list(await asyncio.gather(
-            *(_ttft(s, base, p, sc.max_tokens) for p in prompts)))
+        got = await asyncio.gather(*(_ttft(s, base, p, sc.max_tokens) for p in prompts))
+        run.burst_ttft_s = [x for x in got if x == x]          # NaN: failed
         run.burst_total_s = time.perf_counter() - t0
         long = asyncio.ensure_future(_ttft(s, base, prompt(sc.long_tokens), sc.max_tokens))
         await asyncio.sleep(sc.chat_after_s)
@@ -147,7 +154,10 @@ async def _scenarios(base: str, sc: Scenario, seed: int, run: Run, prefill: str)
         single = prompt(sc.single_tokens)
         run.cold_ttft_s = await _ttft(s, base, single, sc.max_tokens)
         run.warm_ttft_s = await _ttft(s, base, single, sc.max_tokens)
-        run.warm_prefill = await _direct_prefill(prefill, single)
+        try:
+            run.warm_prefill = await _direct_prefill(prefill, single)
+        except Exception as exc:
+            run.errors.append(f"direct prefill: {exc!r}"[:300])
 
 
 def _up(checkout: Path, state: Path, log: Path, model: str) -> subprocess.Popen[bytes]:
@@ -202,7 +212,8 @@ def run_one(checkout: Path, sc: Scenario, seed: int, rnd: int, work: Path) -> Ru
 
 def table(runs: list[Run]) -> str:
     head = (f"{'checkout':<22} {'rnd':>3} {'burst p50':>9} {'p99':>7} {'total':>7} "
-            f"{'long':>7} {'chat':>7} {'cold':>7} {'warm':>7}  warm prefill (direct)  load")
+            f"{'long':>7} {'chat':>7} {'cold':>7} {'warm':>7} {'err':>3}  warm prefill (direct)  "
+            f"load")
     rows = [head]
     for r in runs:
         m, w = r.summary(), r.warm_prefill
@@ -211,7 +222,8 @@ def table(runs: list[Run]) -> str:
         rows.append(f"{Path(r.checkout).name[:22]:<22} {r.round:>3} {m['burst_p50_s']:>9.2f} "
                     f"{m['burst_p99_s']:>7.2f} {m['burst_total_s']:>7.2f} "
                     f"{m['long_ttft_s']:>7.2f} {m['chat_ttft_s']:>7.2f} "
-                    f"{m['cold_ttft_s']:>7.2f} {m['warm_ttft_s']:>7.3f}  {split}  {r.uptime}")
+                    f"{m['cold_ttft_s']:>7.2f} {m['warm_ttft_s']:>7.3f} {len(r.errors):>3}  "
+                    f"{split}  {r.uptime}")
     return "\n".join(rows)
 
 
