@@ -300,7 +300,7 @@ class AdmissionSection:
     429 + Retry-After for backpressure. Every decision is taken before any
     instance does work for the request."""
 
-    max_queue_wait_s: float = 30.0    # the queue-wait SLO: refused up front when the wait
+    max_queue_wait_s: float = 60.0    # the queue-wait SLO: refused up front when the wait
                                       # it would see exceeds it, 429 if still queued at it
     request_timeout_s: float = 3600.0  # end-to-end budget of an admitted request, sent to the
                                        # services as gRPC deadlines (no per-hop timers)
