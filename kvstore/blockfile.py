@@ -225,7 +225,10 @@ def encode_parts(payload: bytes | bytearray | memoryview, meta: BlockMeta,
     text += b" " * (-(len(text) + _LEN.size) % _ALIGN)
     head = bytearray(_LEN.pack(len(text)) + text)
     at = _mac_at(bytes(head))
-    head[at:at + _MAC_HEX] = mac.tag(bytes(head)).encode()
+    tag = mac.tag(bytes(head)).encode()
+    if len(tag) != _MAC_HEX:
+        raise BlockFormatError(f"a block MAC is {_MAC_HEX} hex digits, got {len(tag)}")
+    head[at:at + _MAC_HEX] = tag
     full = BlockMeta(meta.key, meta.fingerprint, meta.layout, meta.token_count,
                      meta.traffic_class, meta.expires_at, digest, view.nbytes, meta.tenant)
     return EncodedBlock(bytes(head), body, full)
