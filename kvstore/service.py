@@ -55,6 +55,7 @@ from security.authz import (
 from security.config import SecurityConfig
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
+from telemetry.grpc_hooks import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -523,7 +524,8 @@ async def start_server(wh: Warehouse, *, host: str = "127.0.0.1", port: int = 0,
     limits = limits or ServiceLimits()
     security = security or SecurityConfig.from_env("kvstore")
     server = grpc.aio.server(options=limits.grpc_options(), interceptors=[
-        AuthInterceptor(POLICY, insecure=security.insecure), InputGuard()])
+        *server_interceptors(), AuthInterceptor(POLICY, insecure=security.insecure),
+        InputGuard()])
     service = KVStoreService(wh, limits)
     service.add_to_server(server)
     health = health_aio.HealthServicer()

@@ -36,11 +36,12 @@ from service.cost import CostModel
 from service.engine_thread import EngineThread, Stop
 from service.errors import grpc_stream, grpc_unary, status_for
 from service.kv_buffer import KVBuffer, KVShape
-from service.metrics import Source
+from service.metrics import Hist, Source
 from service.request import ModelIdentity, prefill_input
 from service.restore import Restore, Restorer
 from service.store_link import StoreLink
 from service.writer import BlockWriter, WriteJob
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class PrefillStats:
     in_flight_tokens: int = 0
     chunks_total: int = 0                   # prefill chunks computed (engine.prefill)
     stopped_total: int = 0                  # prefills ended early: their caller went away
+    queue_seconds: Hist = field(default_factory=Hist)   # waiting for the engine thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,15 @@ class _Sampled:
 class _Computed:
     kv: torch.Tensor                # [layers, 2, kv_heads, L, head_dim] on the host
     new_blocks: torch.Tensor | None  # [n, layers, 2, kv_heads, B, head_dim], blocks write_from..
+
+
+def _trace_engine(queue_s: float, res: Any) -> None:
+    """The engine thread's part of the request as spans, placed back from now
+    (the first token was just sampled): its queue wait, then the compute."""
+    t = tracing.now()
+    tracing.record("queue", t - res.compute_s - queue_s, t - res.compute_s, stage="prefill")
+    tracing.record("compute", t - res.compute_s, t, computed_tokens=res.computed_tokens,
+                   cached_tokens=res.restored_tokens + res.g1_tokens, g1_tokens=res.g1_tokens)
 
 
 def _resolve(fut: asyncio.Future[_Sampled], first: _Sampled) -> None:
@@ -158,7 +169,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     def metric_sources(self) -> dict[str, Source]:
         return {"prefill": lambda: self.stats, "writer": lambda: self.writer.stats,
-                "store": lambda: self.store.stats, "buffer": self.buffer.stats}
+                "store": lambda: self.store.stats, "buffer": self.buffer.stats,
+                "restore": lambda: self.restorer.stats}
 
     # -- RPCs ----------------------------------------------------------------
 
@@ -209,6 +221,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             job.cancel()
             raise
         res = first.result
+        self.stats.queue_seconds.observe(first.queue_s)
+        _trace_engine(first.queue_s, res)
         written: list[str] = []
         if writing and len(tokens) // self.block_tokens > write_from:
             written = await self.store.tier_names() or ["warehouse"]

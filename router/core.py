@@ -42,8 +42,10 @@ from router.live_view import Choice, LiveView
 from router.metrics import RouterMetrics
 from router.model_meta import ModelMeta
 from router.openai_schema import Sampling, messages_as_dicts
+from router.serving_metrics import ServingMetrics
 from router.tokenize import tokenize_off_loop
 from router.upstream import DecodeCall, Upstreams
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class RouterCore:
         self.view = view
         self.upstreams = upstreams
         self.metrics = metrics
+        self.serving = ServingMetrics.on(metrics.registry, meta.served_name)
 
     def live_counts(self) -> dict[str, int]:
         return self.view.live_counts()
@@ -142,6 +145,7 @@ class RouterCore:
     # -- the flow ---------------------------------------------------------------------
 
     async def generate(self, req: RouteRequest) -> AsyncGenerator[GenEvent, None]:
+        clock = self.serving.clock()
         # Off the event loop (router.tokenize): a long prompt must not stall the front.
         tokens = await tokenize_off_loop(self.tokenize, self.meta.tokenizer, req,
                                          self.meta.max_context)
@@ -156,11 +160,18 @@ class RouterCore:
         preq = prefill_pb2.PrefillRequest(ctx=ctx, token_ids=tokens, sampling=sampling)
         started = await self._start(preq, keys, len(tokens), sampling)
         p_id, d_id = started.prefill.instance.instance_id, started.decode.instance.instance_id
+        clock.first(started.handle.timings.queue_s, started.handle.timings.compute_s)
+        tracing.annotate(prompt_tokens=len(tokens), cached_tokens=started.handle.cached_tokens,
+                         traffic_class=req.traffic_class)
         try:
+            if started.first.finished:
+                clock.done(started.first.usage.completion_tokens)
             yield self._event(started.first, started.handle, p_id, d_id)
             if started.first.finished:
                 return
             async for ev in started.call.rest():
+                if ev.finished:
+                    clock.done(ev.usage.completion_tokens)
                 yield self._event(ev, started.handle, p_id, d_id)
                 if ev.finished:
                     return
@@ -191,8 +202,10 @@ class RouterCore:
         tries = _Attempts()
         for _ in range(self.cfg.max_attempts):
             try:
-                pchoice = self.view.choose_prefill(keys, n_tokens,
-                                                   exclude=tries.excluded["prefill"])
+                with tracing.span("placement", role="prefill") as s:
+                    pchoice = self.view.choose_prefill(keys, n_tokens,
+                                                       exclude=tries.excluded["prefill"])
+                    s.set(**_placed(pchoice))
             except NoInstanceError:
                 if tries.last is None:
                     raise
@@ -202,7 +215,9 @@ class RouterCore:
             if handle is None:
                 continue
             try:
-                dchoice = self.view.choose_decode(n_tokens, exclude=tries.excluded["decode"])
+                with tracing.span("placement", role="decode") as s:
+                    dchoice = self.view.choose_decode(n_tokens, exclude=tries.excluded["decode"])
+                    s.set(**_placed(dchoice))
             except NoInstanceError:
                 await self.upstreams.release(handle)
                 if tries.last is None:
@@ -283,3 +298,9 @@ class RouterCore:
         self.metrics.placements.labels(role=role, policy=choice.policy, instance=inst,
                                        reason=choice.reason).inc()
         self.metrics.placement_score.labels(role=role, policy=choice.policy).observe(choice.score)
+
+
+def _placed(choice: Choice) -> dict[str, str | float]:
+    """A placement's trace attributes (instance ids and scores, nothing of the prompt)."""
+    return {"instance": choice.instance.instance_id, "policy": choice.policy,
+            "reason": choice.reason, "score": float(choice.score)}

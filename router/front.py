@@ -50,6 +50,7 @@ from router.openai_responses import (
     sse,
 )
 from router.openai_schema import parse_chat_request, parse_completion_request
+from telemetry.http_hooks import install as install_tracing
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +317,7 @@ def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics) -> web.A
     app = web.Application(middlewares=[_error_middleware], client_max_size=cfg.max_body_bytes)
     app[_APP_KEY] = front
     install(app, cfg.body_limits())
+    install_tracing(app)             # the trace of each API request (none while off)
     app.router.add_post("/v1/chat/completions", front.chat)
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_post("/v1/messages", MessagesApi(front).handle)   # router/messages_api.py

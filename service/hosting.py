@@ -26,6 +26,8 @@ from security.grpc_input import InputGuard
 from security.health_port import start_health_port
 from service.config import Endpoint, EngineSpec
 from service.metrics import Source, serve_metrics
+from telemetry import tracing
+from telemetry.grpc_hooks import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,9 @@ async def start_server(endpoint: Endpoint, spec: ServiceSpec
                        ) -> tuple[HostedServer, EngineService, str]:
     """Bind, build the servicer with its dial address, start, mark SERVING."""
     security = endpoint.security_for(spec.role)
+    tracing.setup(spec.role, instance=endpoint.instance_id)   # before any channel is made
     server = grpc.aio.server(options=server_options(endpoint), interceptors=[
+        *server_interceptors(),
         AuthInterceptor({}, default=Access.SERVICE, insecure=security.insecure), InputGuard()])
     port = security.add_port(server, f"{endpoint.host}:{endpoint.port}")
     if port == 0:
