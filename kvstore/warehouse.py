@@ -534,8 +534,17 @@ class Warehouse:
         """The live what-if's predictions (kvstore.whatif.WhatIfRow), [] before it runs."""
         if self.whatif is None:
             return []
+        self._whatif_drained(1.0)
         with self._whatif_lock:
             return self.whatif.predict(ttls, capacities)
+
+    def _whatif_drained(self, timeout_s: float) -> None:
+        """Let the estimator take the few lookups still queued (at most ``timeout_s``),
+        so a scrape right after a burst reflects it."""
+        q, deadline = self._whatif_q, time.monotonic() + timeout_s
+        with q.all_tasks_done:
+            while q.unfinished_tasks and (left := deadline - time.monotonic()) > 0:
+                q.all_tasks_done.wait(left)
 
     def tier_snapshots(self) -> list[TierSnapshot]:
         out = []
