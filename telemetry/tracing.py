@@ -120,13 +120,18 @@ def setup(role: str, *, instance: str = "",
     global _ON, _TRACER, _PROVIDER
     if _ON or not wanted(environ):
         return _ON
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
     protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
-    exporter = _exporter(protocol)
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        exporter = _exporter(protocol)
+    except ImportError as exc:
+        log.error("tracing is configured (OTEL_EXPORTER_OTLP_*) but %s is missing; tracing "
+                  "stays off (pip install 'kvserve[otel]')", exc.name)
+        return False
     attrs: dict[str, str] = {"service.name": f"kvserve-{role}", "service.namespace": "kvserve"}
     if instance:
         attrs["service.instance.id"] = instance
