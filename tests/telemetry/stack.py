@@ -30,6 +30,7 @@ class Stack:
 
     def spans(self) -> list[dict[str, Any]]:
         text = self.spans_file.read_text()
+        text = text[:text.rfind("\n") + 1]      # a line still being written waits
         return [json.loads(line) for line in text.splitlines() if line]
 
 
