@@ -60,6 +60,8 @@ def _stop(proc: subprocess.Popen[str], sig: int, timeout_s: float) -> None:
 
 @contextmanager
 def traced_stack(tmp: Path) -> Iterator[Stack]:
+    """The stack while the block runs; on leaving, the stack stops first (each
+    process flushes its spans as it exits), then the receiver."""
     spans = tmp / "spans.jsonl"
     receiver = subprocess.Popen([sys.executable, "-m", "tests.telemetry.otlp_receiver",
                                  "--out", str(spans)], stdout=subprocess.PIPE, text=True,
