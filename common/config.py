@@ -384,6 +384,47 @@ class EngineSection:
                 raise ConfigError(f"engine.{name} (instances) must be in 1..64, got {n}")
         if not 0 <= self.threads <= 1024:
             raise ConfigError(f"engine.threads must be in 0..1024, got {self.threads}")
+_SPAN = re.compile(r"^(\d+(?:\.\d+)?(?:e\d+)?)([a-zA-Z]*)$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": DAY_S, "w": 7 * DAY_S}
+_TOKENS = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def _number_list(text: str, units: dict[str, int], what: str) -> tuple[float, ...]:
+    """``"1h,3d,inf"`` -> (3600.0, 259200.0, inf); "inf" = unlimited."""
+    out: list[float] = []
+    for item in (x.strip() for x in text.split(",")):
+        m = _SPAN.match(item)
+        if item == "inf":
+            out.append(float("inf"))
+        elif m and m.group(2) in units and float(m.group(1)) > 0:
+            out.append(float(m.group(1)) * units[m.group(2)])
+        else:
+            raise ConfigError(f"{what}: cannot parse {item!r} (e.g. {_EXAMPLES[what]})")
+    if len(out) > 32:
+        raise ConfigError(f"{what}: at most 32 values (each is a series in /metrics)")
+    return tuple(out)
+
+
+_EXAMPLES = {"whatif.ttls": "\"10m,1h,1d,3d,7d,inf\"", "whatif.capacities": "\"50M,1G,inf\""}
+
+
+@dataclass(frozen=True, slots=True)
+class WhatIfSection:
+    """The TTLs and capacities (tokens) whose predicted hit rates the store
+    exports in /metrics (docs/operators.md, "The live what-if in /metrics")."""
+
+    ttls: str = "10m,1h,1d,3d,7d,inf"
+    capacities: str = "inf"
+
+    def __post_init__(self) -> None:
+        self.ttl_values()
+        self.capacity_values()
+
+    def ttl_values(self) -> tuple[float, ...]:
+        return _number_list(self.ttls, _SECONDS, "whatif.ttls")
+
+    def capacity_values(self) -> tuple[float, ...]:
+        return _number_list(self.capacities, _TOKENS, "whatif.capacities")
 
 
 _SECTIONS: dict[str, type] = {
@@ -398,6 +439,7 @@ _SECTIONS: dict[str, type] = {
     "ports": Ports,
     "prefill": PrefillSection,
     "engine": EngineSection,
+    "whatif": WhatIfSection,
 }
 
 
@@ -414,6 +456,7 @@ class KVServeConfig:
     ports: Ports = field(default_factory=Ports)
     prefill: PrefillSection = field(default_factory=PrefillSection)
     engine: EngineSection = field(default_factory=EngineSection)
+    whatif: WhatIfSection = field(default_factory=WhatIfSection)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVServeConfig:

@@ -32,6 +32,8 @@ from typing import Any, NamedTuple
 
 from decode_svc.stopping import TextStream
 from service.engine_thread import EngineThread
+from service.metrics import Hist
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ class BatcherStats:
     tokens_total: int = 0
     cancelled_total: int = 0
     finished_total: dict[str, int] = field(default_factory=dict)
+    queue_seconds: Hist = field(default_factory=Hist)   # waiting for a batch slot
 
 
 class Batcher:
@@ -142,10 +145,13 @@ class Batcher:
         unless it turned out to end the sequence."""
         t0 = time.monotonic() if t0 is None else t0
         self._waiting += 1
+        waited = tracing.now()
         try:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
+        self.stats.queue_seconds.observe(tracing.now() - waited)
+        tracing.record("queue", waited, tracing.now(), stage="decode")
         seq: _Seq | None = None
         try:
             try:

@@ -45,11 +45,12 @@ from service.cost import CostModel
 from service.engine_thread import EngineThread
 from service.errors import InvalidRequest, Overloaded, PreconditionFailed, grpc_stream, grpc_unary
 from service.kv_buffer import KVIntegrityError, KVShape
-from service.metrics import Source
+from service.metrics import Hist, Source
 from service.request import ModelIdentity, check_tokens, sampling_from_proto
 from service.restore import Restorer
 from service.store_link import StoreLink
 from service.writer import BlockWriter, WriteJob
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ class DecodeStats:
     canonical_late_total: int = 0        # final events sent before their blocks were stored
     early_first_total: int = 0           # first events sent before the KV was here
     expert_imbalance: float = 1.0
+    # Prefill -> decode hand-off (pull or rebuild of the prompt's KV), by how it came.
+    handoff_seconds: dict[str, Hist] = field(default_factory=lambda: {
+        k: Hist() for k in ("shm", "stream", "warehouse")})
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +168,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     def metric_sources(self) -> dict[str, Source]:
         sources: dict[str, Source] = {
             "decode": lambda: self.stats, "batch": lambda: self.batcher.stats,
-            "writer": lambda: self.writer.stats, "store": lambda: self.store.stats}
+            "writer": lambda: self.writer.stats, "store": lambda: self.store.stats,
+            "restore": lambda: self.restorer.stats}
         if self.experts is not None:
             sources["experts"] = self._expert_snapshot
         return sources
@@ -216,7 +221,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 yield self._event(decode_pb2.DecodeEvent(
                     token_ids=[early.token], text=stream.delta(early.text, False),
                     t_s=time.monotonic() - t0))
-            make_live = await self._obtain_kv(handle, chk, budget_s)
+            with tracing.span("handoff", prefill=handle.prefill_address):
+                make_live = await self._obtain_kv(handle, chk, budget_s)
         except BaseException:
             # The caller left (or the rebuild failed) before the KV was here: free
             # the prefill's buffer now rather than when it needs the room.
@@ -228,6 +234,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if self.cfg.canonical_write:
             written = asyncio.Event()
             on_finish = self._canonical_writer(chk.ctx, written, list(handle.block_keys))
+        t_decode = tracing.now()
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
                 stop=chk.sampling.stop, on_finish=on_finish, t0=t0, stream=stream,
@@ -244,6 +251,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                                                     completion_tokens=ev.completion_tokens,
                                                     cached_tokens=handle.cached_tokens))
                 self._count(ev.finish_reason)
+                tracing.record("decode", t_decode, tracing.now(), prompt_tokens=len(chk.tokens),
+                               completion_tokens=ev.completion_tokens,
+                               finish_reason=ev.finish_reason)
             yield out
 
     def _event(self, out: decode_pb2.DecodeEvent) -> decode_pb2.DecodeEvent:
@@ -311,11 +321,17 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                      handle.prefill_address, exc)
             self._rebuilt("gone" if gone else "pull_failed")
             self._release_later(handle)
-            return await self._rebuild(handle, chk)
+            t = time.monotonic()
+            rebuilt = await self._rebuild(handle, chk)
+            self.stats.handoff_seconds["warehouse"].observe(time.monotonic() - t)
+            tracing.annotate(path="warehouse")
+            return rebuilt
         self._release_later(handle)
         self._source(pulled.path)
         self.stats.pull_bytes_total += pulled.nbytes
         self.stats.pull_seconds_total += pulled.seconds
+        self.stats.handoff_seconds[pulled.path].observe(pulled.seconds)
+        tracing.annotate(path=pulled.path, bytes=pulled.nbytes)
 
         # Held only until adopt copied it: the sequence lives on in the KV cache,
         # and the pulled tensor (a /dev/shm mapping) need not live as long.

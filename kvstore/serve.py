@@ -26,6 +26,7 @@ from kvstore.warehouse import Warehouse, WarehouseConfig
 from security.config import SecurityConfig
 from security.redact import register_secret
 from security.secret_files import refuse_placeholder
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def warehouse_config(opts: StoreOptions, redis_url: str) -> WarehouseConfig:
                            hit_rule=cfg.blocks, sweep_interval_s=opts.sweep_interval_s,
                            fsync=opts.fsync, prefault_g2=opts.prefault_g2,
                            mac=block_mac(opts.security, opts.integrity_key_file),
-                           quotas=cfg.quotas)
+                           quotas=cfg.quotas, whatif=cfg.whatif)
 
 
 # The object store's credentials, as Kubernetes hands them to the kvstore (k8s/components/s3-g4).
@@ -93,6 +94,7 @@ async def run_store(opts: StoreOptions) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    tracing.setup("kvstore")
     wh = await Warehouse(warehouse_config(opts, url)).start()
     running = await start_server(wh, host=opts.host, port=opts.port, limits=opts.limits,
                                  security=opts.security, health_port=opts.health_port)
@@ -141,7 +143,9 @@ async def _heartbeats(registry: InstanceRegistry, info: InstanceInfo, wh: Wareho
                 load = g2.stats().used_bytes / g2.capacity_bytes
             if not await registry.heartbeat(info.instance_id, LoadReport(load=load)):
                 await registry.register(info)
+            wh.ops.redis_up.set(1)
         except Exception:  # Redis hiccup: try again next beat
+            wh.ops.redis_up.set(0)
             log.warning("registry heartbeat failed", exc_info=True)
 
 

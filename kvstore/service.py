@@ -66,6 +66,7 @@ from security.config import SecurityConfig
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
 from security.redact import redact
+from telemetry.grpc_hooks import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -570,7 +571,7 @@ async def start_server(wh: Warehouse, *, host: str = "127.0.0.1", port: int = 0,
     # before any handler (or the interceptors) run.
     server = grpc.aio.server(options=limits.grpc_options(), interceptors=[
         # Who may call what: the per-role table in security/methods.py.
-        AuthInterceptor(insecure=security.insecure), InputGuard()],
+        *server_interceptors(), AuthInterceptor(insecure=security.insecure), InputGuard()],
         maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
     service = KVStoreService(wh, limits)
     service.add_to_server(server)

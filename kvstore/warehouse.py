@@ -36,17 +36,25 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from common.config import ConfigError, HitRule, QuotaSection, TierConfig, TrafficClasses
+from common.config import (
+    ConfigError,
+    HitRule,
+    QuotaSection,
+    TierConfig,
+    TrafficClasses,
+    WhatIfSection,
+)
 from kvstore import maintenance
 from kvstore.blockfile import UNKEYED, BlockMac, BlockMeta, checksum
 from kvstore.errors import InvalidRequest, StoreDraining, StoreUnavailable
 from kvstore.index import BlockIndex, IndexEntry, IndexRecord
 from kvstore.keys import DEFAULT_TENANT
 from kvstore.metrics import StoreMetrics
+from kvstore.ops_metrics import OpsMetrics
 from kvstore.quotas import QuotaKeeper, QuotaTable
 from kvstore.tiers import ShmSlot, Tier, TierHit, open_tier
 from kvstore.tiers.host import HostTier
@@ -65,6 +73,7 @@ from kvstore.types import (
 from kvstore.whatif import WhatIfEstimator
 from kvstore.writeback import WriteBack, WriteJob
 from security.authz import PermissionDenied
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +104,7 @@ class WarehouseConfig:
     prefault_g2: bool = False              # touch all of G2 at start (steady-state speed at once)
     mac: BlockMac = UNKEYED                # G3/G4 header MAC (kvstore.integrity.block_mac)
     quotas: QuotaSection = field(default_factory=QuotaSection)
+    whatif: WhatIfSection = field(default_factory=WhatIfSection)    # predictions in /metrics
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -128,6 +138,7 @@ class Warehouse:
         self.classes = cfg.classes
         self.hit_rule = cfg.hit_rule
         self.metrics = metrics or StoreMetrics()
+        self.ops = OpsMetrics(self.metrics.registry)
         self.index = BlockIndex(cfg.redis_url, node=self.node, classes=cfg.classes,
                                 instance=cfg.instance or self.node,
                                 max_tenants=cfg.quotas.max_tenants)
@@ -167,6 +178,8 @@ class Warehouse:
             report = await maintenance.reindex(self)
             log.info("index epoch missing: rebuilt from tiers: %s", report)
         self.metrics.watch_tiers(self.tier_snapshots, self.quotas.usage)
+        self.ops.watch(self, self.metrics.swept, self.cfg.whatif.ttl_values(),
+                       self.cfg.whatif.capacity_values())
         self.writeback.start(self.cfg.write_workers)
         if self.cfg.sweep_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._sweeper(), name="kv-sweeper"))
@@ -311,6 +324,10 @@ class Warehouse:
         m.lookup_tokens.labels("usable").inc(usable)
         if self.whatif is not None and touch:
             self._feed_whatif(keys, cls, prompt_tokens)
+        if touch:
+            self.ops.lookup(cls, len(keys), match.matched)
+        tracing.annotate(traffic_class=cls, blocks=len(keys), matched_blocks=match.matched,
+                         usable_tokens=usable)
         return LookupResult(match.matched, usable, tiers, match.lookup_s)
 
     # -- put ---------------------------------------------------------------------------------
@@ -384,6 +401,8 @@ class Warehouse:
                                        "nothing of this put is acknowledged")
         self._class_blocks[cls] += len(todo)
         self.metrics.bytes_in.labels("G2").inc(sum(m.size for m in metas))
+        self.ops.stored(tid, cls, sum(m.size for m in metas))
+        tracing.annotate(traffic_class=cls, tenant_ns=tid, stored_blocks=len(todo))
         return PutResult(len(todo), len(keys) - len(todo), nbytes)
 
     async def _into_g2(self, blocks: list[tuple[BlockMeta, memoryview]]) -> None:
@@ -435,18 +454,24 @@ class Warehouse:
         tenant = _tenant(ctx)
         misses: dict[str, list[bytes]] = {name: [] for name in self.tiers}
         denied: list[bytes] = []
+        # Seconds per tier, for the trace's "fetch <tier>" spans; only taken in a trace.
+        spent: dict[str, float] | None = dict.fromkeys(self.tiers, 0.0) if (
+            tracing.active()) else None
 
         def fetch() -> list[Fetched]:
             out: list[Fetched] = []
             for key in keys:
                 found: Fetched | None = None
                 for name, tier in self.tiers.items():
+                    t0 = time.perf_counter() if spent is not None else 0.0
                     if locate and isinstance(tier, HostTier):
                         meta = tier.meta(key)
                         if meta is not None and meta.tenant != tenant:
                             denied.append(key)  # another namespace's block: a miss, and
                             break               # no index bits cleared on its account
                         slot = tier.locate(key) if meta is not None else None
+                        if spent is not None:
+                            spent[name] += time.perf_counter() - t0
                         if slot is not None and meta is not None:
                             found = Fetched(key, name, meta, None, slot)
                             break
@@ -456,6 +481,9 @@ class Warehouse:
                         hit: TierHit | None = tier.get(key)
                     except TierUnavailable:
                         continue  # store down (counted by the tier): a miss; keep the index bit
+                    finally:
+                        if spent is not None:
+                            spent[name] += time.perf_counter() - t0
                     if hit is None:
                         misses[name].append(key)
                         continue
@@ -470,7 +498,10 @@ class Warehouse:
                 out.append(found or Fetched(key, "", None, None))
             return out
 
+        started = tracing.now()
         fetched = await asyncio.to_thread(fetch)
+        if spent is not None:
+            _trace_tiers(started, spent, fetched, misses, cls)
         if denied:
             self.metrics.errors.labels("Get", "PERMISSION_DENIED").inc(len(denied))
         await self._after_get(fetched, misses, cls)
@@ -520,6 +551,22 @@ class Warehouse:
 
         await self.index.delete(keys)
         return DeleteResult(await asyncio.to_thread(drop))
+
+    def whatif_rows(self, ttls: Sequence[float], capacities: Sequence[float]) -> list[Any]:
+        """The live what-if's predictions (kvstore.whatif.WhatIfRow), [] before it runs."""
+        if self.whatif is None:
+            return []
+        self._whatif_drained(1.0)
+        with self._whatif_lock:
+            return self.whatif.predict(ttls, capacities)
+
+    def _whatif_drained(self, timeout_s: float) -> None:
+        """Let the estimator take the few lookups still queued (at most ``timeout_s``),
+        so a scrape right after a burst reflects it."""
+        q, deadline = self._whatif_q, time.monotonic() + timeout_s
+        with q.all_tasks_done:
+            while q.unfinished_tasks and (left := deadline - time.monotonic()) > 0:
+                q.all_tasks_done.wait(left)
 
     def tier_snapshots(self) -> list[TierSnapshot]:
         out = []
@@ -595,6 +642,19 @@ class Warehouse:
                     log.info("sweep: %s", report)
             except Exception:  # keep sweeping after a transient failure
                 log.exception("sweep failed")
+
+
+def _trace_tiers(started: float, spent: dict[str, float], fetched: list[Fetched],
+                 misses: dict[str, list[bytes]], cls: str) -> None:
+    """One "fetch <tier>" span per tier the get touched: the time spent in it,
+    the blocks and bytes it served and the blocks it missed."""
+    for name, seconds in spent.items():
+        hits = [f for f in fetched if f.tier == name]
+        if not hits and not misses[name]:
+            continue
+        tracing.record(f"fetch {name}", started, started + seconds, tier=name,
+                       traffic_class=cls, blocks=len(hits), missed_blocks=len(misses[name]),
+                       bytes=sum(f.meta.size for f in hits if f.meta is not None))
 
 
 __all__ = ["Fetched", "Warehouse", "WarehouseConfig"]

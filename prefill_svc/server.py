@@ -36,11 +36,12 @@ from service.cost import CostModel
 from service.engine_thread import EngineThread
 from service.errors import grpc_stream, grpc_unary, status_for
 from service.kv_buffer import KVBuffer, KVShape
-from service.metrics import Source
+from service.metrics import Hist, Source
 from service.request import ModelIdentity, prefill_input
 from service.restore import Restore, Restorer
 from service.store_link import StoreLink
 from service.writer import BlockWriter, WriteJob
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,16 @@ class PrefillStats:
     step_tokens_total: int = 0              # prompt tokens computed by them
     chunks_total: int = 0                   # prompt chunks computed (one per prompt per step)
     stopped_total: int = 0                  # prompts ended early: their caller went away
+    queue_seconds: Hist = field(default_factory=Hist)   # arrival to admission
+
+
+def _trace_engine(queue_s: float, res: Any) -> None:
+    """The engine thread's part of the request as spans, placed back from now
+    (the first token was just sampled): its queue wait, then the compute."""
+    t = tracing.now()
+    tracing.record("queue", t - res.compute_s - queue_s, t - res.compute_s, stage="prefill")
+    tracing.record("compute", t - res.compute_s, t, computed_tokens=res.computed_tokens,
+                   cached_tokens=res.restored_tokens + res.g1_tokens, g1_tokens=res.g1_tokens)
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -162,7 +173,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     def metric_sources(self) -> dict[str, Source]:
         return {"prefill": lambda: self.stats, "writer": lambda: self.writer.stats,
-                "store": lambda: self.store.stats, "buffer": self.buffer.stats}
+                "store": lambda: self.store.stats, "buffer": self.buffer.stats,
+                "restore": lambda: self.restorer.stats}
 
     # -- RPCs ----------------------------------------------------------------
 
@@ -206,6 +218,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         restore = job.restore
         assert restore is not None
         res = first.result
+        self.stats.queue_seconds.observe(first.queue_s)
+        _trace_engine(first.queue_s, res)
         written: list[str] = []
         if job.write_from < len(keys):
             written = await self.store.tier_names() or ["warehouse"]

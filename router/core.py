@@ -45,8 +45,10 @@ from router.live_view import LiveView
 from router.metrics import RouterMetrics
 from router.model_meta import ModelMeta
 from router.openai_schema import Sampling, messages_as_dicts
+from router.serving_metrics import ServingMetrics
 from router.tokenize import tokenize_off_loop
 from router.upstream import Upstreams
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class RouterCore:
         self.admission = admission
         self.dispatch = Dispatcher(view, upstreams, metrics, max_attempts=cfg.max_attempts)
         self.ops: Any = None        # router.cluster_ops.ClusterOps: warm-up on arrival
+        self.serving = ServingMetrics.on(metrics.registry, meta.served_name)
 
     def live_counts(self) -> dict[str, int]:
         return self.view.live_counts()
@@ -130,6 +133,7 @@ class RouterCore:
 
     async def generate(self, req: RouteRequest) -> AsyncGenerator[GenEvent, None]:
         budget = Budget.of(self.admission.cfg.request_timeout_s)
+        clock = self.serving.clock()
         # Off the event loop (router.tokenize): a long prompt must not stall the front.
         tokens = await tokenize_off_loop(self.tokenize, self.meta.tokenizer, req,
                                          self.meta.max_context)
@@ -160,11 +164,19 @@ class RouterCore:
                 session=req.session_id)
             p_id = started.prefill.instance.instance_id
             d_id = started.decode.instance.instance_id
+            clock.first(started.handle.timings.queue_s, started.handle.timings.compute_s)
+            tracing.annotate(prompt_tokens=len(tokens),
+                             cached_tokens=started.handle.cached_tokens,
+                             traffic_class=req.traffic_class)
             try:
+                if started.first.finished:
+                    clock.done(started.first.usage.completion_tokens)
                 yield self._event(started.first, started.handle, p_id, d_id)
                 if started.first.finished:
                     return
                 async for ev in started.call.rest():
+                    if ev.finished:
+                        clock.done(ev.usage.completion_tokens)
                     yield self._event(ev, started.handle, p_id, d_id)
                     if ev.finished:
                         return

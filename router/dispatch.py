@@ -43,6 +43,7 @@ from router.errors import (
 from router.live_view import Choice, LiveView
 from router.metrics import RouterMetrics
 from router.upstream import DecodeCall, Upstreams
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -245,3 +246,8 @@ class Dispatcher:
         self.metrics.placements.labels(role=role, policy=choice.policy, instance=inst,
                                        reason=choice.reason).inc()
         self.metrics.placement_score.labels(role=role, policy=choice.policy).observe(choice.score)
+        # A placement is a decision, not a wait: a span of no length carrying its why
+        # (instance ids and scores, nothing of the prompt).
+        t = tracing.now()
+        tracing.record("placement", t, t, role=role, instance=inst, policy=choice.policy,
+                       reason=choice.reason, score=float(choice.score))

@@ -54,6 +54,7 @@ from router.openai_responses import (
 from router.openai_schema import parse_chat_request, parse_completion_request
 from router.operator_http import OperatorEndpoints
 from router.session import session_from
+from telemetry.http_hooks import install as install_tracing
 
 log = logging.getLogger(__name__)
 
@@ -347,6 +348,7 @@ def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics,
     app = web.Application(middlewares=[_error_middleware], client_max_size=cfg.max_body_bytes)
     app[_APP_KEY] = front
     install(app, cfg.body_limits())
+    install_tracing(app)             # the trace of each API request (none while off)
     app.router.add_post("/v1/chat/completions", front.chat)
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_post("/v1/messages", MessagesApi(front).handle)   # router/messages_api.py

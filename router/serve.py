@@ -42,6 +42,8 @@ from security.config import SecurityConfig
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
 from service.hosting import READY_PREFIX, Heartbeat, stop_event_on_signals
+from telemetry import tracing
+from telemetry.grpc_hooks import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,7 @@ class RunningRouter:
 
 
 async def start_router(cfg: RouterConfig) -> RunningRouter:
+    tracing.setup("router", instance=cfg.instance_id)     # before any channel is made
     meta = load_model_meta(cfg.model, served_name=cfg.served_name)
     api_keys = ApiKeys.load(cfg.api_key_file) if cfg.api_key_file else ApiKeys()
     warn_if_open(cfg.host, api_keys)
@@ -141,7 +144,8 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20),
                                       ("grpc.max_send_message_length", 64 * 2**20),
                                       ("grpc.so_reuseport", 0)],  # taken port: fail, not share
-                             interceptors=[AuthInterceptor(insecure=security.insecure),
+                             interceptors=[*server_interceptors(),
+                                           AuthInterceptor(insecure=security.insecure),
                                            InputGuard()])
     router_pb2_grpc.add_RouterServicer_to_server(
         RouterService(backend, classes=cfg.classes, api_keys=api_keys), server)  # type: ignore[arg-type]

@@ -37,6 +37,7 @@ from security.identity import ROLES
 from security.pki import TLS_CERT, server_name
 from security.redact import register_secret
 from security.secret_files import read_secret_text
+from telemetry.grpc_hooks import client_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +189,11 @@ class SecurityConfig:
                     options: list[tuple[str, object]] | tuple[tuple[str, object], ...] = (),
                     ) -> grpc.aio.Channel:
         opts = _with_defaults(options, self.channel_options(peer_role))
+        hooks = client_interceptors()     # trace context out (none while tracing is off)
         if self.insecure:
-            return grpc.aio.insecure_channel(address, options=opts)
-        return grpc.aio.secure_channel(address, self.channel_credentials(), options=opts)
+            return grpc.aio.insecure_channel(address, options=opts, interceptors=hooks)
+        return grpc.aio.secure_channel(address, self.channel_credentials(), options=opts,
+                                       interceptors=hooks)
 
     def sync_channel(self, address: str, peer_role: str,
                      options: list[tuple[str, object]] | tuple[tuple[str, object], ...] = (),

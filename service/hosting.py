@@ -27,6 +27,8 @@ from security.grpc_input import InputGuard
 from security.health_port import start_health_port
 from service.config import Endpoint, EngineSpec
 from service.metrics import Source, serve_metrics
+from telemetry import tracing
+from telemetry.grpc_hooks import server_interceptors
 
 log = logging.getLogger(__name__)
 # Calls a server runs at once; beyond it gRPC answers RESOURCE_EXHAUSTED before any
@@ -116,8 +118,9 @@ async def start_server(endpoint: Endpoint, spec: ServiceSpec
                        ) -> tuple[HostedServer, EngineService, str]:
     """Bind, build the servicer with its dial address, start, mark SERVING."""
     security = endpoint.security_for(spec.role)
+    tracing.setup(spec.role, instance=endpoint.instance_id)   # before any channel is made
     server = grpc.aio.server(options=server_options(endpoint), interceptors=[
-        AuthInterceptor(insecure=security.insecure), InputGuard()],
+        *server_interceptors(), AuthInterceptor(insecure=security.insecure), InputGuard()],
         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     port = security.add_port(server, f"{endpoint.host}:{endpoint.port}")
     if port == 0:

@@ -88,3 +88,14 @@ def test_config_check_lists_every_bad_field_with_path_and_type(tmp_path: Path) -
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "6 problems in the config" in res.stderr
     assert "not supported between" not in res.stderr and "Traceback" not in res.stderr
+
+
+def test_whatif_section_parses_lists_and_names_bad_values() -> None:
+    cfg = KVServeConfig.from_dict({"whatif": {"ttls": "30s, 1h,3d,inf", "capacities": "50M,inf"}})
+    assert cfg.whatif.ttl_values() == (30.0, 3600.0, 259_200.0, float("inf"))
+    assert cfg.whatif.capacity_values() == (50e6, float("inf"))
+    assert KVServeConfig().whatif.capacity_values() == (float("inf"),)
+    for bad in ({"ttls": "1h,soon"}, {"ttls": "0"}, {"capacities": "-5"},
+                {"ttls": ",".join(["1h"] * 33)}):
+        with pytest.raises(ConfigError, match="whatif"):
+            KVServeConfig.from_dict({"whatif": bad})

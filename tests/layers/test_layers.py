@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top. Packages on one layer do not know each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("proto", "common", "native"),
+    ("proto", "common", "native", "telemetry"),
     ("security",),
     ("engine", "kvstore", "eplb"),
     ("service",),
