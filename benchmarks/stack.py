@@ -106,7 +106,8 @@ def _phase(args: argparse.Namespace, out: Path, doc: dict[str, Any], tool: ap.AI
         + (f", {phase.concurrency} at once" if phase.concurrency else
            ", fixed schedule, each session's turns in order"))
     try:
-        res = ap.run(tool, phase, stack["router_http"], _served(args.model), out)
+        res = ap.run(tool, phase, stack["router_http"], _served(args.model), out,
+                     ap.tokenizer_dir(args.model, out))
     except RuntimeError as exc:
         doc["problems"].append(str(exc))
         say(f"{phase.name} phase failed: {exc}")

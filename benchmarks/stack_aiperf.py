@@ -9,8 +9,12 @@ machine), as ``python3 -m aiperf`` over a folder of its wheels unpacked with
 processes only, never the stack's). Rows are AIPerf mooncake_trace payload rows
 (``kvserve trace export --format aiperf-sessions`` and ``decode_rows``): the
 ``/v1/completions`` body is sent verbatim, so AIPerf tokenizes nothing; token
-counts, cached ones included, are the server's (``--use-server-token-count``),
-and AIPerf needs no tokenizer, no hub and no network.
+counts, cached ones included, are the server's (``--use-server-token-count``).
+Its dataset service still loads a tokenizer: it gets a local directory
+(``tokenizer_dir``). Hugging Face's offline switch stays off on purpose: with it,
+AIPerf 0.13 resolves even a local directory as a hub repository id and fails
+(docs/benchmark-tools.md); a local directory needs no network either way, which
+matters on a machine that has none.
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ class AIPerf:
     argv: tuple[str, ...]
     site: str = ""
 
-    def env(self, seed: int) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    def env(self, seed: int, scratch: Path) -> dict[str, str]:
+        drop = {"PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"}
+        env = {k: v for k, v in os.environ.items() if k not in drop}
         if self.site:
             env["PYTHONPATH"] = self.site
-        # Nothing for it to fetch: every prompt is written out and every count is the
-        # server's. Offline also keeps a machine with no network from waiting on a hub.
-        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
+        # Its dataset files in the phase's folder, never a cache shared across runs: a
+        # cache hit would skip the path a fresh machine takes (the tokenizer's load).
+        env.update({"AIPERF_DATASET_MMAP_CACHE_ENABLED": "false",
+                    "AIPERF_DATASET_MMAP_BASE_PATH": str(scratch),
+                    "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1",
                     "PYTHONHASHSEED": str(seed), "PYTHONUNBUFFERED": "1"})
         return env
 
@@ -93,9 +100,11 @@ class PhaseResult:
         return len(self.records) - len(self.ok)
 
 
-def command(tool: AIPerf, phase: Phase, url: str, model: str, art: Path) -> list[str]:
+def command(tool: AIPerf, phase: Phase, url: str, model: str, art: Path,
+            tokenizer: Path) -> list[str]:
     cmd = [*tool.argv, "profile", "--model", model, "--url", url, "--endpoint-type",
-           "completions", "--streaming", "--input-file", str(phase.rows),
+           "completions", "--streaming", "--tokenizer", str(tokenizer.resolve()),
+           "--input-file", str(phase.rows),
            "--custom-dataset-type", "mooncake_trace", "--request-count", str(phase.requests),
            "--random-seed", str(phase.seed), "--output-artifact-dir", str(art),
            "--ui-type", "none", "--use-server-token-count", "--no-server-metrics",
@@ -107,19 +116,22 @@ def command(tool: AIPerf, phase: Phase, url: str, model: str, art: Path) -> list
     return cmd + list(phase.extra)
 
 
-def run(tool: AIPerf, phase: Phase, url: str, model: str, out: Path) -> PhaseResult:
+def run(tool: AIPerf, phase: Phase, url: str, model: str, out: Path,
+        tokenizer: Path) -> PhaseResult:
     """Run the phase; raises RuntimeError (with the log's tail) when AIPerf fails
     or writes no per-request export."""
     art = out / f"aiperf-{phase.name}"
     log = out / f"aiperf-{phase.name}.log"
+    scratch = out / f"aiperf-{phase.name}-data"
     art.mkdir(parents=True, exist_ok=True)
-    cmd = command(tool, phase, url, model, art)
+    scratch.mkdir(parents=True, exist_ok=True)
+    cmd = command(tool, phase, url, model, art, tokenizer)
     with open(log, "wb") as f:
         f.write((" ".join(cmd) + "\n").encode())
         f.flush()
         try:
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, env=tool.env(phase.seed),
+                                  stdin=subprocess.DEVNULL, env=tool.env(phase.seed, scratch),
                                   timeout=phase.timeout_s, check=False)
             rc: int | str = proc.returncode
         except subprocess.TimeoutExpired:
@@ -171,6 +183,45 @@ def decode_rows(model: str, prompts: Sequence[str], max_tokens: int) -> list[dic
     from kvserve.trace_export import completion_body
 
     return [{"payload": completion_body(model, p, max_tokens)} for p in prompts]
+
+
+def tokenizer_dir(model: str, root: Path) -> Path:
+    """A local tokenizer AIPerf can load (its dataset service loads one even when
+    the server counts the tokens): the model's own directory, or, for a named
+    random-weight config, a byte-level one written under ``root`` whose ids are
+    the bytes, as engine.tokenizer.ByteTokenizer's are."""
+    from engine.config import named_configs
+
+    if model not in named_configs():
+        from engine.fetch import KNOWN_MODELS, fetch_model
+
+        return fetch_model(model) if model in KNOWN_MODELS else Path(model).expanduser()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = root / f"tokenizer-{model}"
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}))
+    return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in for each byte (the GPT-2 table)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 def write_rows(path: Path, rows: Iterable[dict[str, object]]) -> int:

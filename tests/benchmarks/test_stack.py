@@ -113,11 +113,29 @@ def test_decode_figures_use_the_batch_the_server_ran() -> None:
 
 def test_phase_command_lines() -> None:
     tool = AIPerf(("python3", "-m", "aiperf"), "/tmp/site")
-    fixed = command(tool, Phase("agent", Path("a.jsonl"), 40), "http://h:1", "m", Path("o"))
+    tok = Path("/tok")
+    fixed = command(tool, Phase("agent", Path("a.jsonl"), 40), "http://h:1", "m", Path("o"), tok)
     assert "--fixed-schedule" in fixed and "--concurrency" not in fixed
     assert {"--use-server-token-count", "--streaming", "--no-gpu-telemetry"} <= set(fixed)
+    assert fixed[fixed.index("--tokenizer") + 1] == "/tok"
     conc = command(tool, Phase("decode", Path("d.jsonl"), 64, concurrency=32), "http://h:1",
-                   "m", Path("o"))
+                   "m", Path("o"), tok)
     assert conc[conc.index("--concurrency") + 1] == "32" and "--no-fixed-schedule" in conc
-    env = tool.env(3)
-    assert env["PYTHONPATH"] == "/tmp/site" and env["HF_HUB_OFFLINE"] == "1"
+    env = tool.env(3, Path("/scratch"))
+    assert env["PYTHONPATH"] == "/tmp/site" and "HF_HUB_OFFLINE" not in env
+    assert env["AIPERF_DATASET_MMAP_CACHE_ENABLED"] == "false"
+
+
+def test_byte_tokenizer_for_aiperf_matches_the_engines(tmp_path: Path) -> None:
+    """The tokenizer AIPerf loads for a byte-level shape gives the engine's ids."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.stack_aiperf import tokenizer_dir
+    from engine.tokenizer import ByteTokenizer
+
+    d = tokenizer_dir("llama-8b-shape", tmp_path)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    text = "agents, tools: ünïcode \n and bytes"
+    assert tok.encode(text).ids == ByteTokenizer(128_256).encode(text)
+    assert tok.decode(tok.encode(text).ids) == text
+    assert json.loads((d / "tokenizer_config.json").read_text())["tokenizer_class"]
