@@ -107,6 +107,58 @@ def _router(p: argparse.ArgumentParser) -> None:
     output_flags(p)
 
 
+def _stack(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-8b-shape",
+                   help="served model (default llama-8b-shape: random weights, byte tokenizer)")
+    p.add_argument("--device", default="cuda", help="cuda[:N] or cpu (a dry run)")
+    p.add_argument("--dtype", default="", help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--trace", default="../shared/traces/weka-claude-code/traces.tar.xz",
+                   help="agent trace (Claude Code sessions) for the agent phase")
+    p.add_argument("--sessions", type=int, default=12, help="sessions of the slice")
+    p.add_argument("--max-requests", type=int, default=0, help="the earliest N requests (0: all)")
+    p.add_argument("--max-input", type=int, default=16384,
+                   help="longest prompt after the context scale (<= the model's context)")
+    p.add_argument("--time-scale", type=float, default=0.002, help="multiply arrival times")
+    p.add_argument("--output-tokens", type=int, default=16, help="answer length, agent phase")
+    p.add_argument("--seed", type=int, default=0)
+    stack = p.add_argument_group("the stack (kvserve up)")
+    stack.add_argument("--g1", default="4GiB", help="prefill engine's KV pool (G1)")
+    stack.add_argument("--decode-g1", default="48GiB",
+                       help="decode engine's pool (running sequences only)")
+    stack.add_argument("--g2", default="32GiB", help="kvstore host memory tier")
+    stack.add_argument("--g3", default="40GiB", help="kvstore disk tier (in --out)")
+    stack.add_argument("--kernels", default="auto", help="[engine] kernels (engine/kernels.py)")
+    stack.add_argument("--prefill-chunk", type=int, default=512,
+                       help="[engine] prefill_chunk in tokens (0: the engine's default)")
+    stack.add_argument("--step-tokens", type=int, default=4096,
+                       help="[prefill] step_tokens: prompt tokens per prefill step")
+    stack.add_argument("--ready-timeout", type=float, default=420.0)
+    dec = p.add_argument_group("decode phase")
+    dec.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT SLO, seconds")
+    dec.add_argument("--decode-batch", type=int, default=0,
+                     help="requests in flight (0: the largest whose roofline fits the SLO)")
+    dec.add_argument("--max-batch", type=int, default=64, help="cap (the decode graphs' 64)")
+    dec.add_argument("--decode-context", type=int, default=2048, help="prompt tokens")
+    dec.add_argument("--decode-tokens", type=int, default=128, help="tokens generated each")
+    dec.add_argument("--decode-rounds", type=int, default=2, help="requests = rounds x batch")
+    run = p.add_argument_group("tools and limits")
+    run.add_argument("--aiperf", default="",
+                     help="AIPerf command line (default: scripts/install_aiperf.sh's venv), "
+                          "e.g. 'python3 -m aiperf'")
+    run.add_argument("--aiperf-site", default="",
+                     help="folder of AIPerf's wheels unpacked (pip --target), first on the "
+                          "PYTHONPATH of AIPerf's processes only")
+    run.add_argument("--phase-timeout", type=float, default=300.0, help="seconds per phase")
+    run.add_argument("--budget", type=float, default=3600.0,
+                     help="seconds for everything: a phase is cut (or skipped) so that the "
+                          "stack stops and the report is written within it")
+    run.add_argument("--limit-lengths", default="1024,4096,16384",
+                     help="reference prefill lengths for the compute limit")
+    run.add_argument("--limits-timeout", type=float, default=240.0)
+    run.add_argument("--out", default="stack-out", help="folder for every output")
+    output_flags(p)
+
+
 def _store(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-bytes", type=int, default=2 * 2**20, help="bytes per block")
     p.add_argument("--blocks", type=int, default=64, help="blocks per pass")
@@ -156,6 +208,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "router": ("placement decisions per second on one core", _router),
     "serve": ("kvserve vs a peer (vLLM-CPU) under a trace replayed by vllm bench serve or "
               "AIPerf, same G1 budget, a sweep of rates: table, PNGs, JSON", _serve),
+    "stack": ("the whole stack (own processes, mTLS, Redis) under AIPerf on an agent trace: "
+              "effective prefill and decode tok/s against same-run limits", _stack),
     "store": ("warehouse throughput and lookup latency against raw baselines", _store),
     "vllm": ("vLLM TTFT: cold, warm from the warehouse in a fresh process, warm from its own "
              "cache", _vllm),

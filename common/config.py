@@ -374,6 +374,13 @@ class EngineSection:
     # Decode's pool holds running sequences only (its prompts come from prefill), so a
     # deployment may size it by concurrency x context instead: 0 = g1_bytes.
     decode_g1_bytes: int = 0
+    # The engines' kernel family (engine/kernels.py, checked where the engine is known)
+    # and prefill chunk in tokens (0: the engine's default, one block with
+    # non-invariant kernels). A GPU needs chunks of hundreds of tokens to fill its
+    # matrix units; with non-invariant kernels the chunk is part of the fingerprint and
+    # restores are cut to it, so prefill and decode read it from this one section.
+    kernels: str = "auto"
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         for name in ("g1_bytes", "decode_g1_bytes"):
@@ -384,6 +391,13 @@ class EngineSection:
                 raise ConfigError(f"engine.{name} (instances) must be in 1..64, got {n}")
         if not 0 <= self.threads <= 1024:
             raise ConfigError(f"engine.threads must be in 0..1024, got {self.threads}")
+        if not 0 <= self.prefill_chunk <= 65_536:
+            raise ConfigError(f"engine.prefill_chunk must be in 0..65536, got "
+                              f"{self.prefill_chunk}")
+        if not re.match(r"^[a-z][a-z0-9_]{0,31}$", self.kernels):
+            raise ConfigError(f"engine.kernels must name a kernel family, got {self.kernels!r}")
+
+
 _SPAN = re.compile(r"^(\d+(?:\.\d+)?(?:e\d+)?)([a-zA-Z]*)$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": DAY_S, "w": 7 * DAY_S}
 _TOKENS = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9}

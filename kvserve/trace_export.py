@@ -31,6 +31,15 @@ Keeping the prefix structure visible to a 64-token block cache. Hash ids are
   so the text of a block is exactly 64 tokens wherever it stands, and a shared
   prefix of text is a shared prefix of tokens.
 * **time scale** multiplies every arrival time (0.1 = ten times the rate).
+* **sessions in order** (``aiperf-sessions``): AIPerf's mooncake_trace payload
+  rows with a top-level ``session_id``: AIPerf sends a session's turns one after
+  another, each at its own time or, when the previous answer came later, the
+  moment it comes, as an agent does. The row's ``payload`` is the
+  ``/v1/completions`` body itself (prompt text, ``max_tokens`` with
+  ``ignore_eos``, streaming with usage, the session for affinity), sent verbatim;
+  a prompt never accumulates the tool's own history.
+* **models with a byte tokenizer** (the random-weight shapes, e.g.
+  llama-8b-shape): a block is 64 ASCII letters, 64 tokens wherever it stands.
 
 Where the seen run lost its hits (issue 18): 8 tokens per 64-token hash block
 means a kvserve block spans 8 trace blocks, reuse ends mid-block (up to 63
@@ -55,7 +64,7 @@ from pathlib import Path
 
 from common.traces import Trace, TraceRequest, load_trace, rebin
 
-FORMATS = ("mooncake", "aiperf")
+FORMATS = ("mooncake", "aiperf", "aiperf-sessions")
 
 
 class ExportError(ValueError):
@@ -71,7 +80,7 @@ class ExportOptions:
     time_scale: float = 1.0
     output_tokens: int = 0              # 0: the trace's own output lengths
     max_output_tokens: int = 64         # cap (CPU decode is slow)
-    model: str = "smollm2"              # tokenizer for the text of the ``aiperf`` format
+    model: str = "smollm2"              # tokenizer (and served name) for the text formats
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -214,13 +223,22 @@ _WORD = re.compile(r"^\u0120[a-z]{3,9}$")      # byte-level BPE: \u0120 is the l
 class BlockText:
     """Text of exported blocks: ``block_tokens`` single-token words per id, drawn
     by a generator seeded with (seed, id), so a block reads the same in every
-    request and tokenizes to exactly ``block_tokens`` tokens wherever it stands."""
+    request and tokenizes to exactly ``block_tokens`` tokens wherever it stands.
+    A named random-weight config reads bytes (engine.tokenizer.ByteTokenizer): its
+    words are single ASCII letters."""
 
     def __init__(self, model: str, block_tokens: int, seed: int = 0) -> None:
         from tokenizers import Tokenizer
 
+        from engine.config import named_configs
         from engine.fetch import KNOWN_MODELS, fetch_model
 
+        self.block_tokens = block_tokens
+        self.seed = seed
+        if model in named_configs():
+            self.words = list("abcdefghijklmnopqrstuvwxyz")
+            self._tok = None
+            return
         root = fetch_model(model) if model in KNOWN_MODELS else Path(model).expanduser()
         tok = Tokenizer.from_file(str(root / "tokenizer.json"))
         words = sorted(" " + t[1:] for t in tok.get_vocab() if _WORD.match(t))
@@ -231,8 +249,6 @@ class BlockText:
         if len(self.words) < 256:
             raise ExportError(f"model {model!r}: its tokenizer has too few single-token words "
                               "for text prompts (not a byte-level BPE?)")
-        self.block_tokens = block_tokens
-        self.seed = seed
         self._tok = tok
 
     def block(self, hash_id: int, n: int | None = None) -> str:
@@ -247,22 +263,46 @@ class BlockText:
                                                                             last)
 
     def count(self, text: str) -> int:
+        if self._tok is None:
+            return len(text.encode())
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
 
 # ------------------------------------------------------------------------ writing
 
 def rows(trace: Trace, opts: ExportOptions) -> Iterator[dict[str, object]]:
-    text = BlockText(opts.model, opts.block_tokens, opts.seed) if opts.fmt == "aiperf" else None
+    text = BlockText(opts.model, opts.block_tokens, opts.seed) if opts.fmt != "mooncake" \
+        else None
     for r in trace.requests:
         row: dict[str, object] = {"timestamp": round(r.t * 1000.0, 3)}
         if text is None:
             row |= {"input_length": r.input_length, "output_length": r.output_length,
                     "hash_ids": list(r.hash_ids)}
-        else:
+        elif opts.fmt == "aiperf":
             row |= {"text_input": text.prompt(r), "output_length": r.output_length,
                     "extra": {"session_id": r.session}}
+        else:
+            row |= {"session_id": r.session,
+                    "payload": completion_body(served_name(opts.model), text.prompt(r),
+                                               r.output_length, r.session)}
         yield row
+
+
+def served_name(model: str) -> str:
+    """The model id a stack serving ``model`` answers to (router.model_meta's rule)."""
+    return Path(model).name if "/" in model else model
+
+
+def completion_body(model: str, prompt: str, max_tokens: int,
+                    session: str = "") -> dict[str, object]:
+    """A streaming ``/v1/completions`` body that generates exactly ``max_tokens``
+    tokens and reports its usage (cached tokens included) in the last chunk."""
+    body: dict[str, object] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                               "ignore_eos": True, "stream": True,
+                               "stream_options": {"include_usage": True}}
+    if session:
+        body["session_id"] = session
+    return body
 
 
 def write_jsonl(path: str | Path, items: Iterable[dict[str, object]]) -> int:

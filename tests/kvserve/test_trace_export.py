@@ -119,3 +119,47 @@ def test_text_reuse_matches_the_hash_ids_it_was_written_from(smollm2_dir: str) -
     assert (prompt, reusable) == reuse_totals(scaled)
     assert reusable > 0
 
+
+
+def test_session_rows_send_turns_in_order_as_completion_bodies(tmp_path: Path) -> None:
+    """``aiperf-sessions``: a top-level session id (AIPerf sends a session's turns
+    one after another), the /v1/completions body verbatim, and for a byte-tokenizer
+    shape each block exactly 64 tokens (bytes) wherever it stands."""
+    if not CLAUDE.exists():
+        pytest.skip("Claude Code traces not in this checkout's shared data")
+    out = tmp_path / "s.jsonl"
+    subprocess.run([sys.executable, "-m", "kvserve.cli", "trace", "export", str(CLAUDE),
+                    "--out", str(out), "--format", "aiperf-sessions", "--max-sessions", "2",
+                    "--max-requests", "12", "--max-input", "4096", "--output-tokens", "9",
+                    "--model", "llama-8b-shape"], check=True, capture_output=True)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    src = load_trace(CLAUDE, max_sessions=2, max_requests=12)
+    scaled, _ = scale_trace(src, ExportOptions(max_input_tokens=4096, output_tokens=9))
+    assert [r["session_id"] for r in rows] == [r.session for r in scaled.requests]
+    assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
+    for row, req in zip(rows, scaled.requests, strict=True):
+        body = row["payload"]
+        assert set(row) == {"timestamp", "session_id", "payload"}
+        assert body["model"] == "llama-8b-shape" and body["session_id"] == row["session_id"]
+        assert body["max_tokens"] == 9 and body["ignore_eos"] and body["stream"]
+        assert body["stream_options"] == {"include_usage": True}
+        assert len(body["prompt"].encode()) == req.input_length    # one token per byte
+    # Shared prefixes are shared text: two requests with j common ids share j * 64 bytes.
+    a, b = scaled.requests[0], next(r for r in scaled.requests[1:] if r.session == scaled.
+                                     requests[0].session)
+    common = 0
+    while common < min(len(a.hash_ids), len(b.hash_ids)) and \
+            a.hash_ids[common] == b.hash_ids[common]:
+        common += 1
+    pa, pb = rows[0]["payload"]["prompt"], rows[scaled.requests.index(b)]["payload"]["prompt"]
+    full = min(common, a.input_length // 64)
+    assert pa[:full * 64] == pb[:full * 64]
+    if full < min(len(pa), len(pb)) // 64:
+        assert pa[full * 64:(full + 1) * 64] != pb[full * 64:(full + 1) * 64]
+
+
+def test_byte_text_blocks_are_64_bytes() -> None:
+    text = BlockText("llama-8b-shape", 64, seed=1)
+    assert text.count(text.block(3)) == 64 == len(text.block(3).encode())
+    assert text.block(3) == BlockText("llama-8b-shape", 64, seed=1).block(3)
+    assert text.block(3) != text.block(4) and text.count(text.block(5, 10)) == 10
