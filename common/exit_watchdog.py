@@ -8,6 +8,10 @@ a Redis that died with a kill -9'ed launcher). An ``asyncio.wait_for`` cannot
 interrupt a blocked loop, so the bound is a daemon timer thread armed when the
 drain starts: past the grace plus some slack it logs once and ``os._exit``s.
 Only the exit status says it was cut short.
+
+Only a process's owner turns it on (``enable``: the ``kvserve … serve`` entry
+points): a server run inside another program (a test, an embedding
+application) must never ``os._exit`` its host.
 """
 
 from __future__ import annotations
@@ -21,11 +25,21 @@ log = logging.getLogger(__name__)
 
 EXIT_SLACK_S = 5.0               # beyond the drain's own grace
 CUT_SHORT_STATUS = 3             # the exit status of a drain that had to be cut
+_enabled = False
 
 
-def arm(what: str, grace_s: float, *, slack_s: float = EXIT_SLACK_S) -> threading.Timer:
-    """Start the bound on ``what``'s shutdown; the caller need not cancel it
-    (a process that exits first takes the daemon thread with it)."""
+def enable() -> None:
+    """This process is a server of its own: its stops are bounded from now on."""
+    global _enabled
+    _enabled = True
+
+
+def arm(what: str, grace_s: float, *, slack_s: float = EXIT_SLACK_S) -> threading.Timer | None:
+    """Start the bound on ``what``'s shutdown (None: not enabled in this
+    process); the caller need not cancel it (a process that exits first takes
+    the daemon thread with it)."""
+    if not _enabled:
+        return None
     limit = max(0.0, grace_s) + slack_s
 
     def cut() -> None:
@@ -42,4 +56,4 @@ def arm(what: str, grace_s: float, *, slack_s: float = EXIT_SLACK_S) -> threadin
     return timer
 
 
-__all__ = ["CUT_SHORT_STATUS", "EXIT_SLACK_S", "arm"]
+__all__ = ["CUT_SHORT_STATUS", "EXIT_SLACK_S", "arm", "enable"]

@@ -151,6 +151,7 @@ async def _heartbeats(registry: InstanceRegistry, info: InstanceInfo, wh: Wareho
 
 def main(opts: StoreOptions) -> int:
     tune_malloc()
+    exit_watchdog.enable()            # this process is the store: bound its stop
     os.umask(0o077)   # whatever a library creates for us (G4 on a mount, temp files) is private
     try:
         return asyncio.run(run_store(opts))

@@ -243,6 +243,7 @@ def serve_engine_service(role: str, service_name: str, engine_spec: EngineSpec,
     until SIGTERM, print the ready line for launchers."""
     from engine import Engine
 
+    exit_watchdog.enable()             # this process is the service: bound its stop
     engine = Engine(engine_spec.engine_config())
     log.info("%s engine: %s %s on %s, fingerprint %s", role, engine_spec.model,
              engine.layout.name, engine_spec.device, engine.fingerprint_hex)

@@ -80,12 +80,14 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from common import exit_watchdog
     from router.serve import serve
 
     try:
         cfg = router_config(args)
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
+    exit_watchdog.enable()               # this process is the router: bound its stop
     try:
         asyncio.run(serve(cfg))
     except OSError as exc:               # a taken port: say so and exit non-zero

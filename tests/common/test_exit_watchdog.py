@@ -12,12 +12,14 @@ from common.exit_watchdog import CUT_SHORT_STATUS
 _BLOCKED = textwrap.dedent("""
     import threading, time
     from common import exit_watchdog
+    exit_watchdog.enable()
     exit_watchdog.arm("test", 0.2, slack_s=0.3)
     threading.Event().wait()        # a drain stuck in a blocking call, loop and all
 """)
 
 _QUICK = textwrap.dedent("""
     from common import exit_watchdog
+    exit_watchdog.enable()
     exit_watchdog.arm("test", 5.0)
     print("drained")                # a drain that finishes exits normally, at once
 """)
@@ -39,3 +41,10 @@ def test_a_drain_that_finishes_is_not_cut() -> None:
                           timeout=30)
     assert proc.returncode == 0 and proc.stdout.strip() == "drained"
     assert time.monotonic() - t0 < 5.0     # the daemon timer does not hold the exit
+
+
+def test_a_server_inside_another_program_never_exits_it() -> None:
+    """Not enabled (a test or an application hosting a server): no timer at all."""
+    from common import exit_watchdog
+
+    assert exit_watchdog.arm("embedded", 0.0, slack_s=0.0) is None
