@@ -44,6 +44,7 @@ from kvstore.segments import SegmentCache, copy_verified
 from kvstore.tiers.shm import ShmSlot, attach_segment
 from kvstore.types import (
     ClassSnapshot,
+    ClearResult,
     GetResult,
     LookupResult,
     PutResult,
@@ -51,6 +52,7 @@ from kvstore.types import (
     RequestCtx,
     StoreStats,
     TenantSnapshot,
+    TierCleared,
     TierSnapshot,
 )
 from kvstore.wire import decode_get_chunk, encode_put_data, encode_put_header
@@ -489,6 +491,15 @@ class KVStoreClient:
         res = await self._stub.GetQuotas(kvstore_pb2.GetQuotasRequest(),
                                          timeout=timeout_s or self.timeout_s)
         return _quota_entries(res)
+
+    @_mapped
+    async def clear(self, *, tenant: str = "", timeout_s: float | None = None) -> ClearResult:
+        """Drop every block the store holds (only ``tenant``'s when given): operators
+        and the router only (kvstore.clear)."""
+        res = await self._stub.Clear(kvstore_pb2.ClearRequest(tenant=tenant),
+                                     timeout=timeout_s or self.timeout_s)
+        return ClearResult(res.node, [TierCleared(t.tier, t.blocks, t.bytes) for t in res.tiers],
+                           res.pending_blocks, res.clear_s)
 
     async def _same_host(self) -> bool:
         """Whether to use shared memory: asked once (Stats), then remembered."""

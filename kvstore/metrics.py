@@ -102,6 +102,9 @@ class StoreMetrics:
         self.swept = Counter("kvstore_swept_blocks",
                              "Blocks deleted from a tier because their index entry expired",
                              ["tier"], registry=r)
+        self.cleared = Counter("kvstore_cleared_blocks",
+                               "Blocks dropped from a tier by an operator's Clear", ["tier"],
+                               registry=r)
         self.lookup_latency = Histogram("kvstore_lookup_seconds", "Chain lookup latency",
                                         buckets=_LOOKUP_BUCKETS, registry=r)
         self.lookup_tokens = Counter(

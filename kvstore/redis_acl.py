@@ -4,8 +4,9 @@ and key patterns that role runs (docs/security.md, "Redis users").
 What each role does in Redis (the code it runs):
 
 - kvstore: the block index scripts, G2 sets, the id table, the epoch marker,
-  KV events, its own registry entry: ``B*``, ``kvserve:ids``, ``kvserve:g2:*``,
-  ``kvserve:index:epoch``, ``kvserve:events``, ``kvserve:inst:kvstore:*``.
+  KV events, the operators' quota table (kvstore.quotas), its own registry
+  entry: ``B*``, ``kvserve:ids``, ``kvserve:g2:*``, ``kvserve:index:epoch``,
+  ``kvserve:events``, ``kvserve:quotas``, ``kvserve:inst:kvstore:*``.
 - prefill, decode: their own registry entries (heartbeats):
   ``kvserve:inst:<role>:*``.
 - router: reads the registry and the KV events; writes its own registry entry
@@ -101,9 +102,9 @@ _ROLES: dict[str, RedisRole] = {
     "kvstore": RedisRole(
         commands=(*_CLUSTER_CLIENT, *_TX, *_SCRIPTS, "get", "mget", "set", "del", "exists",
                   "pttl", "ttl", "hget", "hset", "hsetnx", "hincrby", "hexists", "sadd",
-                  "srem", "smembers", "pexpire", "hgetall", "xadd"),
+                  "srem", "smembers", "pexpire", "hgetall", "xadd", "hlen", "hdel"),
         keys=("B*", "kvserve:ids", "kvserve:g2:*", "kvserve:index:epoch", "kvserve:events",
-              *registry_keys("kvstore"))),
+              "kvserve:quotas", *registry_keys("kvstore"))),
     "prefill": RedisRole(commands=(*_CLUSTER_CLIENT, *_TX, *_REGISTRY_WRITE),
                          keys=registry_keys("prefill")),
     "decode": RedisRole(commands=(*_CLUSTER_CLIENT, *_TX, *_REGISTRY_WRITE),

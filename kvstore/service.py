@@ -18,6 +18,7 @@
   ``retry-after-ms`` trailing metadata.
 - Operators set per-tenant quotas (``SetQuota``/``GetQuotas``, kept in Redis);
   ``Stats`` reports per-tenant usage, only the caller's own to a tenant identity.
+  ``Clear`` (operators and the router) drops every block (kvstore.clear).
 - Standard health and reflection services; SIGTERM drains (``serve``).
 """
 
@@ -505,6 +506,21 @@ class KVStoreService:
                                         in_g2_blocks=res.in_g2_blocks,
                                         promoted_blocks=res.promoted_blocks)
 
+    @rpc("Clear")
+    async def Clear(self, request: Any, context: grpc.aio.ServicerContext,
+                    ) -> kvstore_pb2.ClearResponse:
+        from kvstore.clear import clear
+
+        req: kvstore_pb2.ClearRequest = _parsed(request, "ClearRequest")
+        # Operators and the router only (security/methods.py): say who emptied the store.
+        log.warning("clear of %s requested by %s", f"tenant {req.tenant[:64]!r}"
+                    if req.tenant else "every block", current_identity().describe())
+        res = await clear(self.wh, tenant=req.tenant)
+        return kvstore_pb2.ClearResponse(
+            node=res.node, pending_blocks=res.pending_blocks, clear_s=res.clear_s,
+            tiers=[kvstore_pb2.TierCleared(tier=t.tier, blocks=t.blocks, bytes=t.bytes)
+                   for t in res.tiers])
+
     def add_to_server(self, server: grpc.aio.Server) -> None:
         ser = {"response_serializer": lambda m: m.SerializeToString()}
         handlers = {
@@ -527,6 +543,9 @@ class KVStoreService:
                 **ser),
             "Warm": grpc.unary_unary_rpc_method_handler(
                 self.Warm, request_deserializer=_safe(kvstore_pb2.WarmRequest.FromString),
+                **ser),
+            "Clear": grpc.unary_unary_rpc_method_handler(
+                self.Clear, request_deserializer=_safe(kvstore_pb2.ClearRequest.FromString),
                 **ser),
             "SetQuota": grpc.unary_unary_rpc_method_handler(
                 self.SetQuota,

@@ -151,6 +151,29 @@ class DeleteResult:
 
 
 @dataclass(frozen=True, slots=True)
+class TierCleared:
+    """What an operator's Clear dropped from one tier (proto ``TierCleared``)."""
+
+    tier: str
+    blocks: int
+    bytes: int          # as the tier accounts them (its ``used_bytes`` in Stats)
+
+
+@dataclass(frozen=True, slots=True)
+class ClearResult:
+    """An operator's Clear of one store (kvstore.clear)."""
+
+    node: str
+    tiers: list[TierCleared]
+    pending_blocks: int = 0     # being written when the clear ran: left in place
+    clear_s: float = 0.0
+
+    @property
+    def blocks(self) -> int:
+        return sum(t.blocks for t in self.tiers)
+
+
+@dataclass(frozen=True, slots=True)
 class TierSnapshot:
     """One tier's counters as the service reports them (proto ``TierStats``)."""
 

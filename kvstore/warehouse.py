@@ -289,6 +289,11 @@ class Warehouse:
         except ConfigError as exc:
             raise InvalidRequest(str(exc)) from None
 
+    @property
+    def g2_lock(self) -> asyncio.Lock:
+        """Held around every G2 change and its index update (see module doc)."""
+        return self._g2_lock
+
     def is_pending(self, key: bytes) -> bool:
         return self.writeback.is_pending(key)
 

@@ -7,6 +7,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ClearRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class TierCleared(_message.Message):
+    __slots__ = ("tier", "blocks", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    blocks: int
+    bytes: int
+    def __init__(self, tier: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("node", "tiers", "pending_blocks", "clear_s")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_S_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierCleared]
+    pending_blocks: int
+    clear_s: float
+    def __init__(self, node: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierCleared, _Mapping]]] = ..., pending_blocks: _Optional[int] = ..., clear_s: _Optional[float] = ...) -> None: ...
+
 class WarmRequest(_message.Message):
     __slots__ = ("ctx", "keys", "prompt_tokens")
     CTX_FIELD_NUMBER: _ClassVar[int]

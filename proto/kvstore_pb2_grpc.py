@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=proto_dot_kvstore__pb2.WarmRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore__pb2.WarmResponse.FromString,
                 _registered_method=True)
+        self.Clear = channel.unary_unary(
+                '/kvserve.v1.KVStore/Clear',
+                request_serializer=proto_dot_kvstore__pb2.ClearRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore__pb2.ClearResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -148,6 +153,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Clear(self, request, context):
+        """Operators (and the router's /reset_prefix_cache?warehouse=1): drop every
+        block this store holds, in every tier, with its index bits
+        (kvstore/clear.py). Destructive; no tenant or engine identity may call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +209,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Warm,
                     request_deserializer=proto_dot_kvstore__pb2.WarmRequest.FromString,
                     response_serializer=proto_dot_kvstore__pb2.WarmResponse.SerializeToString,
+            ),
+            'Clear': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clear,
+                    request_deserializer=proto_dot_kvstore__pb2.ClearRequest.FromString,
+                    response_serializer=proto_dot_kvstore__pb2.ClearResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +459,33 @@ class KVStore:
             '/kvserve.v1.KVStore/Warm',
             proto_dot_kvstore__pb2.WarmRequest.SerializeToString,
             proto_dot_kvstore__pb2.WarmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clear(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVStore/Clear',
+            proto_dot_kvstore__pb2.ClearRequest.SerializeToString,
+            proto_dot_kvstore__pb2.ClearResponse.FromString,
             options,
             channel_credentials,
             insecure,

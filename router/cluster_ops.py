@@ -9,7 +9,9 @@
   done callback so no exception goes unretrieved.
 * **Reset prefix cache** (``POST /reset_prefix_cache``, operators only):
   ``ResetPrefixCache`` on every live prefill and decode instance, so every
-  engine forgets its G1 prefix cache (vLLM's endpoint of the same name).
+  engine forgets its G1 prefix cache (vLLM's endpoint of the same name); with
+  ``?warehouse=1`` also ``Clear`` on every live kvstore (kvstore/clear.py), so
+  G2, G3 and G4 forget their blocks too.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvstore.types import RequestCtx
+from kvstore.client import KVStoreClient
+from kvstore.errors import KVStoreError
+from kvstore.types import ClearResult, RequestCtx
 from proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.live_view import ENGINE_ROLES, LiveView
 from router.metrics import RouterMetrics
@@ -50,9 +54,11 @@ class OpsConfig:
     warm_timeout_s: float = 5.0
     max_in_flight: int = 8
     reset_timeout_s: float = 30.0
+    clear_timeout_s: float = 300.0      # a store deletes one G3 file per block
 
     def __post_init__(self) -> None:
-        if self.warm_timeout_s <= 0 or self.reset_timeout_s <= 0 or self.max_in_flight < 1:
+        if min(self.warm_timeout_s, self.reset_timeout_s, self.clear_timeout_s) <= 0 or \
+                self.max_in_flight < 1:
             raise ValueError("OpsConfig: timeouts must be > 0 and max_in_flight >= 1")
 
 
@@ -62,13 +68,19 @@ class ResetResult:
     failed: dict[str, str]          # instance id -> why
 
 
+@dataclass(frozen=True, slots=True)
+class ClearedStores:
+    stores: dict[str, ClearResult]  # kvstore instance id -> what it dropped
+    failed: dict[str, str]          # kvstore instance id -> why
+
+
 @dataclass(slots=True)
 class ClusterOps:
     view: LiveView
     metrics: RouterMetrics
     security: SecurityConfig
     cfg: OpsConfig = field(default_factory=OpsConfig)
-    _stores: dict[str, object] = field(default_factory=dict)   # address -> KVStoreClient
+    _stores: dict[str, KVStoreClient] = field(default_factory=dict)   # by address
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     # -- warm-up --------------------------------------------------------------------
@@ -89,18 +101,20 @@ class ClusterOps:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _warm(self, address: str, keys: list[bytes], prompt_tokens: int,
-                    ctx: RequestCtx) -> None:
-        from kvstore.client import KVStoreClient
-        from kvstore.errors import KVStoreError
-
+    def _store(self, address: str) -> KVStoreClient:
         client = self._stores.get(address)
         if client is None:
             client = KVStoreClient(address, timeout_s=self.cfg.warm_timeout_s, use_shm=False,
                                    security=self.security)
             self._stores[address] = client
+        return client
+
+    async def _warm(self, address: str, keys: list[bytes], prompt_tokens: int,
+                    ctx: RequestCtx) -> None:
+
+        client = self._store(address)
         try:
-            res = await client.warm(keys, prompt_tokens=prompt_tokens, ctx=ctx)  # type: ignore[attr-defined]
+            res = await client.warm(keys, prompt_tokens=prompt_tokens, ctx=ctx)
         except (KVStoreError, grpc.RpcError, OSError) as exc:
             self.metrics.warmups.labels(outcome="failed").inc()
             log.debug("warm-up of %s failed: %s", ctx.request_id, exc)
@@ -139,11 +153,27 @@ class ClusterOps:
                 done[info.instance_id] = out
         return ResetResult(done, failed)
 
+    async def clear_warehouse(self) -> ClearedStores:
+        """``Clear`` on every live kvstore, concurrently: every block of every tier."""
+        infos = list(self.view.cluster.candidates("kvstore", exclude=set()).infos)
+        outcomes = await asyncio.gather(
+            *(self._store(i.address).clear(timeout_s=self.cfg.clear_timeout_s) for i in infos),
+            return_exceptions=True)
+        done: dict[str, ClearResult] = {}
+        failed: dict[str, str] = {}
+        for info, out in zip(infos, outcomes, strict=True):
+            if isinstance(out, ClearResult):
+                done[info.instance_id] = out
+            else:
+                failed[info.instance_id] = (str(out) if isinstance(out, KVStoreError)
+                                            else type(out).__name__) or "failed"
+        return ClearedStores(done, failed)
+
     async def close(self) -> None:
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for client in self._stores.values():
-            await client.close()  # type: ignore[attr-defined]
+            await client.close()
         self._stores.clear()

@@ -2,7 +2,9 @@
 
 ``POST /reset_prefix_cache``: every engine forgets its G1 prefix cache (vLLM's
 endpoint of the same name); the warehouse keeps its blocks, so the next
-request restores from G2/G3 instead of hitting G1. Operators only: the call
+request restores from G2/G3 instead of hitting G1. ``?warehouse=1`` also
+empties every live kvstore (``KVStore.Clear``: G2, G3 and G4, with their index
+entries), so the next request computes its whole prompt. Operators only: the call
 must carry ``Authorization: Bearer <operator key>``, the key derived from the
 deployment secret (``router.cluster_ops.operator_key``; ``kvserve operator-key``
 prints it for whoever holds the deployment directory). A tenant's API key is
@@ -13,6 +15,7 @@ gRPC operator call already is.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Any
@@ -64,14 +67,37 @@ class OperatorEndpoints:
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self._check(request)
-        if request.query.get("warehouse", "").lower() in ("1", "true", "yes"):
-            raise InvalidRequestError("resetting the warehouse is not offered over HTTP: "
-                                      "delete blocks with `kvserve store` operator calls",
-                                      param="warehouse", code="unsupported")
+        warehouse = _flag(request, "warehouse")
         if self._ops is None:
             raise OpsUnavailableError("this router cannot reach its instances")
-        res = await self._ops.reset_prefix_cache()
-        log.info("prefix caches reset on %d instance(s); failed on %s", len(res.instances),
-                 sorted(res.failed) or "none")
-        return web.json_response({"reset": res.instances, "failed": res.failed},
-                                 status=502 if res.failed else 200)
+        if not warehouse:
+            res = await self._ops.reset_prefix_cache()
+            log.info("prefix caches reset on %d instance(s); failed on %s",
+                     len(res.instances), sorted(res.failed) or "none")
+            return web.json_response({"reset": res.instances, "failed": res.failed},
+                                     status=502 if res.failed else 200)
+        res, stores = await asyncio.gather(self._ops.reset_prefix_cache(),
+                                           self._ops.clear_warehouse())
+        failed = {**res.failed, **stores.failed}
+        log.warning("prefix caches reset on %d instance(s), warehouse cleared on %d "
+                    "kvstore(s); failed on %s", len(res.instances), len(stores.stores),
+                    sorted(failed) or "none")
+        body = {"reset": res.instances, "failed": failed,
+                "warehouse": {sid: {t.tier: {"blocks": t.blocks, "bytes": t.bytes}
+                                    for t in c.tiers} for sid, c in stores.stores.items()}}
+        return web.json_response(body, status=502 if failed else 200)
+
+
+def _flag(request: web.Request, name: str) -> bool:
+    """A boolean query parameter: absent is False; anything but a boolean is a 400
+    (a misspelt value must not silently skip, or do, the destructive part)."""
+    raw = request.query.get(name)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("", "0", "false", "no"):
+        return False
+    raise InvalidRequestError(f"{name} must be 1/true/yes or 0/false/no, not {raw[:20]!r}",
+                              param=name, code="invalid_value")

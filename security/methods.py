@@ -7,9 +7,10 @@ that needs it is added here. The roles call exactly what their code calls:
 - prefill: the kvstore's data methods (restore, write-through) and Stats;
 - decode: the same, plus prefill's PullKV and Release (it pulls the prompt KV);
 - router: Prefill, Release (cancel) and Decode; the engines' ResetPrefixCache
-  (its operator-only ``/reset_prefix_cache``, router.cluster_ops); of the
-  kvstore only Warm (blocks up the tiers on a session's arrival: it moves
-  blocks, returns none), so it can neither read, Put nor Delete;
+  and the kvstore's Clear (its operator-only ``/reset_prefix_cache``, with
+  ``?warehouse=1`` for Clear; router.cluster_ops); of the kvstore otherwise
+  only Warm (blocks up the tiers on a session's arrival: it moves blocks,
+  returns none), so it can neither read, Put nor Delete;
 - engine (an outside engine, e.g. the vLLM connector): the kvstore's data
   methods and Stats;
 - kvstore: nothing (it serves; it calls no kvserve service);
@@ -34,6 +35,7 @@ HEALTH_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Hea
 STORE_DATA = frozenset(KVSTORE + m for m in ("Lookup", "Get", "Put", "Stage"))
 STORE_STATS = frozenset({KVSTORE + "Stats"})
 STORE_WARM = frozenset({KVSTORE + "Warm"})
+STORE_CLEAR = frozenset({KVSTORE + "Clear"})       # drops every block: never a tenant's call
 # Methods whose effect is bounded by the acting tenant (the handler asks acting_tenant).
 TENANT_METHODS = STORE_DATA | STORE_WARM | {ROUTER + "Generate"}
 
@@ -42,7 +44,8 @@ METHODS_BY_ROLE: Mapping[str, frozenset[str]] = {
     "prefill": STORE_DATA | STORE_STATS,
     "decode": STORE_DATA | STORE_STATS | {PREFILL + "PullKV", PREFILL + "Release"},
     "router": frozenset({PREFILL + "Prefill", PREFILL + "Release", DECODE + "Decode",
-                         PREFILL + "ResetPrefixCache", DECODE + "ResetPrefixCache"}) | STORE_WARM,
+                         PREFILL + "ResetPrefixCache", DECODE + "ResetPrefixCache"})
+              | STORE_WARM | STORE_CLEAR,
     "engine": STORE_DATA | STORE_STATS,
     "tenant": TENANT_METHODS,
 }

@@ -1,4 +1,4 @@
-"""``kvserve store serve|reindex|stats|quota|integrity-key``."""
+"""``kvserve store serve|reindex|stats|quota|clear|integrity-key``."""
 
 from __future__ import annotations
 
@@ -256,6 +256,49 @@ def _quota(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_clear(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="127.0.0.1:50051", help="kvstore host:port")
+    p.add_argument("--tenant", default="", help="drop only this tenant's blocks "
+                   "(default: every block)")
+    p.add_argument("--yes", action="store_true",
+                   help="really drop them (nothing is asked; without it nothing is done)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to wait (a store deletes one G3 file per block)")
+
+
+def _clear(args: argparse.Namespace) -> int:
+    from kvserve.launcher import stack_security
+    from kvstore.client import KVStoreClient
+    from kvstore.errors import KVStoreError
+    from kvstore.types import ClearResult
+
+    whose = f"tenant {args.tenant}'s blocks" if args.tenant else "every block"
+    if not args.yes:
+        raise UsageError(f"this drops {whose} of the kvstore at {args.address} from every "
+                         "tier, for good; add --yes to do it")
+
+    async def run() -> ClearResult:
+        async with KVStoreClient(args.address, timeout_s=args.timeout, use_shm=False,
+                                 security=stack_security()) as c:
+            return await c.clear(tenant=args.tenant)
+
+    try:
+        res = asyncio.run(run())
+    except KVStoreError as exc:
+        raise UsageError(f"kvstore at {args.address}: {exc}") from exc
+    if args.json:
+        print(json.dumps(dataclasses.asdict(res)))
+        return 0
+    print(f"node {res.node}: dropped {res.blocks} blocks in {res.clear_s:.2f} s")
+    print(f"{'tier':<5}{'blocks':>10}{'bytes':>16}")
+    for t in res.tiers:
+        print(f"{t.tier:<5}{t.blocks:>10}{t.bytes:>16,}")
+    if res.pending_blocks:
+        print(f"{res.pending_blocks} blocks were being written as it ran and stay")
+    return 0
+
+
 def _configure_integrity_key(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="file to write (created 0600; never overwritten)")
     p.add_argument("--tls-dir", default=None, metavar="DIR", help="deployment directory")
@@ -287,6 +330,8 @@ def register(reg: CommandRegistry) -> None:
             configure=_configure_stats, run=_stats)
     reg.add("store quota", help="show or set per-tenant byte quotas per tier (operators)",
             configure=_configure_quota, run=_quota)
+    reg.add("store clear", help="drop every block of a running kvstore, in every tier "
+            "(operators; needs --yes)", configure=_configure_clear, run=_clear)
     reg.add("store integrity-key", help="derive the kvstore's block MAC key from the "
             "deployment secret into a 0600 file", configure=_configure_integrity_key,
             run=_integrity_key)

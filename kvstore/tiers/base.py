@@ -164,6 +164,15 @@ class Tier(ABC):
         with self._lock:
             return list(self._cache.sizes)
 
+    def resident(self, tenant: str | None = None) -> dict[bytes, int]:
+        """The bytes, as accounted, of each block this tier holds: every block, or
+        only ``tenant``'s (blocks whose owner is not known yet belong to no tenant)."""
+        with self._lock:
+            if tenant is None:
+                return dict(self._cache.sizes)
+            owner = self._cache.owner
+            return {k: n for k, n in self._cache.sizes.items() if owner.get(k) == tenant}
+
     def stats(self) -> TierStats:
         with self._lock:
             return TierStats(self.name, self.capacity_bytes, self._cache.used_bytes,

@@ -2,7 +2,8 @@
 processes, real sockets, SmolLM2, the peers' own benchmark tools unchanged.
 
 One stack for the module (starting one takes a while on this machine), tests in
-order: session affinity, the operator-only /reset_prefix_cache, ``vllm bench
+order: session affinity, the operator-only /reset_prefix_cache (G1, then with
+``?warehouse=1`` the kvstore too), ``vllm bench
 serve --dataset-name timed_trace``, AIPerf (installed into its own venv by
 scripts/install_aiperf.sh), then one prefill instance killed mid-run.
 """
@@ -164,6 +165,23 @@ def test_reset_prefix_cache_is_for_operators_and_empties_g1(stack: Stack,
     assert stack.prefill_metric("kvserve_prefill_prefill_g1_tokens_total") == g1
     assert stack.prefill_metric("kvserve_prefill_prefill_warehouse_tokens_total") - wh == 256
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+    # ?warehouse=1: the kvstore forgets its blocks too (KVStore.Clear), so nothing is cached.
+    auth = {"Authorization": f"Bearer {key}"}
+    status, _, body = stack.post("/reset_prefix_cache?warehouse=maybe", headers=auth)
+    assert status == 400 and body["error"]["param"] == "warehouse", body
+    status, _, body = stack.post("/reset_prefix_cache?warehouse=1", headers=auth)
+    assert status == 200 and not body["failed"], body
+    assert len(body["reset"]) == 4 and len(body["warehouse"]) == 1, body
+    dropped = next(iter(body["warehouse"].values()))
+    assert dropped["G2"]["blocks"] >= 4 and dropped["G2"]["bytes"] > 0, body
+    assert set(dropped) == {"G2", "G3"}
+    g1 = stack.prefill_metric("kvserve_prefill_prefill_g1_tokens_total")
+    wh = stack.prefill_metric("kvserve_prefill_prefill_warehouse_tokens_total")
+    status, _, body = stack.complete(prompt)
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert stack.prefill_metric("kvserve_prefill_prefill_g1_tokens_total") == g1
+    assert stack.prefill_metric("kvserve_prefill_prefill_warehouse_tokens_total") == wh
 
 
 def _export(out: Path, fmt: str, smollm2_dir: str) -> Path:
