@@ -180,11 +180,12 @@ def run(cfg: FrontBenchConfig) -> FrontBenchResult:
             EmbeddedRedis() as redis:
         d = Path(tmp)
         # mTLS as deployed; children, health checks and channels find it in the env.
-        os.environ[TLS_DIR_ENV] = SecurityConfig.for_local_run(d / "tls").cert_dir
+        tls = os.environ[TLS_DIR_ENV] = SecurityConfig.for_local_run(d / "tls").cert_dir
         ports = {n: free_port() for n in ("store", "prefill", "decode", "router", "http")}
         base = [sys.executable, "-m", "kvserve.cli"]
         def common(role: str) -> list[str]:      # each role its own Redis user, by file
-            return ["--host", "127.0.0.1",
+            # Children inherit no credential variable (kvserve.credentials): named here.
+            return ["--host", "127.0.0.1", "--tls-dir", tls,
                     *redis_url_args(redis.url_for(role), d, f"{role}.redis.url")]
 
         addr = {n: f"127.0.0.1:{p}" for n, p in ports.items()}

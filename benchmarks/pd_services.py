@@ -100,14 +100,15 @@ async def _bench(args: Any, cfg: KVServeConfig, tok: Any, hit_rule: Any,
     from kvstore.redis_server import EmbeddedRedis, free_port
 
     # mTLS as deployed; children, health checks and channels find it in the env.
-    os.environ[TLS_DIR_ENV] = SecurityConfig.for_local_run(tmp / "tls").cert_dir
+    tls = os.environ[TLS_DIR_ENV] = SecurityConfig.for_local_run(tmp / "tls").cert_dir
     with EmbeddedRedis() as redis:
         ports = {name: free_port() for name in ("store", "cold", "warm", "decode")}
         config = tmp / "kvserve.toml"
         config.write_text(to_toml(cfg))
         base = [sys.executable, "-m", "kvserve.cli"]
+        # Children inherit no credential variable (kvserve.credentials): named here.
         common = ["--config", str(config), "--host", "127.0.0.1",
-                  *redis_url_args(redis.url, tmp)]
+                  *redis_url_args(redis.url, tmp), "--tls-dir", tls]
         store = f"127.0.0.1:{ports['store']}"
 
         def engine(role: str, name: str, *extra: str) -> Child:

@@ -14,7 +14,8 @@ that needs it is added here. The roles call exactly what their code calls:
 - engine (an outside engine, e.g. the vLLM connector): the kvstore's data
   methods and Stats;
 - kvstore: nothing (it serves; it calls no kvserve service);
-- tenant: the kvstore's data methods and the Router API, for its own tenant only;
+- tenant: the kvstore's data methods, Stats (its own rows) and the Router API, for its
+  own tenant only;
 - operator: everything (maintenance, tools).
 
 A tenant-scoped identity of any role (``urn:kvserve:tenant:`` in its
@@ -36,8 +37,9 @@ STORE_DATA = frozenset(KVSTORE + m for m in ("Lookup", "Get", "Put", "Stage"))
 STORE_STATS = frozenset({KVSTORE + "Stats"})
 STORE_WARM = frozenset({KVSTORE + "Warm"})
 STORE_CLEAR = frozenset({KVSTORE + "Clear"})       # drops every block: never a tenant's call
-# Methods whose effect is bounded by the acting tenant (the handler asks acting_tenant).
-TENANT_METHODS = STORE_DATA | STORE_WARM | {ROUTER + "Generate"}
+# Methods whose effect is bounded by the acting tenant (the handler asks acting_tenant;
+# Stats answers a tenant identity with its own rows and the aggregate counters only).
+TENANT_METHODS = STORE_DATA | STORE_WARM | STORE_STATS | {ROUTER + "Generate"}
 
 METHODS_BY_ROLE: Mapping[str, frozenset[str]] = {
     "kvstore": frozenset(),

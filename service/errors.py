@@ -134,14 +134,15 @@ def status_for(exc: BaseException) -> Status:
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, where: str) -> None:
     status = status_for(exc)
     # Status text reaches the caller: never a secret in it (security.redact).
-    status = Status(status.code, redact(status.message))
+    status = Status(status.code, redact(status.message), status.retry_after_ms)
     if status.code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", where, exc_info=exc)
     else:
         log.info("%s -> %s: %s", where, status.code.name, status.message)
-    if status.retry_after_ms is not None:
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(status.retry_after_ms)),))
-    await context.abort(status.code, status.message)
+    # Given to abort itself: abort's own (empty) trailing metadata would replace any set before.
+    trailer = (((RETRY_AFTER_KEY, str(status.retry_after_ms)),)
+               if status.retry_after_ms is not None else ())
+    await context.abort(status.code, status.message, trailing_metadata=trailer)
 
 
 Req = TypeVar("Req")

@@ -5,6 +5,7 @@ real processes on real Redis) and blocking gRPC helpers to drive it.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -35,6 +36,9 @@ class Stack:
     prefill: procs.Proc
     decode: procs.Proc
     ref: Engine
+    # /dev/shm's names before this stack started: what an earlier run (another
+    # session's, or one that was killed) left there is not this stack's to answer for.
+    shm_before: frozenset[str] = frozenset()
     # One channel per address, shared by every call and thread, as a real client
     # holds it: a new TLS handshake per call made 11 concurrent handshakes per batch.
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
@@ -150,6 +154,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def _stack(base: Path, redis_server: str) -> Iterator[Stack]:
+    shm_before = frozenset(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else frozenset()
     config = procs.write_config(base / "kvserve.toml")
     store = procs.store(config, redis_server, base)
     store.start()
@@ -160,7 +165,7 @@ def _stack(base: Path, redis_server: str) -> Iterator[Stack]:
     procs.start_all(pre, dec)
     store.wait_ready()
     ref = Engine(EngineConfig(model="tiny-dense", block_tokens=procs.BLOCK, num_blocks=512))
-    s = Stack(redis_server, config, base, store, pre, dec, ref)
+    s = Stack(redis_server, config, base, store, pre, dec, ref, shm_before)
     try:
         yield s
     finally:

@@ -47,6 +47,7 @@ from kvstore.tiers.objstore import OPTIONS_ENV
 from kvstore.types import RequestCtx
 from security.config import SecurityConfig, SecurityError
 from security.pki import CertAuthority, CertRequest
+from security.secret_files import redis_url_args
 from tests.kvstore.s3proc import ACCESS, MotoS3
 from tests.kvstore.storeproc import LAYOUT, StoreProc, blocks, keys, write_config
 
@@ -98,9 +99,11 @@ def _plant(path: Path, data: bytes) -> None:
 
 
 def _reindex(redis_url: str, *tier_args: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "kvserve.cli", "store", "reindex",
-                          "--redis-url", redis_url, "--node", "n1", "--json", *tier_args],
-                         capture_output=True, text=True, timeout=120, check=True)
+    with tempfile.TemporaryDirectory() as d:       # the URL carries a password: by file
+        out = subprocess.run([sys.executable, "-m", "kvserve.cli", "store", "reindex",
+                              *redis_url_args(redis_url, d), "--node", "n1", "--json",
+                              *tier_args],
+                             capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout)
 
 

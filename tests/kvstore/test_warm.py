@@ -10,13 +10,14 @@ from kvstore.client import KVStoreClient
 from kvstore.service import start_server
 from kvstore.types import RequestCtx
 from kvstore.warehouse import Warehouse
+from security.config import SecurityConfig
 from tests.kvstore.storeproc import BLOCK_BYTES, LAYOUT, blocks, keys, wh_config
 
 CTX = RequestCtx(tenant="acme")
 BT = 4                                            # tokens per block in these tests
 
 
-def test_warm_promotes_g3_blocks_into_g2(redis_url: str, tmp_path: Path) -> None:
+def test_warm_promotes_g3_blocks_into_g2(redis_url: str, tls_dir: str, tmp_path: Path) -> None:
     async def body() -> None:
         # G2 holds 4 blocks; 12 are put, so the first ones end up in G3 only.
         wh = await Warehouse(wh_config(redis_url, tmp_path / "g3",
@@ -24,27 +25,29 @@ def test_warm_promotes_g3_blocks_into_g2(redis_url: str, tmp_path: Path) -> None
         srv = await start_server(wh)
         try:
             ks, payloads = keys(12, seed=5), blocks(12, seed=5)
-            async with KVStoreClient(f"127.0.0.1:{srv.port}", use_shm=False) as c:
+            async with KVStoreClient(f"127.0.0.1:{srv.port}", use_shm=False) as c, \
+                    KVStoreClient(f"127.0.0.1:{srv.port}", use_shm=False,
+                                  security=SecurityConfig(tls_dir, role="router")) as r:
                 await c.put(ks, payloads, layout=LAYOUT, token_count=BT, ctx=CTX)
                 await wh.flush()
                 before = await c.lookup(ks, prompt_tokens=12 * BT + 1, ctx=CTX, touch=False)
                 cold = [i for i, t in enumerate(before.block_tiers[:4]) if t == "G3"]
                 assert cold, f"expected G3-only blocks at the front, got {before.block_tiers}"
                 # Warm the first 4 blocks' chain (a prompt of 4 blocks + 1 token).
-                res = await c.warm(ks[:4], prompt_tokens=4 * BT + 1, ctx=CTX)
+                res = await r.warm(ks[:4], prompt_tokens=4 * BT + 1, ctx=CTX)
                 assert res.matched_blocks == 4
                 assert res.promoted_blocks == len(cold)
                 assert res.in_g2_blocks == 4 - len(cold)
                 after = await c.lookup(ks[:4], prompt_tokens=4 * BT + 1, ctx=CTX, touch=False)
                 assert after.block_tiers == ["G2"] * 4
-                again = await c.warm(ks[:4], prompt_tokens=4 * BT + 1, ctx=CTX)
+                again = await r.warm(ks[:4], prompt_tokens=4 * BT + 1, ctx=CTX)
                 assert (again.promoted_blocks, again.in_g2_blocks) == (0, 4)
                 # What comes back is the bytes that were put (verified on the way).
                 got = await c.get(ks[:4], ctx=CTX)
                 assert [bytes(g) for g in got.payloads if g is not None] == [
                     bytes(p) for p in payloads[:4]]
                 # Another tenant's warm finds nothing of acme's.
-                other = await c.warm(ks[:4], prompt_tokens=4 * BT + 1,
+                other = await r.warm(ks[:4], prompt_tokens=4 * BT + 1,
                                      ctx=RequestCtx(tenant="bob"))
                 assert other.matched_blocks == 0 and other.promoted_blocks == 0
         finally:

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.traces import Trace
 from kvstore.client import KVStoreClient
 from kvstore.types import RequestCtx
+from security.secret_files import redis_url_args
 from studies.sim import replay_cache
 from tests.kvstore.simtrace import random_prefix_trace
 from tests.kvstore.storeproc import write_config
@@ -39,7 +40,8 @@ TTLS = [1.0, 2.0, 4.0, 7.0, math.inf]        # gaps are 0, 0.6, 1.2, 1.8, 2.4, 3
 def _start_store(redis_url: str, config: Path) -> tuple[subprocess.Popen[str], int, int]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
-         "--port", "0", "--metrics-port", "0", "--redis-url", redis_url, "--node", "whatif",
+         "--port", "0", "--metrics-port", "0", *redis_url_args(redis_url, config.parent),
+         "--node", "whatif",
          "--g2-bytes", "4MiB", "--no-prefault", "--grace", "5", "--config", str(config)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -19,6 +19,7 @@ from kvserve.cli import main
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
 from kvstore.service import start_server
+from kvstore.types import RequestCtx
 from kvstore.warehouse import Warehouse
 from security.config import SecurityConfig, SecurityError
 from security.pki import (
@@ -137,8 +138,10 @@ def test_rotate_makes_working_certificates_that_a_running_server_takes(
                                                   "tenant", "--tenant", "acme"]) == 0
             async with KVStoreClient(address, use_shm=False,
                                      security=SecurityConfig(str(root / "tenant-acme"))) as t:
+                assert (await t.stats()).node    # authenticated: its own rows only
                 with pytest.raises(KVStoreError, match="may not call"):
-                    await t.stats()                  # authenticated; Stats is not a tenant's
+                    await t.delete([b"k" * 32], ctx=RequestCtx(tenant="acme"))  # operators'
+
         finally:
             await srv.server.stop(0)
             await wh.close()
