@@ -58,7 +58,8 @@ def seen(tmp_path_factory: pytest.TempPathFactory) -> Observed:
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     with traced_stack(tmp_path_factory.mktemp("observe")) as stack:
         answer, headers = _chat(stack, f"00-{trace_id}-{client_span}-01", f"{MARKER} " * 40)
-        _, own = _chat(stack, "00-zz-not-a-traceparent-01", "hello", max_tokens=2)
+        # Long enough for whole blocks: a prompt under one block asks the kvstore nothing.
+        _, own = _chat(stack, "00-zz-not-a-traceparent-01", "hello there " * 40, max_tokens=2)
         exported = scrape_names(stack.state["metrics"].values())
     raw = stack.spans_file.read_text()
     return Observed(answer, headers, trace_id, client_span, own["traceresponse"].split("-")[1],
