@@ -112,7 +112,16 @@ def _phase(args: argparse.Namespace, out: Path, doc: dict[str, Any], tool: ap.AI
         doc["problems"].append(str(exc))
         say(f"{phase.name} phase failed: {exc}")
         return
+    if res.cut:
+        doc.setdefault("notes", []).append(f"{phase.name} phase {res.cut}: {len(res.records)} "
+                                           f"of {phase.requests} requests finished")
     delta = _delta(before, _scrape(stack))
+    # Where the time went: every service's time and byte counters over the phase.
+    doc.setdefault("breakdown", {})[phase.name] = {
+        role: {k: round(v, 4) for k, v in sorted(d.items())
+               if v and k.endswith(("_sum", "_count", "seconds_total", "bytes_total",
+                                    "tokens_total", "_s_total"))}
+        for role, d in delta.items()}
     if phase.name == "agent":
         doc["prefill"] = prefill_figures(res.records, limits, delta["prefill"], delta["decode"])
     else:
@@ -290,7 +299,8 @@ def _report(doc: dict[str, Any], out: Path) -> Report:
                   f"TPOT p50 {df['itl_p50_s'] * 1e3:.1f} ms (SLO "
                   f"{df['slo_tpot_s'] * 1e3:.0f} ms), context {df['context']:.0f}")
     notes = [f"{doc.get('stack_ready_s', 0):.0f} s to a ready stack (limits included), "
-             f"{doc['wall_s']:.0f} s in all; errors {errors}", *doc["problems"]]
+             f"{doc['wall_s']:.0f} s in all; errors {errors}", *doc["problems"],
+             *doc.get("notes", [])]
     (out / "stack.json").write_text(json.dumps(doc, indent=1))
     chart = Chart("measured / same-run limit", ("prefill vs limit", "decode vs roofline"),
                   {"ratio": [pf.get("vs_limit"), df.get("vs_roofline")]},

@@ -90,6 +90,7 @@ class PhaseResult:
     artifacts: Path                     # AIPerf's own output folder
     log: Path
     summary: dict[str, object] = field(default_factory=dict)  # its profile_export_aiperf.json
+    cut: str = ""                       # why the phase ended before AIPerf did ("": it didn't)
 
     @property
     def ok(self) -> list[Record]:
@@ -119,7 +120,9 @@ def command(tool: AIPerf, phase: Phase, url: str, model: str, art: Path,
 def run(tool: AIPerf, phase: Phase, url: str, model: str, out: Path,
         tokenizer: Path) -> PhaseResult:
     """Run the phase; raises RuntimeError (with the log's tail) when AIPerf fails
-    or writes no per-request export."""
+    or writes no per-request export. A phase cut at its timeout keeps the requests
+    AIPerf had finished (its export is written as they finish) and says so in
+    ``cut``: the budget ended it, not the server."""
     art = out / f"aiperf-{phase.name}"
     log = out / f"aiperf-{phase.name}.log"
     scratch = out / f"aiperf-{phase.name}-data"
@@ -137,6 +140,9 @@ def run(tool: AIPerf, phase: Phase, url: str, model: str, out: Path,
         except subprocess.TimeoutExpired:
             rc = f"timeout after {phase.timeout_s:.0f} s"
     export = next(iter(sorted(art.rglob(EXPORT))), None)
+    cut = ""
+    if isinstance(rc, str) and export is not None and export.stat().st_size > 0:
+        cut, rc = f"cut at the phase timeout ({phase.timeout_s:.0f} s)", 0
     if rc != 0 or export is None:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"aiperf ({phase.name}) exited {rc}"
@@ -144,7 +150,7 @@ def run(tool: AIPerf, phase: Phase, url: str, model: str, out: Path,
     summary_file = next(iter(sorted(art.rglob("profile_export_aiperf.json"))), None)
     summary = json.loads(summary_file.read_text()) if summary_file else {}
     return PhaseResult(phase, tuple(parse_records(export.read_text().splitlines())), art, log,
-                       summary)
+                       summary, cut)
 
 
 def _metric(rec: dict[str, object], name: str) -> float:
