@@ -2,7 +2,16 @@
 
 ``VLLMSpec`` is one server's whole command line and environment (the connector's
 ``--kv-transfer-config`` included); ``VLLMProcess`` starts it, waits for its
-``/health`` and stops it. ``run_up`` is ``kvserve up --engine vllm``: Redis,
+``/health`` and stops it.
+
+Trust (docs/vllm.md, "Trust"): outside ``--insecure`` a server answers HTTPS
+only, with its own ``engine`` identity (``engine_identity``: a certificate
+whose common name is the instance id, so its registry entry can be verified)
+and requires a client certificate of the deployment's CA; it requires the
+deployment's vLLM API key, handed over in ``VLLM_API_KEY`` (never argv); and
+it runs without ``VLLM_SERVER_DEV_MODE`` (whose endpoints are unauthenticated).
+
+``run_up`` is ``kvserve up --engine vllm``: Redis,
 one kvstore, ``--vllm-instances`` vLLM servers (``kv_both``, or with ``--pd``
 one ``kv_producer`` + one ``kv_consumer``) and the router with its vLLM backend.
 Tests and ``kvserve bench vllm`` start servers through the same spec.
@@ -15,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -30,10 +41,12 @@ from typing import Any
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 # What vLLM's CPU build wants on these machines (docs/vllm.md): no usage reports,
-# offline, threads on every core, and the dev endpoints tests use (/reset_prefix_cache).
+# offline, threads on every core. Never VLLM_SERVER_DEV_MODE: its endpoints
+# (reset caches, collective RPCs, sleep) sit outside vLLM's API-key check.
 BASE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_SERVER_DEV_MODE": "1"}
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+# Removed from a child's environment whatever the parent had.
+DROP_ENV = ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_API_KEY")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +54,7 @@ class VLLMSpec:
     model_dir: str
     port: int
     store: str                                  # kvstore gRPC address
-    redis_url: str
+    redis_url: str                              # never in argv: see redis_url_file
     instance_id: str
     served_name: str = "smollm2"
     host: str = "127.0.0.1"
@@ -53,9 +66,11 @@ class VLLMSpec:
     max_num_seqs: int = 64                      # vLLM's default sizes buffers for 256
     enforce_eager: bool = True                  # ~40 s start instead of ~2-3 min
     connector: bool = True                      # False: plain vLLM (its own cache only)
-    tls_dir: str = ""
-    insecure: bool = False
-    secret_file: str = ""
+    tls_dir: str = ""                           # its engine identity (engine_identity)
+    insecure: bool = False                      # plain HTTP, no API key, no attestation
+    secret_file: str = ""                       # deployment secret (salts, API key)
+    kv_events: str = ""                         # vLLM's own KV events: a ZMQ endpoint
+    redis_url_file: str = ""                    # 0600 file the connector reads it from
     extra_config: dict[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
 
@@ -65,13 +80,37 @@ class VLLMSpec:
         if self.block_tokens % 32:
             raise ValueError(f"block_tokens {self.block_tokens}: vLLM's CPU build needs a "
                              "multiple of 32")
+        if not self.insecure and not (self.tls_dir and self.secret_file):
+            raise ValueError(f"vLLM {self.instance_id}: pass tls_dir (its engine identity) "
+                             "and secret_file, or insecure=True for plain text")
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.insecure else "https"
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+    def security(self) -> Any:
+        """Its own identity (security.config.SecurityConfig), also what probes it."""
+        from security.config import SecurityConfig
+
+        if self.insecure:
+            return SecurityConfig(insecure=True)
+        return SecurityConfig(cert_dir=self.tls_dir, role="engine", secret_file=self.secret_file)
+
+    def api_key(self) -> str:
+        from security.vllm_trust import vllm_api_key
+
+        return vllm_api_key(self.security().require_secret())
 
     def kv_transfer_config(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"store": self.store, "redis_url": self.redis_url,
+        # The Redis URL carries a password: the connector reads it from a 0600 file
+        # (VLLMProcess writes it), never from argv (readable by every local user).
+        redis = ({"redis_url_file": self.redis_url_file} if self.redis_url_file
+                 else {"redis_url": self.redis_url} if self.redis_url else {})
+        extra: dict[str, Any] = {"store": self.store, **redis,
                                  "instance_id": self.instance_id, "advertise": self.base_url,
                                  "node": self.node, "block_tokens": self.block_tokens,
                                  **self.extra_config}
@@ -95,13 +134,23 @@ class VLLMSpec:
                "--kv-cache-memory-bytes", str(self.kv_cache_mib * 2**20), "--disable-log-stats"]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if not self.insecure:
+            from security.https import server_args
+
+            cmd += server_args(self.tls_dir)
+        if self.kv_events:
+            cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                                      "publisher": "zmq",
+                                                      "endpoint": self.kv_events})]
         if self.connector:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, **BASE_ENV}
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)      # it would override --kv-cache-memory-bytes
+        env = {k: v for k, v in os.environ.items() if k not in DROP_ENV}
+        env.update(BASE_ENV)
+        if not self.insecure:
+            env["VLLM_API_KEY"] = self.api_key()       # vLLM's --api-key, out of argv
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
         root = str(Path(__file__).resolve().parent.parent)   # connectors/ importable in spawns
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
@@ -119,11 +168,17 @@ class VLLMProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
         self.ready_s = 0.0
+        self._ssl = client_ssl(spec)
 
     def start(self) -> VLLMProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        if self.spec.redis_url and not self.spec.redis_url_file:
+            path = self.log.with_suffix(".redis-url")
+            write_private(path, self.spec.redis_url)
+            self.spec = dataclasses.replace(self.spec, redis_url_file=str(path))
         self.started_at = time.monotonic()
-        with open(self.log, "wb") as out:
+        fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
             self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.env(), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
@@ -138,7 +193,7 @@ class VLLMProcess:
             if not self.alive():
                 raise VLLMError(f"vLLM {self.spec.instance_id} exited while starting; "
                                 f"log {self.log}:\n{tail(self.log)}")
-            if http_ok(self.spec.base_url + "/health"):
+            if http_ok(self.spec.base_url + "/health", ssl_context=self._ssl):
                 self.ready_s = time.monotonic() - self.started_at
                 return self
             time.sleep(0.5)
@@ -159,12 +214,42 @@ class VLLMProcess:
             self.proc.wait()
 
 
-def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+def write_private(path: Path, text: str) -> None:
+    """A file only this user can read, created so (no window with a looser mode)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+
+
+def client_ssl(spec: VLLMSpec) -> ssl.SSLContext | None:
+    """How tools on this host call the server: its own identity's certificate
+    (the server's names include 127.0.0.1 and localhost)."""
+    from security.https import client_context
+
+    return None if spec.insecure else client_context(spec.security())
+
+
+def http_ok(url: str, timeout_s: float = 2.0, ssl_context: ssl.SSLContext | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=ssl_context) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def engine_identity(deployment: str | Path, instance_id: str, host: str = "127.0.0.1") -> Path:
+    """A vLLM instance's own identity under ``deployment/vllm/<instance_id>``:
+    role ``engine``, common name = the instance id (the router accepts its
+    registry entry only when signed so), made once. Needs the deployment's CA key,
+    so only the launcher (operator side) calls this, never a child."""
+    from security.pki import CertAuthority, CertRequest
+
+    d = Path(deployment) / "vllm" / instance_id
+    if not (d / "tls.key").exists():
+        ca = CertAuthority.load(Path(deployment) / "ca")
+        ca.issue(CertRequest("engine", name=instance_id, hosts=(host,))).save(d)
+    return d
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -192,6 +277,8 @@ def configure_up(p: argparse.ArgumentParser) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    from kvserve.commands.vllm_cmds import need_vllm
     from kvserve.launch_vllm_up import run
 
+    need_vllm()                       # one line naming the missing step, no traceback
     return run(args)

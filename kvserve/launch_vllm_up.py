@@ -21,7 +21,13 @@ from pathlib import Path
 from common.config import ConfigError, KVServeConfig
 from kvserve import launcher
 from kvserve.cli import UsageError
-from kvserve.launch_vllm import VLLMError, VLLMProcess, VLLMSpec, security_args
+from kvserve.launch_vllm import (
+    VLLMError,
+    VLLMProcess,
+    VLLMSpec,
+    engine_identity,
+    security_args,
+)
 from security.config import SecurityConfig
 
 
@@ -90,15 +96,23 @@ def run(args: argparse.Namespace) -> int:
                                        "--health-port", str(router_health)],
                             f"{host}:{router_health}", run_dir / "router.log", security=plain)
     roles = ["kv_producer", "kv_consumer"] if args.pd else ["kv_both"] * args.vllm_instances
-    vllms = [VLLMProcess(VLLMSpec(
-        model_dir=model_dir, port=free_port(host), store=store_addr, redis_url=redis_url,
-        instance_id=f"vllm-{i}-{role.removeprefix('kv_')}", host=host, kv_role=role,
-        block_tokens=cfg.blocks.block_tokens, node=cfg.tiers.node,
-        kv_cache_mib=args.vllm_kv_cache_mib, tls_dir=tls_dir, insecure=insecure,
-        extra_config={"window": cfg.blocks.window, "backtrack": cfg.blocks.backtrack,
-                      "classes": sorted(cfg.classes.ttl_s),
-                      "default_class": cfg.classes.default}),
-        run_dir / f"vllm-{i}.log") for i, role in enumerate(roles)]
+    vllms = []
+    for i, role in enumerate(roles):
+        iid = f"vllm-{i}-{role.removeprefix('kv_')}"
+        # Each server its own engine identity (CN = its id: its registry entry is
+        # signed by it), made here, where the CA is; the child gets only its own.
+        ident = "" if insecure else str(engine_identity(tls_dir, iid, host))
+        vllms.append(VLLMProcess(VLLMSpec(
+            model_dir=model_dir, port=free_port(host), store=store_addr, redis_url=redis_url,
+            instance_id=iid, host=host, kv_role=role,
+            block_tokens=cfg.blocks.block_tokens, node=cfg.tiers.node,
+            kv_cache_mib=args.vllm_kv_cache_mib, tls_dir=ident, insecure=insecure,
+            secret_file="" if insecure else str(Path(tls_dir) / "secret"),
+            kv_events=f"ipc://{run_dir / f'vllm-{i}.events'}",
+            extra_config={"window": cfg.blocks.window, "backtrack": cfg.blocks.backtrack,
+                          "classes": sorted(cfg.classes.ttl_s),
+                          "default_class": cfg.classes.default}),
+            run_dir / f"vllm-{i}.log"))
     children = [store, router]
     try:
         launcher.start_children([store], args.ready_timeout, stop)
