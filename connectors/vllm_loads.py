@@ -262,16 +262,21 @@ class LoadSide:
     def _land(self, req_id: str, batch: _Batch) -> None:
         """On the copy thread: resolve the Get and write every layer into the cache."""
         try:
-            self._resolve(batch)
             t0 = time.perf_counter()
             if self._stream is not None:
+                # Everything on the side stream, the block-id tensors included, so
+                # the scatter is ordered after the copies that feed it.
                 with torch.cuda.stream(self._stream):
+                    self._resolve(batch)
+                    t0 = time.perf_counter()
                     self._to_device(batch)
                     for li in range(len(self.names)):
                         self._copy_layer(batch, li)
                     batch.event = torch.cuda.Event()
                     batch.event.record(self._stream)
             else:
+                self._resolve(batch)
+                t0 = time.perf_counter()
                 for li in range(len(self.names)):
                     self._copy_layer(batch, li)
             self._count("us_copy", int((time.perf_counter() - t0) * 1e6))

@@ -27,6 +27,7 @@ from kvserve.launch_vllm import (
     VLLMSpec,
     engine_identity,
     security_args,
+    write_private,
 )
 from security.config import SecurityConfig
 
@@ -60,6 +61,11 @@ def _model_dir(name: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from kvstore.redis_server import EmbeddedRedis, free_port
 
+    if args.state_dir:            # as `kvserve up` does: a second stack beside the first
+        os.environ[launcher.STATE_ENV] = str(Path(args.state_dir).resolve() / "up.json")
+    launcher._refuse_second(launcher.state_path())
+    if args.api_key_file and not Path(args.api_key_file).is_file():
+        raise UsageError(f"--api-key-file {args.api_key_file}: no such file")
     try:
         cfg = KVServeConfig.load(args.config) if args.config else KVServeConfig()
         cfg = launcher._effective(cfg, args)
@@ -68,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if args.vllm_instances < 1:
         raise UsageError("--vllm-instances must be >= 1")
     run_dir = Path(args.run_dir) if args.run_dir else launcher.state_path().parent / "run-vllm"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    run_dir.chmod(0o700)             # logs, the Redis URL file, the vLLM event sockets
     stop = launcher._stop_on_signals()
     redis = None
     redis_url = args.redis_url or cfg.redis.effective_url()
@@ -80,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     tls_dir, insecure = _security(args, run_dir)
     sec = security_args(tls_dir, insecure)
     config_file = run_dir / "kvserve.toml"
-    config_file.write_text(launcher.to_toml(cfg))
+    write_private(config_file, launcher.to_toml(cfg))
     host, p = cfg.ports.host, cfg.ports
     base = [sys.executable, "-m", "kvserve.cli"]
     common = ["--config", str(config_file), "--host", host, "--redis-url", redis_url, *sec]
@@ -91,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
                                        "--metrics-port", str(p.metrics),
                                        "--health-port", str(store_health)],
                            f"{host}:{store_health}", run_dir / "kvstore.log", security=plain)
+    keys = ["--api-key-file", args.api_key_file] if args.api_key_file else []
     router = launcher.Child("router", [*base, "router", "serve", *common, "--backend", "vllm",
-                                       "--model", cfg.model.name,
+                                       "--model", cfg.model.name, *keys,
                                        "--health-port", str(router_health)],
                             f"{host}:{router_health}", run_dir / "router.log", security=plain)
     roles = ["kv_producer", "kv_consumer"] if args.pd else ["kv_both"] * args.vllm_instances
@@ -133,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             logs={**{c.name: str(c.log) for c in children},
                   **{v.spec.instance_id: str(v.log) for v in vllms}})
         launcher.state_path().parent.mkdir(parents=True, exist_ok=True)
-        launcher.state_path().write_text(json.dumps(asdict(state), indent=1))
+        write_private(launcher.state_path(), json.dumps(asdict(state), indent=1))
         _print(state, vllms)
         code = _supervise(children, vllms, stop)
     except VLLMError as exc:
@@ -153,11 +161,23 @@ def run(args: argparse.Namespace) -> int:
 def _print(state: launcher.UpState, vllms: list[VLLMProcess]) -> None:
     print("kvserve up (engine vllm): running (Ctrl-C stops everything)")
     print(f"  model     {state.model}")
-    print(f"  redis     {state.redis_url}")
+    print(f"  redis     {_redacted(state.redis_url)}")
     print(f"  kvstore   {state.store}")
     for v in vllms:
         print(f"  {v.spec.instance_id:<9} {v.spec.base_url:<24} {v.spec.kv_role:<12} log {v.log}")
     print(f"  http      {state.router_http}/v1/chat/completions", flush=True)
+
+
+def _redacted(url: str) -> str:
+    """A URL without its password (the banner is read by whoever sees the terminal)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _supervise(children: list[launcher.Child], vllms: list[VLLMProcess],

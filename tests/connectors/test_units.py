@@ -9,7 +9,7 @@ import pytest
 
 from common.config import ConfigError
 from connectors.vllm_config import ConnectorConfig
-from connectors.vllm_identity import IdentityError, fingerprint, tenant_of, traffic_class_of
+from connectors.vllm_identity import IdentityError, fingerprint, traffic_class_of
 from connectors.vllm_presence import LocalBlocks
 from kvserve.launch_vllm import VLLMSpec
 
@@ -25,14 +25,6 @@ def test_config_rejects_unknown_keys_and_bad_values_with_the_field_named() -> No
     assert cfg.hit_rule.reserve == 134
     assert cfg.hit_rule.usable_tokens(1536, 1493) == 1344     # the L - 134 rule, floored to 64
     assert ConnectorConfig().hit_rule.usable_tokens(1472, 1493) == 1472
-
-
-def test_tenant_comes_from_cache_salt_and_distinct_salts_stay_distinct() -> None:
-    assert tenant_of(None) == tenant_of("") == "default"
-    assert tenant_of("alice") == "alice"
-    odd_a, odd_b = tenant_of("tenant with spaces/1"), tenant_of("tenant with spaces/2")
-    assert odd_a.startswith("salt-") and odd_b.startswith("salt-") and odd_a != odd_b
-    assert tenant_of("tenant with spaces/1") == odd_a                 # stable
 
 
 def test_traffic_class_from_kv_transfer_params_with_a_configured_default() -> None:
@@ -60,10 +52,14 @@ def test_local_blocks_announces_new_keys_once_and_evicts_least_recent() -> None:
     assert g1.touch([b"d"]) == ([b"d"], [b"b"])                  # b is the least recent
 
 
-def test_spec_builds_the_connector_config_vllm_reads() -> None:
-    spec = VLLMSpec(model_dir="/m", port=8100, store="h:1", redis_url="redis://r",
-                    instance_id="v1", insecure=True, extra_config={"window": 4})
+def test_spec_builds_the_connector_config_vllm_reads(tmp_path) -> None:
+    url = tmp_path / "redis-url"
+    url.write_text("redis://:pw@r:6379/0")
+    spec = VLLMSpec(model_dir="/m", port=8100, store="h:1", redis_url="redis://:pw@r:6379/0",
+                    redis_url_file=str(url), instance_id="v1", insecure=True,
+                    extra_config={"window": 4})
     argv = spec.argv()
+    assert not any("pw" in a for a in argv)                 # the password stays out of argv
     ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert ktc["kv_connector_module_path"] == "connectors.vllm"
     assert ktc["kv_load_failure_policy"] == "recompute"
@@ -72,6 +68,32 @@ def test_spec_builds_the_connector_config_vllm_reads() -> None:
     assert (cfg.store, cfg.advertise, cfg.window, cfg.insecure) == ("h:1",
                                                                    "http://127.0.0.1:8100", 4,
                                                                    True)
+    assert cfg.redis_url == "redis://:pw@r:6379/0"
+    assert "VLLM_SERVER_DEV_MODE" not in spec.env() and "VLLM_API_KEY" not in spec.env()
     with pytest.raises(ValueError, match="multiple of 32"):
         VLLMSpec(model_dir="/m", port=1, store="", redis_url="", instance_id="x",
-                 block_tokens=48)
+                 block_tokens=48, insecure=True)
+    with pytest.raises(ValueError, match="tls_dir"):
+        VLLMSpec(model_dir="/m", port=1, store="", redis_url="", instance_id="x")
+
+
+def test_a_secure_spec_serves_https_with_its_identity_and_the_key_in_env(tmp_path) -> None:
+    from kvserve.launch_vllm import engine_identity
+    from security.pki import ensure_deployment
+    from security.vllm_trust import vllm_api_key
+
+    dep = ensure_deployment(tmp_path / "dep")
+    ident = engine_identity(dep, "vllm-7")
+    spec = VLLMSpec(model_dir="/m", port=8443, store="h:1", redis_url="", instance_id="vllm-7",
+                    tls_dir=str(ident), secret_file=str(dep / "secret"),
+                    kv_events="ipc:///tmp/x.ev")
+    argv, env = spec.argv(), spec.env()
+    assert spec.base_url == "https://127.0.0.1:8443"
+    assert argv[argv.index("--ssl-cert-reqs") + 1] == "2"          # client certificates
+    assert argv[argv.index("--ssl-certfile") + 1] == str(ident / "tls.crt")
+    key = vllm_api_key(bytes.fromhex((dep / "secret").read_text().strip()))
+    assert env["VLLM_API_KEY"] == key and not any(key in a for a in argv)
+    assert json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"] == "ipc:///tmp/x.ev"
+    ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert ktc["kv_connector_extra_config"]["tls_dir"] == str(ident)
+    assert oct((ident / "tls.key").stat().st_mode & 0o777) == "0o600"
