@@ -40,7 +40,8 @@ class SaveSide:
         self.groups: tuple[int, ...] = ()
         self.device = torch.device("cpu")
         self._index: dict[str, int] = {}
-        self._staged: list[tuple[BlockTransfer, Lease, list[torch.Tensor]]] = []
+        # (transfer, host lease, block ids per group, device staging or None)
+        self._staged: list[tuple[BlockTransfer, Lease, list[torch.Tensor], Any]] = []
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}       # req -> Puts in flight
         self._saving: set[str] = set()           # requests that had saves
@@ -67,26 +68,34 @@ class SaveSide:
         if li is None:
             return
         if not self._staged:
-            self._staged = [(t, self.buffers.take(len(t.keys)),
-                             [torch.tensor(g, dtype=torch.long, device=self.device)
-                              for g in t.block_ids]) for t in saves]
+            cuda = self.device.type == "cuda"
+            for t in saves:
+                lease = self.buffers.take(len(t.keys))
+                ids = [torch.tensor(g, dtype=torch.long, device=self.device)
+                       for g in t.block_ids]
+                stage = torch.empty(lease.view.shape, dtype=lease.view.dtype,
+                                    device=self.device) if cuda else None
+                self._staged.append((t, lease, ids, stage))
         gi = self.groups[li]
-        for _t, lease, ids in self._staged:
-            lease.view[:, li].copy_(kv_layer.index_select(0, ids[gi]), non_blocking=True)
+        for _t, lease, ids, stage in self._staged:
+            dst = stage if stage is not None else lease.view
+            dst[:, li].copy_(kv_layer.index_select(0, ids[gi]))
 
     def wait_for_save(self) -> None:
         staged, self._staged = self._staged, []
         if not staged:
             return
         if self.bridge is None:
-            for _t, lease, _ids in staged:
+            for _t, lease, _ids, _stage in staged:
                 self.buffers.give(lease)  # type: ignore[union-attr]
             return
         ready = None
         if self.device.type == "cuda":
+            for _t, lease, _ids, stage in staged:   # contiguous device -> pinned: async
+                lease.view.copy_(stage, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        for t, lease, _ids in staged:
+        for t, lease, _ids, _stage in staged:
             with self._lock:
                 self._pending[t.req_id] = self._pending.get(t.req_id, 0) + 1
             self._put(t, lease, ready)

