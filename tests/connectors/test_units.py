@@ -97,3 +97,30 @@ def test_a_secure_spec_serves_https_with_its_identity_and_the_key_in_env(tmp_pat
     ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert ktc["kv_connector_extra_config"]["tls_dir"] == str(ident)
     assert oct((ident / "tls.key").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_missing_setup_step_is_named_in_one_line_not_a_traceback(tmp_path) -> None:
+    """What `pip install -e '.[vllm]'` without `kvserve vllm-setup` leaves behind: a
+    torchvision that dies on import beside the CPU torch. A real package on the path
+    (with its distribution metadata), not a patched function."""
+    import os
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "torchvision"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    meta = tmp_path / "torchvision-0.99.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.99\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    for argv in (["bench", "vllm", "--insecure"], ["up", "--engine", "vllm", "--insecure",
+                                                   "--state-dir", str(tmp_path / "st")]):
+        proc = subprocess.run([sys.executable, "-m", "kvserve.cli", *argv], env=env,
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert "Traceback" not in proc.stderr
+        assert any("kvserve vllm-setup" in ln and "torchvision" in ln for ln in lines), lines
