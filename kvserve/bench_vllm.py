@@ -4,16 +4,18 @@ One machine, one kvstore, the same 1,493-token prompts (seeded token ids):
 
 1. server 1 (fresh store): TTFT cold, then the same prompt again, answered from
    vLLM's own prefix cache (``ttft_warm_local_s``);
-2. server 1 stops; server 2 is a **fresh** vLLM process: after one unrelated
-   prompt (its first-forward costs, as server 1 paid them on its cold prompts),
-   the same prompts are answered restoring the prefix from the warehouse
-   (``ttft_warm_warehouse_s``), with the cached tokens it reports and whether its
-   tokens equal the cold run's.
+2. server 1 stops; server 2 is a **fresh** vLLM process: after one warm-up prompt
+   that server 1 also computed (its first-forward costs, as server 1 paid them
+   on its cold prompts, and the connector's one-time costs: attaching the
+   store's shared memory, the first host buffer), the measured prompts are
+   answered restoring the prefix from the warehouse (``ttft_warm_warehouse_s``),
+   with the cached tokens it reports and whether its tokens equal the cold run's.
 
 TTFT is measured as a streaming client sees it (request sent to first token).
 Medians over ``--reps`` prompts; the target is warehouse-warm <= 1.2 x local-warm.
 
-The split (``split_ms``, per warm request, from the connector's own counters,
+The split (``split_ms``, the median over the warm requests of each part, each
+request's counters read on its own, from the connector's own counters,
 ``connectors.vllm_worker``): ``lookup`` (scheduler-side Lookup), ``get`` (Get
 issued -> landed in this process, verified), ``wait`` (the forward blocked on
 it: synchronous loads only), ``copy`` (scatter into vLLM's paged cache),
@@ -144,18 +146,28 @@ def _settled(redis_url: str, instance: str) -> dict[str, int]:
     return _counters(redis_url, instance)
 
 
-def split(before: dict[str, int], after: dict[str, int], timed: list[Timed]) -> dict[str, float]:
-    """Per-request milliseconds of each part of the warm path (module doc)."""
+def split(before: dict[str, int], after: dict[str, int], timed: Timed) -> dict[str, float]:
+    """Milliseconds of each part of one request's warm path (module doc)."""
     d = {k: after.get(k, 0) - before.get(k, 0) for k in SPLIT_COUNTERS}
-    n = max(1, len(timed))
     steps = max(1, d["steps_new"])
-    out = {"lookup": d["us_lookup"] / n / 1e3, "get": d["us_get"] / n / 1e3,
-           "wait": d["us_wait"] / n / 1e3, "copy": d["us_copy"] / n / 1e3,
-           "first_step": d["us_step_new"] / steps / 1e3,
-           "ttft": statistics.mean(t.ttft_s for t in timed) * 1e3}
+    out = {"lookup": d["us_lookup"] / 1e3, "get": d["us_get"] / 1e3,
+           "wait": d["us_wait"] / 1e3, "copy": d["us_copy"] / 1e3,
+           "first_step": d["us_step_new"] / steps / 1e3, "ttft": timed.ttft_s * 1e3}
     load = 0.0 if d["loads_sync"] else out["get"] + out["copy"]   # async: outside the step
     out["rest"] = out["ttft"] - out["lookup"] - load - out["first_step"]
-    return {k: round(v, 2) for k, v in out.items()}
+    return out
+
+
+def measured(client: Client, prompts: list[list[int]], redis_url: str,
+             instance: str) -> tuple[list[Timed], dict[str, float]]:
+    """The prompts one by one, each with its own split; the split's medians."""
+    timed, parts = [], []
+    for p in prompts:
+        before = _settled(redis_url, instance)
+        t = timed_completion(client, p)
+        parts.append(split(before, _settled(redis_url, instance), t))
+        timed.append(t)
+    return timed, {k: round(statistics.median(x[k] for x in parts), 2) for k in parts[0]}
 
 
 def run_bench(model_dir: str, *, reps: int, work: Path, store_address: str, redis_url: str,
@@ -163,6 +175,7 @@ def run_bench(model_dir: str, *, reps: int, work: Path, store_address: str, redi
               log: Any = print) -> VLLMBenchResult:
     seed = int(time.time())
     prompts = bench_prompts(reps, seed=seed)   # unseen by any earlier run
+    warmup = bench_prompts(1, seed=seed + 1)[0]
 
     def spec_for(name: str) -> VLLMSpec:
         ident = "" if insecure else str(engine_identity(tls_dir, name))
@@ -177,10 +190,9 @@ def run_bench(model_dir: str, *, reps: int, work: Path, store_address: str, redi
     c1 = Client.of(one.spec)
     try:
         cold = [timed_completion(c1, p) for p in prompts]
-        b1 = _settled(redis_url, "bench-1")
-        local = [timed_completion(c1, p) for p in prompts]
-        a1 = _settled(redis_url, "bench-1")
-        _wait_saved(redis_url, "bench-1", reps * (PROMPT_TOKENS // one.spec.block_tokens))
+        timed_completion(c1, warmup)
+        local, split_local = measured(c1, prompts, redis_url, "bench-1")
+        _wait_saved(redis_url, "bench-1", (reps + 1) * (PROMPT_TOKENS // one.spec.block_tokens))
     finally:
         one.stop()
     two = VLLMProcess(spec_for("bench-2"), work / "vllm-2.log").start().wait_ready()
@@ -188,12 +200,11 @@ def run_bench(model_dir: str, *, reps: int, work: Path, store_address: str, redi
     c2 = Client.of(two.spec)
     try:
         # Server 1 ran cold prompts before its local-warm ones; give server 2 the
-        # same footing (first-forward costs paid on a prompt nobody stored), so the
-        # ratio compares the two caches, not a fresh process with a warm one.
-        timed_completion(c2, bench_prompts(1, seed=seed + 1)[0])
-        b2 = _settled(redis_url, "bench-2")
-        warm = [timed_completion(c2, p) for p in prompts]
-        a2 = _settled(redis_url, "bench-2")
+        # same footing (first-forward and the connector's one-time costs, paid on a
+        # warehouse hit of the warm-up prompt), so the ratio compares the two
+        # caches in steady state, not a fresh process with a warm one.
+        timed_completion(c2, warmup)
+        warm, split_warm = measured(c2, prompts, redis_url, "bench-2")
     finally:
         two.stop()
     med = lambda xs: statistics.median(x.ttft_s for x in xs)  # noqa: E731
@@ -208,7 +219,7 @@ def run_bench(model_dir: str, *, reps: int, work: Path, store_address: str, redi
         identical=all(c.token_ids == w.token_ids == x.token_ids
                       for c, w, x in zip(cold, warm, local, strict=True)),
         start_s=[round(one.ready_s, 1), round(two.ready_s, 1)],
-        split_ms=split(b2, a2, warm), split_local_ms=split(b1, a1, local))
+        split_ms=split_warm, split_local_ms=split_local)
 
 
 def main(reps: int, as_json: bool, *, tls_dir: str = "", insecure: bool = False,
