@@ -1,28 +1,36 @@
 """Loads: warehouse blocks into vLLM's paged KV cache, verified, never served torn.
 
-Two ways, chosen per request by the scheduler side (``KVServeMeta``):
+Where the bytes go. On CPU the Get's verified copy out of the store's shared
+memory writes each block straight into its slot in every layer's paged cache
+(``KVStoreClient.get`` with per-block destinations in pieces: one copy, hashed
+as it is made, instead of a copy into a host buffer and a scatter out of it).
+On CUDA, or where a sliding-window group has no block for some layer, the Get
+fills a leased host buffer (pinned on CUDA) and a scatter per layer follows
+(on CUDA one asynchronous host-to-device copy of the whole buffer, then the
+per-layer scatters on the device, in stream order).
+
+When. Two ways, chosen per request by the scheduler side (``KVServeMeta``):
 
 * **synchronous** (``loads``): the step that computes the request's first tokens
-  needs them. ``start`` issues one Get per request into one leased host buffer
-  for the whole step; the first ``wait_layer`` waits for the Gets once and
-  resolves which leading blocks arrived intact; each ``wait_layer`` then copies
-  that layer of *every* request in one ``index_copy_`` (on CUDA the whole buffer
-  goes to the device once, asynchronously from pinned memory, on the compute
-  stream, so it is ordered before the attention that reads it).
+  needs them. ``start`` issues one Get per request; the first ``wait_layer``
+  waits for them, resolves each request's intact leading blocks and, with a
+  buffer, scatters every layer of every request (one ``index_copy_`` per layer).
 * **asynchronous** (``async_loads``, vLLM's ``load_kv_async``): the scheduler
   parks the request (``WAITING_FOR_REMOTE_KVS``) and other requests' forwards go
-  on; the Get runs on the bridge's loop, and when it lands a copy thread writes
-  every layer into the request's blocks (blocks no running request reads; on
-  CUDA on a side stream, finished when its event has completed). ``finished``
-  reports the request to vLLM only after that, so it is scheduled on KV that is
-  already in place.
+  on; the Get runs on the bridge's loop, and when it lands a copy thread
+  resolves it (and scatters, on CUDA on a side stream, done when its event has
+  completed). ``finished`` reports the request to vLLM only after that, so it
+  is scheduled on KV that is already in place.
 
 Either way a block the warehouse cannot return intact (missing, evicted since
 the Lookup, failing its checksum: the store and client verify every payload,
-shared memory included, on the copy into this process's buffer) and every later
-block of that request are reported (``errors``; ``failed`` for hybrid models,
-whose block ids vLLM cannot map back per group) and recomputed by vLLM (policy
-"recompute"). They are never copied into the cache.
+shared memory included, as they copy it) and every later block of that request
+are reported (``errors``; ``failed`` for hybrid models, whose block ids vLLM
+cannot map back per group) and recomputed by vLLM (policy "recompute"): vLLM
+discards the step's output for them and recomputes from the first bad block,
+so whatever bytes such a block holds are never served. A Get that failed on a
+deadline is waited for until nothing can still write (the bridge's deadline
+cancels the call, and the client's copies end with it) before it is reported.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ class _Part:
 class _Batch:
     """Loads that share one leased buffer and one copy plan."""
 
-    lease: Lease
+    lease: Lease | None                       # None: written straight into the cache
     parts: list[_Part]
     ids: list[torch.Tensor] = field(default_factory=list)     # [group] destination blocks
     rows: list[Any] = field(default_factory=list)             # [group] source rows
@@ -103,14 +111,33 @@ class LoadSide:
             self._stream = torch.cuda.Stream(device=self.device)
 
     # -- issuing -------------------------------------------------------------------------
+    def _direct_targets(self, t: BlockTransfer) -> list[list[memoryview]] | None:
+        """Per block, its slot in every layer's paged cache, in warehouse order
+        (layer by layer): the Get's verified copy writes there directly, one copy
+        instead of two. CPU caches only, and only when every layer has a block
+        (a sliding-window group's null block has no slot to receive its bytes)."""
+        if self.device.type != "cpu":
+            return None
+        out: list[list[memoryview]] = []
+        for i in range(len(t.keys)):
+            ids = [t.block_ids[g][i] if g < len(t.block_ids) else NULL_BLOCK
+                   for g in self.groups]
+            if NULL_BLOCK in ids:
+                return None
+            out.append([memoryview(self.kv[n][b].numpy()).cast("B")
+                        for n, b in zip(self.names, ids, strict=True)])
+        return out
+
     def _issue(self, transfers: list[BlockTransfer]) -> _Batch:
         assert self.buffers is not None
-        lease = self.buffers.take(sum(len(t.keys) for t in transfers))
+        direct = [self._direct_targets(t) for t in transfers]
+        lease = None if all(d is not None for d in direct) else self.buffers.take(
+            sum(len(t.keys) for t in transfers))
         parts, row = [], 0
-        for t in transfers:
+        for t, targets in zip(transfers, direct, strict=True):
             n, fut = len(t.keys), None
             if self.bridge is not None:
-                out = lease.view[row:row + n]
+                out: Any = targets if lease is None else lease.view[row:row + n]
                 fut = self.bridge.submit(lambda c, t=t, out=out: c.get(t.keys, ctx=t.ctx, out=out),
                                          self.get_timeout_s)
             parts.append(_Part(t, row, fut, time.perf_counter()))
@@ -147,6 +174,11 @@ class LoadSide:
                     raise KVStoreError("no kvstore configured")
                 p.valid = min(n, p.fut.result(self.get_timeout_s + 1.0).hit_prefix)
             except Exception as exc:        # whatever went wrong, these blocks are recomputed
+                if batch.lease is None and p.fut is not None:
+                    # Written straight into vLLM's cache: nothing may still be writing
+                    # once vLLM learns these blocks failed (the bridge's deadline ends
+                    # the call, and the client's copies, soon after it fires).
+                    concurrent.futures.wait([p.fut])
                 log.warning("kvstore Get for %s failed (%s): recomputing %d blocks",
                             t.req_id, exc, n)
                 self._count("get_failures", 1)
@@ -159,6 +191,8 @@ class LoadSide:
                 batch.failed = True
                 for g in t.block_ids:
                     batch.errors.update(b for b in g[p.valid:] if b != NULL_BLOCK)
+        if batch.lease is None:
+            return                          # the Get wrote the cache: no copy to plan
         for gi in range(self.n_groups):
             ids: list[int] = []
             rows: list[int] = []
@@ -179,6 +213,7 @@ class LoadSide:
         ids = batch.ids[gi]
         if ids.numel() == 0:
             return
+        assert batch.lease is not None
         src_all = batch.device_buf if batch.device_buf is not None else batch.lease.view
         rows = batch.rows[gi]
         if isinstance(rows, torch.Tensor) and src_all.device != rows.device:
@@ -188,13 +223,15 @@ class LoadSide:
     def _copy_all(self, batch: _Batch) -> None:
         # One thread: torch's index_copy_ already runs on the intra-op threads, and
         # the copy is memory-bound (2 Python threads measured no faster here).
+        if batch.lease is None:
+            return
         for li in range(len(self.names)):
             self._copy_layer(batch, li)
 
     def _to_device(self, batch: _Batch) -> None:
         # One asynchronous copy of the whole (contiguous, pinned) buffer; each layer's
         # scatter then runs on the device, in stream order.
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and batch.lease is not None:
             n = batch.parts[-1].row + len(batch.parts[-1].transfer.keys)
             batch.device_buf = batch.lease.view[:n].to(self.device, non_blocking=True)
 
@@ -241,7 +278,7 @@ class LoadSide:
         may still be reading (its event); a Get cut off by its deadline may still be
         writing from the client's copy threads (that buffer is dropped)."""
         assert self.buffers is not None
-        if not batch.tainted:    # a tainted buffer is dropped, never reused
+        if batch.lease is not None and not batch.tainted:   # a tainted one is dropped
             self._give_later(event, batch.lease)
         self._recycle()
 

@@ -1,9 +1,11 @@
 """Issue 20: the connector's worker paths against a real kvstore, without a vLLM
-server: saves gather blocks out of paged per-layer caches, synchronous and
-asynchronous loads scatter them into other blocks bit for bit, a missing block
-and everything after it are reported (and never written), and the host buffers
-are reused. On CPU always; on CUDA (the pinned buffers, the side stream, the
-events) where a GPU is present (marker ``gpu``)."""
+server: saves gather blocks out of paged per-layer caches; synchronous and
+asynchronous loads put them into other blocks bit for bit — on CPU straight from
+the store's shared memory into each layer's cache, or through a leased host
+buffer and a scatter where some layer has no block (a sliding window's null
+block) — a missing block and everything after it are reported (the missing one
+never written), and leased buffers are reused. On CPU always; on CUDA (pinned
+buffers, the side stream, the events) where a GPU is present (marker ``gpu``)."""
 
 from __future__ import annotations
 
@@ -93,8 +95,22 @@ def test_save_then_sync_and_async_loads_round_trip_bit_for_bit(vllm_stack, devic
             assert torch.equal(dst[n][12:16].cpu(), src[n][[3, 5, 7, 9]].cpu())
         assert loads.errors() == set() and seen.get("loaded_blocks") == 6
 
+        # A null block id (no slot in that layer): through a leased buffer and a
+        # scatter that skips it; the second time the same buffer serves.
+        for _ in range(2):
+            e = BlockTransfer("load-e", ctx, keys[:2], [[20, 0]], 0)
+            loads.start([e], [])
+            loads.wait_layer(NAMES[0])
+            loads.end_step()
+            for n in NAMES:
+                assert torch.equal(dst[n][20].cpu(), src[n][3].cpu())
+                assert not dst[n][0].any()                         # the null block
+        assert loads.errors() == set()
+        assert buffers.allocated == made         # the save's buffer served both
+
         # Asynchronous, with a key the warehouse never had in the middle: the
-        # blocks before it land, it and every later one are reported, not written.
+        # blocks before it land; it and every later one are reported (vLLM
+        # recomputes them), the missing one never written.
         c = BlockTransfer("load-c", ctx, [keys[0], os.urandom(16), keys[2]], [[16, 17, 18]], 0)
         loads.start([], [c])
         done: set[str] = set()
@@ -103,9 +119,8 @@ def test_save_then_sync_and_async_loads_round_trip_bit_for_bit(vllm_stack, devic
         assert loads.errors() == {17, 18}
         for n in NAMES:
             assert torch.equal(dst[n][16].cpu(), src[n][3].cpu())
-            assert not dst[n][17:19].any()                         # never written
+            assert not dst[n][17].any()                            # nothing to write
         assert seen.get("load_errors") == 2 and seen.get("loads_async") == 1
-        assert buffers.allocated == made                          # leased buffers reused
         loads.close()
     finally:
         bridge.close()
@@ -127,3 +142,29 @@ def test_host_buffers_lease_by_capacity_and_stay_bounded() -> None:
     assert pool.take(40).base.data_ptr() == huge.base.data_ptr()
     with pytest.raises(ValueError):
         pool.take(0)
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_a_get_writes_each_block_into_its_pieces_in_order(vllm_stack, use_shm: bool) -> None:
+    """The client's Get with per-block destinations in pieces (what the connector
+    hands it on CPU), over shared memory and over the socket, verified both ways."""
+    import asyncio
+
+    from kvstore.client import KVStoreClient
+
+    ctx = RequestCtx(request_id="pieces", tenant=f"pieces-{vllm_stack.run}",
+                     model_fingerprint="ab" * 16)
+    keys = [os.urandom(16) for _ in range(2)]
+    blocks = [os.urandom(4096) for _ in range(2)]
+    cuts = [(0, 1000), (1000, 1024), (1024, 4096)]           # uneven pieces
+
+    async def body() -> list[bytes]:
+        async with KVStoreClient(vllm_stack.store.address, use_shm=use_shm, timeout_s=10,
+                                 security=operator_security()) as c:
+            await c.put(keys, blocks, layout="L1xH1xT64xD8:float32", token_count=64, ctx=ctx)
+            outs = [[memoryview(bytearray(b - a)) for a, b in cuts] for _ in keys]
+            res = await c.get(keys, ctx=ctx, out=outs)
+            assert res.hit_prefix == 2 and res.bytes == 8192
+            return [b"".join(bytes(v) for v in o) for o in outs]
+
+    assert asyncio.run(body()) == blocks
