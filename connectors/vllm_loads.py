@@ -124,7 +124,8 @@ class LoadSide:
                    for g in self.groups]
             if NULL_BLOCK in ids:
                 return None
-            out.append([memoryview(self.kv[n][b].numpy()).cast("B")
+            # As bytes: numpy has no bfloat16, and the copy is bytes anyway.
+            out.append([memoryview(self.kv[n][b].view(torch.uint8).numpy()).cast("B")
                         for n, b in zip(self.names, ids, strict=True)])
         return out
 
