@@ -119,7 +119,7 @@ def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts:
             spec = VLLMSpec(model_dir=model_dir, port=free_port(), store=f"127.0.0.1:{port}",
                             redis_url=redis.url, instance_id=label.replace("+", "-"),
                             insecure=True, connector=connector, kv_cache_mib=kv_cache_mib,
-                            max_num_seqs=16)
+                            max_num_seqs=16, log_stats=True)
             try:
                 if connector:
                     launcher.start_children([store], 120.0)

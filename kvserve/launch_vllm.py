@@ -71,6 +71,7 @@ class VLLMSpec:
     secret_file: str = ""                       # deployment secret (salts, API key)
     kv_events: str = ""                         # vLLM's own KV events: a ZMQ endpoint
     redis_url_file: str = ""                    # 0600 file the connector reads it from
+    log_stats: bool = False                     # vLLM's stats (its /metrics prefix-cache series)
     extra_config: dict[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
 
@@ -131,7 +132,9 @@ class VLLMSpec:
                "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_tokens),
                "--max-num-seqs", str(self.max_num_seqs),
                "--enable-prefix-caching", "--enable-prompt-tokens-details",
-               "--kv-cache-memory-bytes", str(self.kv_cache_mib * 2**20), "--disable-log-stats"]
+               "--kv-cache-memory-bytes", str(self.kv_cache_mib * 2**20)]
+        if not self.log_stats:
+            cmd.append("--disable-log-stats")
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if not self.insecure:
