@@ -25,7 +25,8 @@ ENV PATH=/opt/kvserve/bin:$PATH
 # the default index would pull a multi-GB CUDA build into a CPU image.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY . /src
-RUN pip install /src && rm -rf /src
+# [otel]: request traces over OTLP when OTEL_EXPORTER_OTLP_* is set (docs/operators.md).
+RUN pip install "/src[otel]" && rm -rf /src
 
 FROM ${PYTHON_IMAGE} AS runtime
 RUN groupadd --gid 10001 kvserve \

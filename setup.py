@@ -45,7 +45,7 @@ ext_modules = [
     # how many rows share a call; -ffp-contract=off keeps the compiler from fusing
     # or reordering anything the kernels did not write as an explicit FMA.
     _ext("_bik", ["bik.c"], [], ["-ffp-contract=off", "-fno-fast-math", "-pthread"]),
-    # Trace replay core (kvstore/replay_core.py): bit-identical to kvstore.sim's Python loop.
+    # Trace replay core (studies/replay_core.py): bit-identical to studies.sim's Python loop.
     _ext("_replaycore", ["replaycore.c"], [], []),
 ] if (NATIVE / "blockhash.c").exists() else []
 

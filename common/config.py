@@ -48,6 +48,9 @@ _TYPE_CHECKS: dict[str, tuple[Any, str]] = {
     "dict[str, int]": (lambda v: isinstance(v, dict) and all(
         isinstance(k, str) and _is_int(x) for k, x in v.items()),
         "a table of name = integer"),
+    "dict[str, int | str]": (lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and (_is_int(x) or isinstance(x, str)) for k, x in v.items()),
+        "a table of name = size (an integer or e.g. \"1GiB\")"),
 }
 _SIZE_CHECK = (lambda v: _is_int(v) or isinstance(v, str), "an integer or a size such as 4GiB")
 
@@ -173,6 +176,46 @@ class TierConfig:
             raise ConfigError(f"tiers.node {self.node!r} must match [A-Za-z0-9._-]{{1,64}}")
 
 
+QUOTA_TIERS = ("G2", "G3", "G4")
+ALL_TENANTS = "*"                   # a [quotas] table's entry for every tenant not listed
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaSection:
+    """Per-tenant byte quotas per tier (docs/operators.md, "Per-tenant quotas"): per
+    tier a table of tenant = size, ``"*"`` for every tenant not listed; a tenant
+    with no entry (and no ``"*"``) has no limit. Operators change them at run time
+    (``kvserve store quota``); those settings live in Redis and win over these.
+    ``max_tenants`` bounds the tenant-name table (every name that ever stored a
+    block keeps an id in Redis): a new name beyond it is refused."""
+
+    g2: dict[str, int | str] = field(default_factory=dict)
+    g3: dict[str, int | str] = field(default_factory=dict)
+    g4: dict[str, int | str] = field(default_factory=dict)
+    max_tenants: int = 4096
+    refresh_s: float = 10.0         # how often a store picks up other nodes' quota changes
+
+    def __post_init__(self) -> None:
+        for tier in ("g2", "g3", "g4"):
+            table = getattr(self, tier)
+            parsed: dict[str, int | str] = {}
+            for name, value in table.items():
+                if name != ALL_TENANTS and not _TENANT_NAME.match(name):
+                    raise ConfigError(f"quotas.{tier}: {name!r} is not a tenant name "
+                                      "([A-Za-z0-9._-]{1,64}) nor \"*\"")
+                parsed[name] = parse_size(value, f"quotas.{tier}.{name}")
+            object.__setattr__(self, tier, parsed)
+        if not 1 <= self.max_tenants <= 2**32:
+            raise ConfigError(f"quotas.max_tenants must be in 1..2^32, got {self.max_tenants}")
+        if self.refresh_s <= 0:
+            raise ConfigError(f"quotas.refresh_s must be > 0, got {self.refresh_s}")
+
+    def table(self, tier: str) -> dict[str, int]:
+        """Tenant (or "*") -> bytes for tier "G2" | "G3" | "G4"."""
+        return {k: int(v) for k, v in getattr(self, tier.lower()).items()}
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSection:
     name: str = "smollm2"           # a named model/config or a path to an HF-layout directory
@@ -188,8 +231,25 @@ class ModelSection:
 @dataclass(frozen=True, slots=True)
 class RedisSection:
     url: str = ""                   # empty: start the embedded server (REDIS_URL overrides)
+    url_file: str = ""              # a file (0600) holding a URL with credentials
+
+    def __post_init__(self) -> None:
+        # A config file is not a secret (a Kubernetes ConfigMap, a 0644 file):
+        # credentials belong in url_file (security.flags.redis_url_from).
+        from urllib.parse import urlsplit
+
+        try:
+            password = urlsplit(self.url).password
+        except ValueError:
+            raise ConfigError("redis.url is not a URL") from None
+        if password:
+            raise ConfigError("redis.url carries a password, and config files are not secret: "
+                              "put the URL in a file (chmod 600) and name it in "
+                              "redis.url_file")
 
     def effective_url(self) -> str:
+        """REDIS_URL or ``url`` (no file read here: entry points call
+        ``security.flags.redis_url_from``, which also reads ``url_file``)."""
         return os.environ.get("REDIS_URL", self.url)
 
 
@@ -202,6 +262,81 @@ class RouterSection:
     def __post_init__(self) -> None:
         if self.heartbeat_s <= 0 or self.instance_ttl_s <= self.heartbeat_s:
             raise ConfigError("router.instance_ttl_s must exceed router.heartbeat_s > 0")
+
+
+PREFILL_POLICIES = ("fcfs", "src")    # prefill_svc/policy.py registers each
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSection:
+    """Batching and scheduling of the prefill service (prefill_svc/scheduler.py):
+    one loop, a token budget per step, a bounded waiting queue, an ordering
+    policy. ``src`` (shortest remaining compute: prompt minus cached tokens)
+    lets a returning agent turn pass cold prompts; a request that has waited
+    ``max_delay_s`` is passed by no one any more (aging)."""
+
+    policy: str = "src"
+    step_tokens: int = 512          # tokens computed per step, over every running prompt
+    max_running: int = 16           # prompts being computed at once (each holds its KV)
+    max_waiting: int = 64           # requests waiting; more -> RESOURCE_EXHAUSTED
+    max_waiting_tokens: int = 131_072   # tokens to compute waiting; more -> RESOURCE_EXHAUSTED
+    max_delay_s: float = 10.0       # src: after this wait a request is passed by no one
+
+    def __post_init__(self) -> None:
+        if self.policy not in PREFILL_POLICIES:
+            raise ConfigError(f"prefill.policy must be one of {list(PREFILL_POLICIES)}, "
+                              f"got {self.policy!r}")
+        for name in ("step_tokens", "max_running", "max_waiting", "max_waiting_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"prefill.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.max_delay_s >= 0:
+            raise ConfigError(f"prefill.max_delay_s must be >= 0, got {self.max_delay_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSection:
+    """The router's one admission layer (docs/router.md, "Admission"): per-tenant
+    fair queues with a bounded wait, per-API-key rate and concurrency limits,
+    429 + Retry-After for backpressure. Every decision is taken before any
+    instance does work for the request."""
+
+    max_queue_wait_s: float = 60.0    # the queue-wait SLO: refused up front when the wait
+                                      # it would see exceeds it, 429 if still queued at it
+    request_timeout_s: float = 3600.0  # end-to-end budget of an admitted request, sent to the
+                                       # services as gRPC deadlines (no per-hop timers)
+    max_queued: int = 1024            # requests waiting in all queues together
+    prefill_depth: int = 16           # requests at once in prefill, per live prefill instance
+    prefill_tokens: int = 16384       # their prompt tokens, per live prefill instance (one
+                                      # request always passes an empty stage, however long)
+    decode_slots: int = 128           # requests at once in service, per live decode instance
+                                      # (decode's max_seqs + max_waiting)
+    key_rate_per_s: float = 0.0       # per API key: token-bucket rate (0 = no rate limit)
+    key_burst: int = 0                # per API key: bucket size (0 = max(1, rate))
+    key_max_concurrency: int = 0      # per API key: requests in service at once (0 = no limit)
+    key_max_queued: int = 256         # per API key: requests waiting at once
+    fair_quantum_tokens: int = 2048   # prompt tokens a tenant may send per fair-queue round
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue_wait_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"admission.{name} must be > 0, got {getattr(self, name)}")
+        if self.request_timeout_s < self.max_queue_wait_s:
+            raise ConfigError("admission.request_timeout_s must be >= max_queue_wait_s (the "
+                              "budget includes the wait)")
+        if self.key_rate_per_s < 0:
+            raise ConfigError(f"admission.key_rate_per_s must be >= 0, got {self.key_rate_per_s}")
+        for name in ("max_queued", "prefill_depth", "prefill_tokens", "decode_slots",
+                     "key_max_queued", "fair_quantum_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"admission.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("key_burst", "key_max_concurrency"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"admission.{name} must be >= 0 (0 = off), "
+                                  f"got {getattr(self, name)}")
+
+    @property
+    def burst(self) -> int:
+        return self.key_burst or max(1, int(self.key_rate_per_s))
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,14 +356,104 @@ class Ports:
                 raise ConfigError(f"ports.{f.name} must be in 0..65535, got {v}")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSection:
+    """The engines ``kvserve up`` runs: how many of each role, and the G1 budget
+    (each engine's own KV pool, the knob that decides how much of a returning
+    session it still holds locally; same meaning as vLLM's KV-cache size).
+
+    ``g1_bytes`` is per engine instance and becomes ``num_blocks`` once the
+    model's block size is known (``service.config.num_blocks_for``); 0 keeps
+    the services' default. ``threads``: torch CPU threads per engine; 0 lets
+    ``kvserve up`` split the cores when it runs more than one engine per role."""
+
+    g1_bytes: int = 0
+    prefill: int = 1
+    decode: int = 1
+    threads: int = 0
+    # Decode's pool holds running sequences only (its prompts come from prefill), so a
+    # deployment may size it by concurrency x context instead: 0 = g1_bytes.
+    decode_g1_bytes: int = 0
+    # The engines' kernel family (engine/kernels.py, checked where the engine is known)
+    # and prefill chunk in tokens (0: the engine's default, one block with
+    # non-invariant kernels). A GPU needs chunks of hundreds of tokens to fill its
+    # matrix units; with non-invariant kernels the chunk is part of the fingerprint and
+    # restores are cut to it, so prefill and decode read it from this one section.
+    kernels: str = "auto"
+    prefill_chunk: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("g1_bytes", "decode_g1_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), f"engine.{name}"))
+        for name in ("prefill", "decode"):
+            n = getattr(self, name)
+            if not 1 <= n <= 64:
+                raise ConfigError(f"engine.{name} (instances) must be in 1..64, got {n}")
+        if not 0 <= self.threads <= 1024:
+            raise ConfigError(f"engine.threads must be in 0..1024, got {self.threads}")
+        if not 0 <= self.prefill_chunk <= 65_536:
+            raise ConfigError(f"engine.prefill_chunk must be in 0..65536, got "
+                              f"{self.prefill_chunk}")
+        if not re.match(r"^[a-z][a-z0-9_]{0,31}$", self.kernels):
+            raise ConfigError(f"engine.kernels must name a kernel family, got {self.kernels!r}")
+
+
+_SPAN = re.compile(r"^(\d+(?:\.\d+)?(?:e\d+)?)([a-zA-Z]*)$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": DAY_S, "w": 7 * DAY_S}
+_TOKENS = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def _number_list(text: str, units: dict[str, int], what: str) -> tuple[float, ...]:
+    """``"1h,3d,inf"`` -> (3600.0, 259200.0, inf); "inf" = unlimited."""
+    out: list[float] = []
+    for item in (x.strip() for x in text.split(",")):
+        m = _SPAN.match(item)
+        if item == "inf":
+            out.append(float("inf"))
+        elif m and m.group(2) in units and float(m.group(1)) > 0:
+            out.append(float(m.group(1)) * units[m.group(2)])
+        else:
+            raise ConfigError(f"{what}: cannot parse {item!r} (e.g. {_EXAMPLES[what]})")
+    if len(out) > 32:
+        raise ConfigError(f"{what}: at most 32 values (each is a series in /metrics)")
+    return tuple(out)
+
+
+_EXAMPLES = {"whatif.ttls": "\"10m,1h,1d,3d,7d,inf\"", "whatif.capacities": "\"50M,1G,inf\""}
+
+
+@dataclass(frozen=True, slots=True)
+class WhatIfSection:
+    """The TTLs and capacities (tokens) whose predicted hit rates the store
+    exports in /metrics (docs/operators.md, "The live what-if in /metrics")."""
+
+    ttls: str = "10m,1h,1d,3d,7d,inf"
+    capacities: str = "inf"
+
+    def __post_init__(self) -> None:
+        self.ttl_values()
+        self.capacity_values()
+
+    def ttl_values(self) -> tuple[float, ...]:
+        return _number_list(self.ttls, _SECONDS, "whatif.ttls")
+
+    def capacity_values(self) -> tuple[float, ...]:
+        return _number_list(self.capacities, _TOKENS, "whatif.capacities")
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "blocks": HitRule,
     "classes": TrafficClasses,
     "tiers": TierConfig,
+    "quotas": QuotaSection,
     "redis": RedisSection,
     "router": RouterSection,
+    "admission": AdmissionSection,
     "ports": Ports,
+    "prefill": PrefillSection,
+    "engine": EngineSection,
+    "whatif": WhatIfSection,
 }
 
 
@@ -238,9 +463,14 @@ class KVServeConfig:
     blocks: HitRule = field(default_factory=HitRule)
     classes: TrafficClasses = field(default_factory=TrafficClasses)
     tiers: TierConfig = field(default_factory=TierConfig)
+    quotas: QuotaSection = field(default_factory=QuotaSection)
     redis: RedisSection = field(default_factory=RedisSection)
     router: RouterSection = field(default_factory=RouterSection)
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
     ports: Ports = field(default_factory=Ports)
+    prefill: PrefillSection = field(default_factory=PrefillSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    whatif: WhatIfSection = field(default_factory=WhatIfSection)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVServeConfig:

@@ -24,12 +24,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from common.traces import Trace
+from common.trace_types import Trace, TraceRequest
 
 FORMAT = "kvtrace"
 _ARRAYS = ("ids", "offsets", "times", "input_length", "classes", "sessions")
@@ -100,8 +98,6 @@ class CompactTrace:
 
     def to_trace(self) -> Trace:
         """Back to request objects (interned ids as hash ids), for the Python policies."""
-        from common.traces import Trace, TraceRequest
-
         ids = self.ids.tolist()
         off = self.offsets.tolist()
         reqs = tuple(

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from common.trace_arrays import CompactTrace, is_compact_dir
+from common.trace_types import Trace, TraceRequest
 
 FILE_SHIFT = 48
 SESSION_SHIFT = 32
@@ -53,28 +54,6 @@ DEFAULT_OVERLAP_SESSIONS = 16.0
 
 class TraceFormatError(ValueError):
     """A trace file is missing, unreadable or not in a known format."""
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    t: float                    # seconds from trace start (after time_scale)
-    session: str
-    hash_ids: tuple[int, ...]   # namespaced prefix block ids
-    input_length: int
-    output_length: int
-    traffic_class: str          # "agent" for agent sessions, "chat" otherwise (or --class-of)
-
-
-@dataclass(frozen=True, slots=True)
-class Trace:
-    name: str
-    block_tokens: int
-    requests: tuple[TraceRequest, ...]   # sorted by t
-    arrival_note: str                    # how arrival times were placed, for reports
-
-    @property
-    def span_s(self) -> float:
-        return self.requests[-1].t - self.requests[0].t if self.requests else 0.0
 
 
 @dataclass(frozen=True, slots=True)

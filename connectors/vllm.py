@@ -84,10 +84,10 @@ class KVServeConnector(KVConnectorBase_V1, SupportsHMA):
                                        cache_dtype=cache_dtype, layout=LAYOUT_TAG,
                                        block_tokens=block)
         self.security = self.cfg.security()
-        self.presence = (Presence(self.cfg.redis_url, self.instance_id,
-                                  heartbeat_s=self.cfg.heartbeat_s,
+        registry = self.cfg.registry_url()
+        self.presence = (Presence(registry, self.instance_id, heartbeat_s=self.cfg.heartbeat_s,
                                   ttl_s=self.cfg.instance_ttl_s)
-                         if self.cfg.redis_url else None)
+                         if registry else None)
         self.bridge = self._bridge() if self.cfg.store else None
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from common.config import ConfigError, HitRule, TrafficClasses
+from security.redact import has_credentials
+from security.secret_files import check_url_secret, read_secret_text
 
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -21,8 +23,8 @@ _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 class ConnectorConfig:
     store: str = "127.0.0.1:50051"       # kvstore gRPC address
     redis_url: str = ""                  # registry + KV events; "" = no registration
-    redis_url_file: str = ""             # ... or read from this file (keeps the password
-                                         # out of vLLM's argv)
+    redis_url_file: str = ""             # ... or a 0600 file with it (and its password),
+                                         # which keeps the password out of vLLM's argv
     instance_id: str = ""                # "" = vllm-<host>-<vLLM engine id>
     advertise: str = ""                  # this vLLM's OpenAI base URL, for the router
     node: str = "node-0"                 # the node its kvstore serves (G2/G3 locality)
@@ -50,12 +52,6 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         if self.redis_url and self.redis_url_file:
             raise ConfigError("set redis_url or redis_url_file, not both")
-        if self.redis_url_file:
-            try:
-                url = open(self.redis_url_file).read().strip()   # noqa: SIM115
-            except OSError as exc:
-                raise ConfigError(f"redis_url_file: {exc.strerror}") from None
-            object.__setattr__(self, "redis_url", url)
         if self.block_tokens < 1:
             raise ConfigError(f"block_tokens must be >= 1, got {self.block_tokens}")
         object.__setattr__(self, "hit_rule", HitRule(
@@ -73,6 +69,17 @@ class ConnectorConfig:
             raise ConfigError("instance_ttl_s must exceed heartbeat_s")
         if self.retry_after_s < 0 or self.local_blocks < 0:
             raise ConfigError("retry_after_s and local_blocks must be >= 0")
+        if has_credentials(self.redis_url):
+            # vLLM's --kv-transfer-config is on its command line (world-readable).
+            raise ConfigError("redis_url carries a password; vLLM's command line is readable "
+                              "by every local user: name a 0600 file in redis_url_file")
+
+    def registry_url(self) -> str:
+        """The Redis URL (from ``redis_url_file`` when given); "" = no registration."""
+        if self.redis_url_file:
+            return check_url_secret(read_secret_text(self.redis_url_file, "redis_url_file"),
+                                    "redis_url_file")
+        return self.redis_url
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -9,8 +9,15 @@ engine thread, so a join or a free never interleaves with a step. A
 cancelled sequence is out of the active set at once (it is never stepped
 again) and freed right after the step in flight, if any.
 
-Batch invariance (docs/architecture.md#batch-invariance) is the engine's: it pads every step to a
-fixed bucket, so a sequence's tokens do not depend on who else is here.
+A rebuild (a prompt whose KV must be computed here: ``make_live`` only
+*admits* it, ``Engine.admit``) joins as *building*: the same engine-thread job
+that runs a decode step then computes one chunk of at most ``rebuild_chunk``
+tokens of each building prompt (``Engine.prefill_step``), so a long prompt
+delays the decode of others by one chunk per step, never by the whole
+prompt; its first event comes when its prompt is complete.
+
+Batch invariance (docs/architecture.md#batch-invariance) is the engine's: a
+sequence's tokens do not depend on who else is here.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from typing import Any, NamedTuple
 
 from decode_svc.stopping import TextStream
 from service.engine_thread import EngineThread
+from service.metrics import Hist
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +77,7 @@ class _Seq:
     stream: TextStream
     t0: float
     on_finish: FinishHook | None
+    first_shown: bool = False       # its first token's event went out before the KV was here
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     n: int = 0                      # tokens generated so far
     done: bool = False
@@ -77,21 +87,28 @@ class _Seq:
 class BatcherStats:
     active: int = 0
     waiting: int = 0
-    tokens_in_flight: int = 0       # prompt + generated tokens of active sequences
+    building: int = 0               # rebuilds whose prompt is being computed between steps
+    tokens_in_flight: int = 0       # prompt + generated tokens of active and building sequences
+    rebuild_chunks_total: int = 0   # prompt chunks computed between decode steps
     steps_total: int = 0
     tokens_total: int = 0
     cancelled_total: int = 0
     finished_total: dict[str, int] = field(default_factory=dict)
+    queue_seconds: Hist = field(default_factory=Hist)   # waiting for a batch slot
 
 
 class Batcher:
     def __init__(self, engine: Any, thread: EngineThread, *, max_seqs: int,
-                 after_step: StepHook | None = None) -> None:
+                 after_step: StepHook | None = None, rebuild_chunk: int = 128) -> None:
+        if rebuild_chunk < 1:
+            raise ValueError(f"rebuild_chunk must be >= 1, got {rebuild_chunk}")
         self._engine = engine
         self._thread = thread
         self._slots = asyncio.Semaphore(max_seqs)
         self._after_step = after_step
+        self._rebuild_chunk = rebuild_chunk
         self._active: dict[str, _Seq] = {}
+        self._building: dict[str, _Seq] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._finishing: set[asyncio.Task[None]] = set()
@@ -128,10 +145,13 @@ class Batcher:
         unless it turned out to end the sequence."""
         t0 = time.monotonic() if t0 is None else t0
         self._waiting += 1
+        waited = tracing.now()
         try:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
+        self.stats.queue_seconds.observe(tracing.now() - waited)
+        tracing.record("queue", waited, tracing.now(), stage="decode")
         seq: _Seq | None = None
         try:
             try:
@@ -140,11 +160,15 @@ class Batcher:
                 self._thread.submit(self._free_quietly, seq_id)
                 raise
             seq = _Seq(seq_id, prompt_tokens, TextStream(stop) if stream is None else stream,
-                       t0, on_finish)
-            self._accept(seq, first, shown=first_shown)
-            if not seq.done:
-                self._active[seq_id] = seq
+                       t0, on_finish, first_shown)
+            if first is None:                # a rebuild: its prompt goes in chunks
+                self._building[seq_id] = seq
                 self._wake.set()
+            else:
+                self._accept(seq, first, shown=first_shown)
+                if not seq.done:
+                    self._active[seq_id] = seq
+                    self._wake.set()
             while True:
                 ev = await seq.events.get()
                 yield ev
@@ -157,7 +181,7 @@ class Batcher:
 
     def cancel(self, seq_id: str) -> None:
         """The client went away: never step it again, free it after the step in flight."""
-        seq = self._active.pop(seq_id, None)
+        seq = self._active.pop(seq_id, None) or self._building.pop(seq_id, None)
         if seq is not None and not seq.done:
             seq.done = True
             self.stats.cancelled_total += 1
@@ -170,15 +194,33 @@ class Batcher:
         eng = self._engine
         return _Out(token, eng.completion_text(seq_id), eng.finish_reason(seq_id) or "")
 
-    def _join(self, seq_id: str, make_live: Callable[[], None]) -> _Out:
+    def _join(self, seq_id: str, make_live: Callable[[], None]) -> _Out | None:
+        """None: ``make_live`` admitted a prompt still to compute (a rebuild)."""
         make_live()
+        if self._engine.prefill_remaining(seq_id):
+            return None
         return self._read(seq_id, self._engine.seq_tokens(seq_id)[-1])
 
-    def _step(self, seq_ids: list[str]) -> dict[str, _Out]:
-        tokens = self._engine.decode_step(seq_ids)
-        if self._after_step is not None:
-            self._after_step()
-        return {s: self._read(s, t) for s, t in tokens.items()}
+    def _step(self, seq_ids: list[str],
+              building: list[str]) -> tuple[dict[str, _Out], dict[str, _Out] | Exception]:
+        """One decode step, then one chunk of each building prompt; -> the decode
+        outputs and the first tokens of the prompts completed (or the chunk's error)."""
+        outs: dict[str, _Out] = {}
+        if seq_ids:
+            tokens = self._engine.decode_step(seq_ids)
+            if self._after_step is not None:
+                self._after_step()
+            outs = {s: self._read(s, t) for s, t in tokens.items()}
+        if not building:
+            return outs, {}
+        try:
+            done = self._engine.prefill_step(dict.fromkeys(building, self._rebuild_chunk))
+        except Exception as exc:  # fails the rebuilds only, not the decoding sequences
+            for seq_id in building:
+                self._free_quietly(seq_id)
+            return outs, exc
+        self.stats.rebuild_chunks_total += len(building)
+        return outs, {d.seq_id: self._read(d.seq_id, d.result.first_token) for d in done}
 
     def _free_quietly(self, seq_id: str) -> None:
         with contextlib.suppress(Exception):
@@ -221,32 +263,48 @@ class Batcher:
 
     async def _loop(self) -> None:
         while True:
-            if not self._active:
+            if not self._active and not self._building:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            ids = list(self._active)
+            ids, building = list(self._active), list(self._building)
             self._update_gauges()
             try:
-                step = await self._thread.call(self._step, ids)
+                outs, firsts = await self._thread.call(self._step, ids, building)
             except Exception:  # fail the batch's sequences, keep serving
                 log.exception("decode step failed for %d sequences", len(ids))
-                for seq_id in ids:
-                    seq = self._active.get(seq_id)
-                    if seq is not None:
-                        seq.events.put_nowait(TokenEvent((), "", time.monotonic() - seq.t0,
-                                                         True, "error", seq.n))
-                        self.cancel(seq_id)
+                self._fail(ids)
                 continue
-            self.stats.steps_total += 1
+            self.stats.steps_total += 1 if ids else 0
             for seq_id in ids:
                 seq = self._active.get(seq_id)
                 if seq is None or seq.done:
                     continue           # cancelled while the step ran
-                self._accept(seq, step[seq_id])
+                self._accept(seq, outs[seq_id])
+            if isinstance(firsts, Exception):
+                log.error("rebuild chunk failed for %d prompts: %r", len(building), firsts)
+                self._fail(building)
+                firsts = {}
+            for seq_id, out in firsts.items():
+                seq = self._building.pop(seq_id, None)
+                if seq is None or seq.done:
+                    continue           # cancelled while the chunk ran: freed after it
+                self._accept(seq, out, shown=seq.first_shown)
+                if not seq.done:
+                    self._active[seq_id] = seq
             self._update_gauges()
+
+    def _fail(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            seq = self._active.get(seq_id) or self._building.get(seq_id)
+            if seq is not None:
+                seq.events.put_nowait(TokenEvent((), "", time.monotonic() - seq.t0,
+                                                 True, "error", seq.n))
+                self.cancel(seq_id)
 
     def _update_gauges(self) -> None:
         self.stats.active = len(self._active)
+        self.stats.building = len(self._building)
         self.stats.waiting = self._waiting
-        self.stats.tokens_in_flight = sum(s.prompt_tokens + s.n for s in self._active.values())
+        self.stats.tokens_in_flight = sum(s.prompt_tokens + s.n for s in (
+            *self._active.values(), *self._building.values()))

@@ -16,7 +16,10 @@ class DecodeConfig:
     cost: CostConfig = field(default_factory=CostConfig)        # for rebuilds from the warehouse
     writer: WriterConfig = field(default_factory=WriterConfig)  # canonical blocks of prompt+output
     max_seqs: int = 64                  # sequences decoding at once; more wait
-    pull_timeout_s: float = 30.0        # deadline of a PullKV from the prefill instance
+    max_waiting: int = 64               # calls taken beyond max_seqs (pulling or waiting for a
+                                        # slot); more are refused (RESOURCE_EXHAUSTED) up front
+    pull_timeout_s: float = 30.0        # deadline of a PullKV (cut to the request's own); a
+                                        # pull that fails is rebuilt, never an error
     use_shm: bool = True                # same-host pulls through /dev/shm
     shm_dir: str = "/dev/shm"
     canonical_write: bool = True        # write prompt+output blocks after each request
@@ -32,6 +35,8 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.max_seqs < 1:
             raise ConfigError(f"max_seqs must be >= 1, got {self.max_seqs}")
+        if self.max_waiting < 0:
+            raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if not self.pull_timeout_s > 0:
             raise ConfigError("pull_timeout_s must be > 0")
         if min(self.ep_ranks, self.expert_window_steps, self.expert_replan_steps) < 1:

@@ -1,10 +1,12 @@
 """Pulling a prefilled request's KV from the prefill instance's host buffer.
 
 Same host (the prefill address resolves to this machine): ask for shared
-memory and copy the tensor out of one /dev/shm file; if that file is not
-visible here after all (another container), pull again as a byte stream.
-Every call carries a deadline; Release is best effort (the buffer expires
-anyway).
+memory and copy the tensor out of one private /dev/shm file; if that file is
+not usable here after all (another container, another user), pull again as a
+byte stream. Every piece is verified against the checksum prefill sent for it
+(service.kv_buffer.KVAssembler) before anything is adopted. Every call carries
+a deadline (the pull's own bound, cut to what is left of the request's);
+Release is best effort (prefill drops KV nobody pulls, and decode can rebuild).
 """
 
 from __future__ import annotations
@@ -72,13 +74,19 @@ class KVPuller:
             self._stubs[address] = (ch, prefill_pb2_grpc.PrefillStub(ch))
         return self._stubs[address][1]
 
-    async def pull(self, handle: prefill_pb2.KVHandle, shape: KVShape) -> Pulled:
+    async def pull(self, handle: prefill_pb2.KVHandle, shape: KVShape, *,
+                   budget_s: float | None = None) -> Pulled:
+        """The handle's KV, verified. ``budget_s``: what is left of the request's
+        deadline (None: no deadline), which bounds the pull below its own."""
         t0 = time.perf_counter()
         n = len(handle.prompt_ids)
+        timeout = self._timeout_s if budget_s is None else max(0.001, min(self._timeout_s,
+                                                                         budget_s))
         shm = self._use_shm and is_local_host(_host_of(handle.prefill_address))
-        asm = await self._pull_once(handle, shape, n, shm)
-        if asm is None:                     # shm file not visible here: stream it
-            asm = await self._pull_once(handle, shape, n, False)
+        asm = await self._pull_once(handle, shape, n, shm, timeout)
+        if asm is None:                     # shm file not usable here: stream it
+            asm = await self._pull_once(handle, shape, n, False,
+                                        timeout - (time.perf_counter() - t0))
             shm = False
         assert asm is not None
         kv = asm.done()
@@ -86,17 +94,21 @@ class KVPuller:
                       kv.numel() * kv.element_size())
 
     async def _pull_once(self, handle: prefill_pb2.KVHandle, shape: KVShape, n: int,
-                         shm: bool) -> KVAssembler | None:
-        asm = KVAssembler(shape, n, shm_dir=self._shm_dir)
+                         shm: bool, timeout_s: float) -> KVAssembler | None:
+        asm = KVAssembler(shape, n, seed=handle.kv_seed, shm_dir=self._shm_dir)
         call = self._stub(handle.prefill_address).PullKV(
             prefill_pb2.PullKVRequest(request_id=handle.ctx.request_id, use_shm=shm),
-            timeout=self._timeout_s)
+            timeout=max(0.001, timeout_s))
         async for chunk in call:
-            if chunk.shm_name and not asm.shm_visible(chunk.shm_name):
+            if chunk.shm_name and not asm.shm_usable(chunk.shm_name):
                 call.cancel()
                 return None
-            asm.add(KVPiece(chunk.start_token, chunk.token_count, chunk.data, chunk.shm_name,
-                            chunk.shm_offset, chunk.size))
+            piece = KVPiece(chunk.start_token, chunk.token_count, chunk.data, chunk.shm_name,
+                            chunk.shm_offset, chunk.size, chunk.checksum)
+            if piece.shm_name:          # a file read and checksum: off the event loop
+                await asyncio.to_thread(asm.add, piece)
+            else:
+                asm.add(piece)
         return asm
 
     async def release(self, handle: prefill_pb2.KVHandle) -> None:

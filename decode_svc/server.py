@@ -1,10 +1,13 @@
 """The gRPC Decode service (grpc.aio, server streaming).
 
-Decode: check the handle (model, layout, expiry, sampling), get the prompt's
-KV — pulled from the prefill instance's host buffer, or, when that instance
-cannot serve it, rebuilt from the warehouse (restore the stored blocks,
-recompute the tail) — join the continuous batch and stream one event per
-token. When a sequence ends, the canonical blocks of prompt + output
+Decode: check the handle (model, layout, sampling), take the request only if
+the bounded queue has room (else RESOURCE_EXHAUSTED with ``retry-after-ms``,
+before any work), get the prompt's KV — pulled from the prefill instance's
+host buffer and verified piece by piece against the checksums prefill sent,
+or, when that fails for any reason (KV dropped for room, a stale handle, a
+checksum mismatch, an unreachable prefill), rebuilt: restore the blocks the
+warehouse holds, recompute the rest — join the continuous batch and stream
+one event per token. When a sequence ends, the canonical blocks of prompt + output
 (``Engine.canonical_blocks``, recomputed through the prefill path) are put
 into the warehouse *before* the final event goes out (up to
 ``canonical_wait_s``): an agent that sends its next turn the moment the answer
@@ -15,6 +18,7 @@ answer"). Errors become status codes only in service.errors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -22,7 +26,6 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -40,13 +43,14 @@ from kvstore.types import PutResult, RequestCtx
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2
 from service.cost import CostModel
 from service.engine_thread import EngineThread
-from service.errors import InvalidRequest, PreconditionFailed, grpc_stream
-from service.kv_buffer import KVShape
-from service.metrics import Source
+from service.errors import InvalidRequest, Overloaded, PreconditionFailed, grpc_stream, grpc_unary
+from service.kv_buffer import KVIntegrityError, KVShape
+from service.metrics import Hist, Source
 from service.request import ModelIdentity, check_tokens, sampling_from_proto
 from service.restore import Restorer
 from service.store_link import StoreLink
 from service.writer import BlockWriter, WriteJob
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +64,18 @@ class DecodeStats:
     pull_bytes_total: int = 0
     pull_seconds_total: float = 0.0
     rebuilt_tokens_total: int = 0        # recomputed during rebuilds from the warehouse
+    rebuilds_total: dict[str, int] = field(default_factory=dict)   # why the pull was not used
+    kv_integrity_failures_total: int = 0  # hand-off pieces that failed their checksum
+    busy_rejections_total: int = 0       # refused with RESOURCE_EXHAUSTED (queue full)
+    in_service: int = 0                  # Decode calls taken: pulling, waiting or decoding
     canonical_blocks_total: int = 0      # put into the warehouse after requests
     canonical_seconds_total: float = 0.0  # compute + put, added to the end of answers
     canonical_late_total: int = 0        # final events sent before their blocks were stored
     early_first_total: int = 0           # first events sent before the KV was here
     expert_imbalance: float = 1.0
+    # Prefill -> decode hand-off (pull or rebuild of the prompt's KV), by how it came.
+    handoff_seconds: dict[str, Hist] = field(default_factory=lambda: {
+        k: Hist() for k in ("shm", "stream", "warehouse")})
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +89,7 @@ class _Checked:
     ctx: RequestCtx
     tokens: list[int]
     sampling: Any                        # engine.SamplingParams
+    stale: bool = False                  # past the handle's expires_at: rebuild, don't pull
 
 
 class DecodeService(decode_pb2_grpc.DecodeServicer):
@@ -109,8 +121,15 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.stats = DecodeStats()
         self._ids = itertools.count()
         self._releases: set[asyncio.Task[None]] = set()
+        self._service_s = 1.0            # running mean of a Decode call's length (retry-after)
 
     # -- lifecycle -----------------------------------------------------------
+
+    @grpc_unary
+    async def ResetPrefixCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        from service.operator import reset_prefix_cache
+
+        return await reset_prefix_cache(self.thread, self.engine)
 
     async def start(self) -> None:
         if self.cfg.warmup_tokens:
@@ -149,7 +168,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     def metric_sources(self) -> dict[str, Source]:
         sources: dict[str, Source] = {
             "decode": lambda: self.stats, "batch": lambda: self.batcher.stats,
-            "writer": lambda: self.writer.stats, "store": lambda: self.store.stats}
+            "writer": lambda: self.writer.stats, "store": lambda: self.store.stats,
+            "restore": lambda: self.restorer.stats}
         if self.experts is not None:
             sources["experts"] = self._expert_snapshot
         return sources
@@ -168,6 +188,31 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         t0 = time.monotonic()
         handle = request.handle
         chk = self._check(handle, request)
+        self._admit()
+        try:
+            # Closed with this call (client gone), not whenever it is collected.
+            async with contextlib.aclosing(self._decode(handle, chk, t0,
+                                                        context.time_remaining())) as events:
+                async for ev in events:
+                    yield ev
+        finally:
+            self.stats.in_service -= 1
+            self._service_s += 0.2 * (time.monotonic() - t0 - self._service_s)
+
+    def _admit(self) -> None:
+        """Take the call, or refuse it before any work when pulling, waiting and
+        decoding calls already fill ``max_seqs + max_waiting``."""
+        room = self.cfg.max_seqs + self.cfg.max_waiting
+        if self.stats.in_service >= room:
+            self.stats.busy_rejections_total += 1
+            over = self.stats.in_service - room + 1
+            wait = min(30.0, max(0.05, self._service_s * over / self.cfg.max_seqs))
+            raise Overloaded(f"decode queue full: {self.stats.in_service} requests taken of "
+                             f"{room}; retry in {wait:.2f}s", retry_after_s=wait)
+        self.stats.in_service += 1
+
+    async def _decode(self, handle: prefill_pb2.KVHandle, chk: _Checked, t0: float,
+                      budget_s: float | None) -> AsyncIterator[decode_pb2.DecodeEvent]:
         stream = TextStream(chk.sampling.stop)
         early = self._early(handle, chk)
         try:
@@ -176,10 +221,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 yield self._event(decode_pb2.DecodeEvent(
                     token_ids=[early.token], text=stream.delta(early.text, False),
                     t_s=time.monotonic() - t0))
-            make_live = await self._obtain_kv(handle, chk)
+            with tracing.span("handoff", prefill=handle.prefill_address):
+                make_live = await self._obtain_kv(handle, chk, budget_s)
         except BaseException:
-            # The caller left (or the pull failed) before the KV was here: free the
-            # prefill's buffer now rather than at its expiry.
+            # The caller left (or the rebuild failed) before the KV was here: free
+            # the prefill's buffer now rather than when it needs the room.
             self._release_later(handle)
             raise
         seq_id = f"{chk.ctx.request_id}#{next(self._ids)}"
@@ -188,6 +234,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if self.cfg.canonical_write:
             written = asyncio.Event()
             on_finish = self._canonical_writer(chk.ctx, written, list(handle.block_keys))
+        t_decode = tracing.now()
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
                 stop=chk.sampling.stop, on_finish=on_finish, t0=t0, stream=stream,
@@ -204,6 +251,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                                                     completion_tokens=ev.completion_tokens,
                                                     cached_tokens=handle.cached_tokens))
                 self._count(ev.finish_reason)
+                tracing.record("decode", t_decode, tracing.now(), prompt_tokens=len(chk.tokens),
+                               completion_tokens=ev.completion_tokens,
+                               finish_reason=ev.finish_reason)
             yield out
 
     def _event(self, out: decode_pb2.DecodeEvent) -> decode_pb2.DecodeEvent:
@@ -212,10 +262,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         return out
 
     def _early(self, handle: prefill_pb2.KVHandle, chk: _Checked) -> EarlyFirst | None:
-        """The first event before the KV, where nothing after it can fail the
-        request: with a warehouse a failed pull still ends in a rebuild. Without
-        one the router must still be able to retry elsewhere, so the token waits."""
-        if not (self.cfg.early_first_token and self.store.enabled):
+        """The first event before the KV: nothing after it fails the request for
+        want of KV, since a failed pull ends in a rebuild (from the warehouse where
+        there is one, else by recomputing the prompt here)."""
+        if not self.cfg.early_first_token:
             return None
         return early_first(self.engine, len(chk.tokens), handle.first_token, chk.sampling)
 
@@ -228,14 +278,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if handle.layout and handle.layout != self.model.layout:
             raise PreconditionFailed(f"handle KV layout {handle.layout!r} differs from this "
                                      f"instance's {self.model.layout!r}")
-        now = time.time()
         if not (math.isfinite(handle.expires_at) and handle.expires_at >= 0):
             raise InvalidRequest(f"handle.expires_at must be a finite time >= 0 (0 = never), "
                                  f"got {handle.expires_at}")
-        if handle.expires_at and handle.expires_at <= now:
-            when = datetime.fromtimestamp(handle.expires_at, UTC).isoformat(timespec="seconds")
-            raise PreconditionFailed(f"KV handle of request {handle.ctx.request_id!r} expired at "
-                                     f"{when} ({now - handle.expires_at:.1f}s ago); prefill again")
+        # A stale handle is finished work all the same: its KV is rebuilt, not refused.
+        stale = bool(handle.expires_at) and handle.expires_at <= time.time()
         tokens = list(handle.prompt_ids)
         check_tokens(tokens, self.model)
         if handle.first_token >= self.model.vocab_size:
@@ -247,23 +294,44 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                          tenant=handle.ctx.tenant or "default",
                          traffic_class=handle.ctx.traffic_class,
                          model_fingerprint=self.model.fingerprint_hex)
-        return _Checked(ctx, tokens, sampling)
+        return _Checked(ctx, tokens, sampling, stale)
 
-    async def _obtain_kv(self, handle: prefill_pb2.KVHandle,
-                         chk: _Checked) -> Callable[[str], None]:
-        """A function that makes the sequence live on the engine thread."""
-        try:
-            pulled = await self.puller.pull(handle, self.shape)
-        except (TimeoutError, grpc.RpcError, ValueError, OSError) as exc:
-            if not self.store.enabled:
-                raise
-            log.info("pull of %s from %s failed (%s); rebuilding from the warehouse",
-                     chk.ctx.request_id, handle.prefill_address, exc)
+    async def _obtain_kv(self, handle: prefill_pb2.KVHandle, chk: _Checked,
+                         budget_s: float | None) -> Callable[[str], None]:
+        """A function that makes the sequence live on the engine thread: the
+        pulled KV once every piece verified, else a rebuild (never an error for
+        KV that is gone, late or wrong: the request was already accepted)."""
+        if chk.stale:
+            self._rebuilt("stale_handle")
+            self._release_later(handle)
             return await self._rebuild(handle, chk)
+        try:
+            pulled = await self.puller.pull(handle, self.shape, budget_s=budget_s)
+        except KVIntegrityError as exc:
+            self.stats.kv_integrity_failures_total += 1
+            log.warning("hand-off of %s from %s failed verification (%s); recomputing",
+                        chk.ctx.request_id, handle.prefill_address, exc)
+            self._rebuilt("integrity")
+            self._release_later(handle)
+            return await self._rebuild(handle, chk)
+        except (TimeoutError, grpc.RpcError, ValueError, OSError) as exc:
+            gone = (isinstance(exc, grpc.aio.AioRpcError)
+                    and exc.code() == grpc.StatusCode.FAILED_PRECONDITION)
+            log.info("pull of %s from %s failed (%s); rebuilding", chk.ctx.request_id,
+                     handle.prefill_address, exc)
+            self._rebuilt("gone" if gone else "pull_failed")
+            self._release_later(handle)
+            t = time.monotonic()
+            rebuilt = await self._rebuild(handle, chk)
+            self.stats.handoff_seconds["warehouse"].observe(time.monotonic() - t)
+            tracing.annotate(path="warehouse")
+            return rebuilt
         self._release_later(handle)
         self._source(pulled.path)
         self.stats.pull_bytes_total += pulled.nbytes
         self.stats.pull_seconds_total += pulled.seconds
+        self.stats.handoff_seconds[pulled.path].observe(pulled.seconds)
+        tracing.annotate(path=pulled.path, bytes=pulled.nbytes)
 
         # Held only until adopt copied it: the sequence lives on in the KV cache,
         # and the pulled tensor (a /dev/shm mapping) need not live as long.
@@ -277,7 +345,13 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     def _release_later(self, handle: prefill_pb2.KVHandle) -> None:
         task = asyncio.get_running_loop().create_task(self.puller.release(handle))
         self._releases.add(task)                 # keep a reference until it is done
-        task.add_done_callback(self._releases.discard)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task[None]) -> None:
+        """Best effort, but never an unretrieved exception: log what went wrong."""
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("release of a prefill buffer failed: %r", task.exception())
 
     async def _rebuild(self, handle: prefill_pb2.KVHandle,
                        chk: _Checked) -> Callable[[str], None]:
@@ -289,15 +363,13 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                                               ctx=chk.ctx)
 
         def rebuild(seq_id: str) -> None:
-            eng = self.engine
-            res = eng.prefill(seq_id, chk.tokens, sampling=chk.sampling, restored=restore.blocks,
-                              max_restore_tokens=restore.usable_tokens, restored_start_block=0)
-            self.stats.rebuilt_tokens_total += res.computed_tokens
-            if res.first_token != handle.first_token:
-                # Different sampling than at prefill: continue from the handle's token.
-                kv = eng.export_tokens(seq_id, 0, len(chk.tokens))
-                eng.free(seq_id)
-                eng.adopt(seq_id, chk.tokens, kv, handle.first_token, chk.sampling)
+            # Admitted only: the batcher computes the prompt in chunks between decode
+            # steps; the answer continues from the handle's first token, not a resample.
+            adm = self.engine.admit(seq_id, chk.tokens, sampling=chk.sampling,
+                                    restored=restore.blocks,
+                                    max_restore_tokens=restore.usable_tokens,
+                                    restored_start_block=0, first_token=handle.first_token)
+            self.stats.rebuilt_tokens_total += adm.to_compute
 
         return rebuild
 
@@ -379,6 +451,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         assert self.experts is not None
         self.experts.add(self.engine.expert_counts())
         self.stats.expert_imbalance = self.experts.current
+
+    def _rebuilt(self, why: str) -> None:
+        self.stats.rebuilds_total[why] = self.stats.rebuilds_total.get(why, 0) + 1
 
     def _source(self, name: str) -> None:
         self.stats.kv_sources_total[name] = self.stats.kv_sources_total.get(name, 0) + 1

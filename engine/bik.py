@@ -95,7 +95,7 @@ def threads() -> int:
 @contextmanager
 def build(path: str) -> Iterator[None]:
     """Runs the block on another build of these kernels (an older .so, timed
-    against this one in alternation by engine/bench_bik.py), with the same
+    against this one in alternation by benchmarks/bik.py), with the same
     thread count and SIMD path."""
     global _ext
     before = _lib()
@@ -174,6 +174,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, inter, dtype=torch.float32)
     if m:
         _lib().silu_mul(gu.data_ptr(), gu.stride(0), m, inter, out.data_ptr(), inter)
+    return out
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (half-split) of x: [M, h, D] (rows may be strided, heads
+    contiguous) at positions: [M] over the fp32 tables cos, sin: [P, D/2];
+    -> [M, h, D] contiguous, bit-identical to TorchKernels.rope."""
+    m, h, d = x.shape
+    if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d:
+        x = x.contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError("rope: cos and sin must be contiguous fp32 tables")
+    if m and (int(pos.min()) < 0 or int(pos.max()) >= cos.shape[0]):
+        raise ValueError(f"rope: positions outside the table of {cos.shape[0]}")
+    out = torch.empty(m, h, d, dtype=torch.float32)
+    if m:
+        _lib().rope(x.data_ptr(), x.stride(0), m, h, d, pos.data_ptr(), cos.data_ptr(),
+                    sin.data_ptr(), out.data_ptr())
     return out
 
 

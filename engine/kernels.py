@@ -8,12 +8,13 @@
   block boundary, and decode runs exactly as many rows as it has sequences.
 - ``triton``: CUDA; torch GEMMs plus fused Triton RMSNorm, RoPE and SwiGLU
   (engine/triton_kernels.py), one kernel each instead of 8, 9 and 2.
-- ``triton_bi``: CUDA, opt-in; the batch-invariant GPU family
+- ``triton_bi``: CUDA; the batch-invariant GPU family
   (engine/triton_invariant.py): Triton GEMM and attention whose per-row bits do
   not depend on M, plus ``triton``'s RMSNorm, RoPE and SwiGLU. What ``bik`` gives
-  on the CPU, at the price of cuBLAS's speed (docs/BENCHMARKS.md, issue 15).
-- ``auto`` (the default): ``bik`` where it applies (CPU, fp32, extension built),
-  ``triton`` on CUDA with Triton installed, else ``torch``.
+  on the CPU.
+- ``auto`` (the default): ``bik`` where it applies (CPU, fp32, extension built);
+  on CUDA with Triton ``triton_bi`` once its measured cost against ``triton``
+  (``TRITON_BI_COST``) is within ``AUTO_MAX_COST``, else ``triton``; else ``torch``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ import torch.nn.functional as F
 from engine import bik
 from engine.config import KERNEL_NAMES
 from engine.errors import ModelConfigError
+
+# triton_bi's cost against triton on the H200 for THIS kernel version (KERNEL_ID):
+# 1 - the worst same-run ratio of llama-8b-shape bf16 prefill at 4k/16k/32k and
+# decode at b1/8/64 (python3 -m benchmarks.kernels --model llama-8b-shape;
+# docs/bench-notes/h6-gpu.md). None: not measured yet, so ``auto`` keeps triton.
+TRITON_BI_COST: float | None = None
+AUTO_MAX_COST = 0.10        # issue 21: exactness is the default when it costs <= 10 %
+
+
+def cuda_auto(cost: float | None = TRITON_BI_COST) -> str:
+    """The family ``auto`` picks on CUDA, given triton_bi's measured cost."""
+    return "triton_bi" if cost is not None and cost <= AUTO_MAX_COST else "triton"
 
 
 class Kernels(Protocol):
@@ -141,6 +154,12 @@ class BIKernels(TorchKernels):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return bik.silu_mul(gate_up)
 
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> torch.Tensor:
+        # One pass in C, the same operations as the torch version (same bits); the
+        # torch one made six temporaries and took a fifth of a 1.5k-token prefill.
+        return bik.rope(x, positions, cos, sin)
+
 
 
 
@@ -175,6 +194,8 @@ def select_kernels(name: str, device: torch.device, dtype: torch.dtype,
         raise ModelConfigError(f"kernels {name!r} requested but {why_not}")
     if name == "auto":
         name = next((k for k in ("bik", "triton") if checks[k]() is None), "torch")
+        if name == "triton":
+            name = cuda_auto()
     makers = {"torch": TorchKernels, "triton": TritonKernels, "triton_bi": TritonBIKernels,
               "bik": lambda: BIKernels(threads)}
     return makers[name]()

@@ -186,3 +186,17 @@ class BlockPool:
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
+
+    def reset_cache(self) -> tuple[int, int]:
+        """Forget every cached key (vLLM's reset_prefix_cache): idle cached
+        blocks become free, blocks running sequences hold stay theirs but are no
+        longer found by ``match``. Returns (keys dropped, of them in use)."""
+        dropped, in_use = len(self._cached), 0
+        for b in self._key_of:
+            if self._refs[b]:
+                in_use += 1
+        self._free.extend(self._lru)
+        self._lru.clear()
+        self._cached.clear()
+        self._key_of.clear()
+        return dropped, in_use

@@ -111,12 +111,56 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         G=group, GP=max(16, triton.next_power_of_2(group)), D=dim, BT=bt, SPLITS=splits,
         # fp32 models stay fp32 (Triton's default for an fp32 dot is tf32)
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
-    if splits == 1:
-        return out
-    mx = ml[..., 0].amax(1, keepdim=True)                         # [B, 1, H]
-    w = torch.exp(ml[..., 0] - mx)                                # [B, S, H]
-    merged = (acc * w[..., None]).sum(1) / (ml[..., 1] * w).sum(1)[..., None]
-    return merged.to(q.dtype).reshape(bsz, heads * dim)
+    if splits > 1:
+        _merge_splits_kernel[(bsz, heads)](acc, ml, out, acc.stride(0), acc.stride(1),
+                                           acc.stride(2), ml.stride(0), ml.stride(1),
+                                           ml.stride(2), out.stride(0), splits, D=dim,
+                                           SP=triton.next_power_of_2(splits))
+    return out
+
+
+@triton.jit
+def _merge_splits_kernel(ACC, ML, OUT, s_ab, s_as, s_ah, s_mb, s_ms, s_mh, s_ob, splits,
+                         D: tl.constexpr, SP: tl.constexpr):
+    # one (row, head): the splits' partial softmax states merged in one pass
+    # (one launch per layer instead of the seven of the torch expression)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    ok = s < splits
+    m = tl.load(ML + b * s_mb + s * s_ms + h * s_mh, mask=ok, other=float("-inf"))
+    lsum = tl.load(ML + b * s_mb + s * s_ms + h * s_mh + 1, mask=ok, other=0.0)
+    w = tl.exp(m - tl.max(m, 0))                    # empty splits: m = -inf, weight 0
+    acc = tl.load(ACC + b * s_ab + s[:, None] * s_as + h * s_ah + d[None, :],
+                  mask=ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+    tl.store(OUT + b * s_ob + h * D + d, o.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _write_kv_kernel(K, V, SLOTS, KP, VP, s_km, s_kh, s_vm, s_vh, s_ph,
+                     D: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    slot = tl.load(SLOTS + row).to(tl.int64)
+    dst = h * s_ph + slot * D + d
+    tl.store(KP + dst, tl.load(K + row * s_km + h * s_kh + d))
+    tl.store(VP + dst, tl.load(V + row * s_vm + h * s_vh + d))
+
+
+def write_kv(data: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """The decode step's new K/V rows into the pool in one launch (what
+    ``KVStorage.write`` does with two ``index_copy_``): data [L, 2, Hkv, nb, B, D];
+    k, v: [b, Hkv, D] with unit stride in D; slots: [b] (block * B + offset)."""
+    rows, kv_heads, dim = k.shape
+    kp, vp = data[layer, 0], data[layer, 1]
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    _write_kv_kernel[(rows, kv_heads)](k, v, slots, kp, vp, k.stride(0), k.stride(1),
+                                       v.stride(0), v.stride(1), kp.stride(0), D=dim)
 
 
 @dataclass(slots=True)
@@ -145,8 +189,8 @@ class PagedDecodeAttention:
                  v: torch.Tensor) -> torch.Tensor:
         # q: [b, H, D]; k, v: [b, Hkv, D] -> [b, H * D]
         b = self.buf
-        self.storage.write(layer, b.slots, k, v)
         data = self.storage.data                     # [L, 2, Hkv, nb, BT, D]
+        write_kv(data, layer, b.slots, k, v)
         return paged_decode(q, data[layer, 0], data[layer, 1], b.tables, b.lens,
                             self.windows[layer], b.splits, b.acc, b.ml)
 

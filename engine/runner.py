@@ -1,5 +1,7 @@
 """The Engine: prefill (with G1 hits and restored blocks), batched decode,
-block export/import, canonical blocks. See docs/engine.md.
+block export/import, canonical blocks. See docs/engine.md. Admission and
+batched prefill steps (what a scheduler drives) are engine/prefill_steps.py,
+mixed in; ``prefill`` here is their one-shot form.
 
 Exactness by construction, in one of two ways (engine/kernels.py):
 - batch-invariant kernels (``bik``, the CPU fp32 default): a row's bits depend
@@ -17,7 +19,6 @@ In both, attention is per sequence, so co-tenants never change a sequence's bits
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -26,13 +27,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import BatchAttention, Segment
+from engine.checks import check_prompt
 from engine.config import KV_LAYOUT_VERSION, EngineConfig
 from engine.constrained import Constraint, GrammarCompiler, GrammarSpec
 from engine.errors import DeviceError, EngineInputError, PrefillStopped
 from engine.kernels import BIKernels, select_kernels
 from engine.kv_pool import BlockPool, KVLayout, KVStorage
-from engine.layer_restore import HostRuns, LayerFeed, feed_applies
+from engine.layer_restore import HostRuns
 from engine.model import Transformer
+from engine.prefill_steps import PrefillSteps
 from engine.sampling import RowSampler, SamplingParams, sample_rows
 from engine.sequence import GenerationResult, PrefillResult, Sequence
 from engine.source import load_source
@@ -57,7 +60,7 @@ def _device(name: str) -> torch.device:
     return dev
 
 
-class Engine:
+class Engine(PrefillSteps):
     def __init__(self, cfg: EngineConfig) -> None:
         self.config = cfg
         if cfg.threads:
@@ -142,108 +145,32 @@ class Engine:
                 max_restore_tokens: int | None = None,
                 restored_start_block: int | None = None,
                 stop: Callable[[], bool] | None = None) -> PrefillResult:
-        """Make ``seq_id`` live with the prompt's KV and sample its first token.
-
-        KV is reused from the local prefix cache (leading ``block_keys`` found in
-        G1) and then from ``restored`` (blocks right after the G1 hit, or from
-        ``restored_start_block`` when given), within the hit rule; the rest is
-        computed. ``stop`` is polled before each chunk; when it returns True the
-        prefill ends with ``PrefillStopped`` (the caller is gone: no more compute).
-        """
-        t0 = time.perf_counter()
-        if seq_id in self._seqs:
-            raise EngineInputError(f"sequence {seq_id!r} is already live")
-        toks = self._check_prompt(tokens)
-        B, n = self.config.block_tokens, len(toks)
-        keys = list(block_keys or ())
-        if len(keys) > n // B:
-            raise EngineInputError(f"{len(keys)} block keys given but the prompt has only "
-                                   f"{n // B} full blocks of {B} tokens")
-        n_rest = 0 if restored is None else self._check_blocks(restored, "restored")
-        g1 = self.blocks.match(keys)
-        if restored_start_block is not None:
-            g1 = g1[:restored_start_block]
-            if len(g1) < restored_start_block:
-                n_rest = 0                   # a gap before the restored blocks: recompute
-        cap = self.hit_rule.usable_tokens((len(g1) + n_rest) * B, n)
-        if max_restore_tokens is not None:
-            cap = min(cap, max(0, max_restore_tokens))
-        # Reuse ends on a chunk boundary: the chunks after it are then exactly
-        # the cold run's (a boundary inside a chunk would change its row count).
-        # Invariant kernels need no such cut: any block boundary gives the same bits.
-        C = self._canon_unit
-        cap = cap // C * C
-        use_g1 = min(len(g1), cap // B)
-        use_rest = min(n_rest, cap // B - use_g1)
-        reuse = use_g1 + use_rest
-        self.blocks.acquire(g1[:use_g1])
+        """Make ``seq_id`` live with the prompt's KV and sample its first token:
+        ``admit`` then ``prefill_step`` of this sequence alone, one chunk at a
+        time. ``stop`` is polled before each chunk; when it returns True the
+        prefill ends with ``PrefillStopped`` (the caller is gone: no more compute)."""
+        self.admit(seq_id, tokens, sampling=sampling, block_keys=block_keys, restored=restored,
+                   max_restore_tokens=max_restore_tokens,
+                   restored_start_block=restored_start_block)
+        seq = self._seqs[seq_id]
         try:
-            fresh = self.blocks.allocate(-(-n // B) - use_g1)
-        except Exception:
-            self.blocks.release(g1[:use_g1])
-            raise
-        blocks = g1[:use_g1] + fresh
-        table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        pipelined = bool(use_rest) and self.config.layer_restore and restored is not None \
-            and feed_applies(self.device, restored)
-        if use_rest and not pipelined:
-            assert restored is not None
-            used = (restored.head(use_rest).cat() if isinstance(restored, HostRuns)
-                    else restored[:use_rest])
-            self.storage.import_(table[use_g1:reuse], used)
-        mirror = self._mirror(table, (use_g1 if pipelined else reuse) * B, self._capacity(n))
-        seq = Sequence(seq_id, toks, n, 0, blocks, table, sampling, mirror,
-                       canonical_full=n // C * C // B)
-        self._seqs[seq_id] = seq
-        feed = None
-        try:
-            if pipelined:
-                assert restored is not None
-                feed = LayerFeed(self.storage, table[use_g1:reuse], restored, mirror,
-                                 use_g1 * B).start()
-            seq.sampler = self._sampler(sampling)
-            hidden = self._run_chunks(seq, reuse * B, n, all_logits=False, stop=stop,
-                                      feed=feed)
-            if feed is not None:
-                feed.finish()
-            first = seq.sampler.sample(self.model.logits(hidden[-1:])[0])
+            while True:
+                if stop is not None and stop():
+                    raise PrefillStopped(f"prefill of {seq_id!r} stopped at token "
+                                         f"{seq.kv_len} of {seq.prompt_len}")
+                done = self.prefill_step({seq_id: self._chunk - seq.kv_len % self._chunk})
+                if done:
+                    return done[0].result
         except BaseException:
             self.free(seq_id)
             raise
-        finally:
-            if feed is not None:
-                feed.close()
-        seq.kv_len = n
-        seq.tokens.append(first)
-        for i in range(use_g1, min(len(keys), seq.canonical_full)):
-            self.blocks.cache(blocks[i], keys[i])
-        return PrefillResult(first, use_rest * B, use_g1 * B, n - reuse * B,
-                             time.perf_counter() - t0)
-
-    def _capacity(self, tokens: int) -> int:
-        """Mirror capacity for ``tokens`` plus room to decode (grown 1.5x later)."""
-        B = self.config.block_tokens
-        cap = tokens + max(4 * B, tokens // 2)
-        return min(-(-cap // B) * B, -(-self.model_config.max_position // B) * B)
-
-    def _mirror(self, table: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
-        """A new mirror whose first ``filled`` tokens come from the pool (one gather)."""
-        L, _, H, _, D = self.layout.block_shape
-        mirror = torch.empty(L, 2, H, capacity, D, dtype=self.dtype, device=self.device)
-        if filled:
-            n_blocks = -(-filled // self.config.block_tokens)
-            mirror[:, :, :, :filled] = self.storage.gather_all(table[:n_blocks])[:, :, :, :filled]
-        return mirror
 
     def _run_chunks(self, seq: Sequence, start: int, end: int, *, all_logits: bool,
                     table: torch.Tensor | None = None,
-                    mirror: torch.Tensor | None = None,
-                    stop: Callable[[], bool] | None = None,
-                    feed: LayerFeed | None = None) -> torch.Tensor:
-        """Compute tokens [start, end) of ``seq`` in chunks aligned to absolute
-        positions; returns the last chunk's hidden states (or all logits).
-        ``feed``: restored layers still arriving (each waited for before its
-        attention first reads the prefix)."""
+                    mirror: torch.Tensor | None = None) -> torch.Tensor:
+        """Recompute tokens [start, end) of ``seq`` (into ``table`` / ``mirror``
+        when given) in chunks aligned to absolute positions, as a prefill does;
+        returns the last chunk's hidden states (or all logits)."""
         chunk = self._chunk
         table = seq.table if table is None else table
         mirror = seq.mirror if mirror is None else mirror
@@ -251,15 +178,12 @@ class Engine:
         hidden = torch.empty(0)
         s = start
         while s < end:
-            if stop is not None and stop():
-                raise PrefillStopped(f"prefill of {seq.seq_id!r} stopped at token {s} of {end}")
             e = min(end, (s // chunk + 1) * chunk)
             toks = torch.tensor(seq.tokens[s:e], dtype=torch.int64, device=self.device)
             pos = torch.arange(s, e, device=self.device)
             attn = BatchAttention(self.storage, [Segment(0, e - s, s, table, mirror)],
                                   self._windows, self.model_config.num_heads, e - s,
-                                  self.invariant,
-                                  before_layer=None if feed is None else feed.ready)
+                                  self.invariant)
             hidden = self.model.forward(toks, pos, attn, e - s, self._counts)
             if all_logits:
                 outs.append(self.model.logits(hidden))
@@ -270,7 +194,7 @@ class Engine:
     def score(self, tokens: Seq[int]) -> torch.Tensor:
         """Logits of every position of ``tokens`` ([T, V] fp32) through the
         prefill path; nothing stays live (for tests and oracles)."""
-        toks = self._check_prompt(tokens)
+        toks = check_prompt(tokens, self.model_config)
         B = self.config.block_tokens
         blocks = self.blocks.allocate(-(-len(toks) // B))
         try:
@@ -290,6 +214,9 @@ class Engine:
         seqs = [self._seq(s) for s in seq_ids]
         limit = self.model_config.max_position
         for s in seqs:
+            if s.prefill is not None:
+                raise EngineInputError(f"sequence {s.seq_id!r} is still prefilling "
+                                       f"({s.prompt_len - s.kv_len} prompt tokens to go)")
             if s.kv_len >= limit:
                 raise EngineInputError(f"sequence {s.seq_id!r} reached the context limit "
                                        f"of {limit} tokens")
@@ -414,8 +341,8 @@ class Engine:
         """Make a live sequence from KV computed elsewhere (kv covers all tokens)."""
         if seq_id in self._seqs:
             raise EngineInputError(f"sequence {seq_id!r} is already live")
-        toks = self._check_prompt(tokens)
-        self._check_prompt([first_token])
+        toks = check_prompt(tokens, self.model_config)
+        check_prompt([first_token], self.model_config)
         L, _, H, _, D = self.layout.block_shape
         want = (L, 2, H, len(toks), D)
         if tuple(kv.shape) != want or kv.dtype != self.dtype:
@@ -467,11 +394,18 @@ class Engine:
         s = self._seqs.pop(seq_id, None)
         if s is None:
             raise EngineInputError(f"no live sequence {seq_id!r}")
-        canon = s.kv_len // self.config.block_tokens if self.invariant else s.canonical_full
+        B = self.config.block_tokens
+        canon = s.kv_len // B if self.invariant else s.canonical_full
+        if s.prefill is not None:
+            # Stopped mid-prompt: only blocks already computed may be published, and
+            # a restore still arriving must land before its blocks are reused.
+            canon = min(canon, s.kv_len // B)
+            if s.prefill.feed is not None:
+                s.prefill.feed.close()
         for i, key in enumerate(keep_keys or ()):
             if i < canon:
                 self.blocks.cache(s.blocks[i], key)
-            elif i - s.canonical_full < len(s.shadow):
+            elif 0 <= i - s.canonical_full < len(s.shadow):
                 self.blocks.cache(s.shadow[i - s.canonical_full], key)
             else:
                 break
@@ -539,34 +473,3 @@ class Engine:
         B = self.config.block_tokens
         pos = torch.arange(start, end, device=self.device)
         return table[pos // B] * B + pos % B
-
-    def _check_prompt(self, tokens: Seq[int]) -> list[int]:
-        toks = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor)
-                                 else tokens)]
-        if not toks:
-            raise EngineInputError("empty prompt: need at least one token")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(toks):
-            if not 0 <= t < vocab:
-                raise EngineInputError(f"token id {t} at position {i} is outside the "
-                                       f"vocabulary [0, {vocab})")
-        ctx = self.model_config.max_position
-        if len(toks) >= ctx:
-            raise EngineInputError(f"prompt of {len(toks)} tokens is too long: the context "
-                                   f"is {ctx} tokens (at most {ctx - 1} leave room to generate)")
-        return toks
-
-    def _check_blocks(self, blocks: torch.Tensor | HostRuns, what: str) -> int:
-        want = self.layout.block_shape
-        if isinstance(blocks, HostRuns):
-            if blocks.block_shape != want or blocks.dtype != self.dtype:
-                raise EngineInputError(f"{what} blocks are {blocks.block_shape} {blocks.dtype}; "
-                                       f"expected [n, {', '.join(map(str, want))}] {self.dtype}")
-            return blocks.n_blocks
-        if (not isinstance(blocks, torch.Tensor) or blocks.dim() != 6
-                or tuple(blocks.shape[1:]) != want or blocks.dtype != self.dtype):
-            got = (f"{tuple(blocks.shape)} {blocks.dtype}" if isinstance(blocks, torch.Tensor)
-                   else type(blocks).__name__)
-            raise EngineInputError(f"{what} blocks are {got}; expected "
-                                   f"[n, {', '.join(map(str, want))}] {self.dtype}")
-        return int(blocks.shape[0])

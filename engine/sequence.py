@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling import RowSampler, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.layer_restore import LayerFeed
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +20,37 @@ class PrefillResult:
     g1_tokens: int              # tokens whose KV was found in the local prefix cache
     computed_tokens: int        # tokens run through the model
     compute_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A sequence admitted for prefill (``Engine.admit``): what it reuses and
+    what is left to compute in ``Engine.prefill_step`` calls."""
+
+    seq_id: str
+    g1_tokens: int              # KV found in the local prefix cache
+    restored_tokens: int        # KV taken from the given restored blocks
+    to_compute: int             # prompt tokens still to run through the model (>= 1)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    """A sequence whose prompt is complete: live for decode, first token sampled."""
+
+    seq_id: str
+    result: PrefillResult
+
+
+@dataclass(slots=True)
+class PrefillState:
+    """What a sequence carries while its prompt is being computed."""
+
+    keys: list[bytes]           # chain keys of its blocks: published into G1 when done
+    g1_blocks: int              # leading blocks shared from the local prefix cache
+    restored_blocks: int        # blocks after them imported from restored KV
+    compute_s: float = 0.0      # admission work + forward time of the steps it took part in
+    feed: LayerFeed | None = None   # CUDA: restored layers still arriving
+    first_token: int | None = None  # given (a rebuild continues a known answer): not sampled
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +81,9 @@ class Sequence:
     shadow: list[int] = field(default_factory=list)
     # Sampling state (penalty counts, grammar matcher); made by the engine at prefill/adopt.
     sampler: RowSampler | None = None
+    # Set from admission until the prompt's last token is computed (kv_len < prompt_len):
+    # such a sequence takes prefill steps, never decode steps.
+    prefill: PrefillState | None = None
 
     @property
     def generated(self) -> list[int]:

@@ -20,6 +20,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTok
 
+from engine.config import BYTE_VOCAB
 from engine.control_text import ControlStrings, Piece, new_nonce
 from engine.errors import EngineInputError, ModelLoadError
 
@@ -162,9 +163,17 @@ class HFTokenizer(Tokenizer):
 
 
 class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes are ids 0..255; then <bos>, <eos>, <|im_start|>, <|im_end|>."""
+    """UTF-8 bytes are ids 0..255; then <bos>, <eos>, <|im_start|>, <|im_end|>.
+
+    Shape-only configs (random weights at a real model's shape, e.g. llama-8b-shape)
+    have vocabularies far past the ids that mean anything here. Those from
+    ``BYTE_VOCAB`` on decode to one ASCII letter each: without text, a stream of
+    them would reach clients as nothing at all, and the peers' benchmark tools time
+    tokens by the text they carry (a first content chunk is their TTFT). The tiny
+    configs' vocabulary ends at ``BYTE_VOCAB``, so their text is unchanged."""
 
     BOS, EOS, IM_START, IM_END = 256, 257, 258, 259
+    _LETTERS = b"abcdefghijklmnopqrstuvwxyz"
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -178,7 +187,13 @@ class ByteTokenizer(Tokenizer):
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        out = bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                out.append(i)
+            elif i >= BYTE_VOCAB:
+                out.append(self._LETTERS[i % len(self._LETTERS)])
+        return out.decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> list[int]:

@@ -23,6 +23,9 @@ import grpc
 from kvserve.cli import UsageError
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from security.config import SecurityConfig
+from security.flags import add_redis_flags, redis_url_from
+from security.redact import redact_url
+from security.secret_files import SecretFileError, read_secret_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +60,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", default=None, help="router gRPC host:port")
     p.add_argument("--prefill", default=None, help="prefill host:port (with --decode)")
     p.add_argument("--decode", default=None, help="decode host:port (with --prefill)")
-    p.add_argument("--redis-url", default=None, help="find instances in this registry")
-    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY", ""),
-                   help="key for a router started with --api-key-file (default "
-                        "$KVSERVE_API_KEY)")
+    add_redis_flags(p, default="the running `kvserve up`")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="file (0600) holding the key for a router started with --api-key-file "
+                        "(default $KVSERVE_API_KEY; never a key on the command line)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline per turn, seconds")
     p.add_argument("--stats", action="store_true",
                    help="print cached tokens and timings of each turn to stderr")
@@ -69,6 +72,11 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
+    try:
+        args.api_key = (read_secret_text(args.api_key_file, "--api-key-file")
+                        if args.api_key_file else os.environ.get("KVSERVE_API_KEY", ""))
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from exc
     target = asyncio.run(find_target(args))
     print(f"[{target.describe()}]", file=sys.stderr)
     return asyncio.run(_session(args, target))
@@ -85,8 +93,12 @@ async def find_target(args: argparse.Namespace) -> Target:
     from kvserve.launcher import UpState
 
     state = UpState.load()
-    url = args.redis_url or (state.redis_url if state else "")
-    if state and not args.redis_url:
+    try:
+        explicit = redis_url_from(args, env=False)
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from exc
+    url = explicit
+    if state and not explicit:
         return Target(router=state.router_grpc, prefill=state.prefill, decode=state.decode,
                       security=state.security())
     if not url:
@@ -103,7 +115,7 @@ async def find_target(args: argparse.Namespace) -> Target:
         return Target(router=by_role["router"])
     if "prefill" in by_role and "decode" in by_role:
         return Target(prefill=by_role["prefill"], decode=by_role["decode"])
-    raise UsageError(f"the registry at {url} has no router and no prefill+decode pair "
+    raise UsageError(f"the registry at {redact_url(url)} has no router and no prefill+decode pair "
                      f"(roles present: {sorted(by_role)})")
 
 

@@ -1,8 +1,9 @@
 """The ``kvserve`` command line: a registry of subcommands built into argparse.
 
-Each module in ``kvserve.commands`` registers its commands by space-separated
-path ("bench engine", "store serve"), so groups such as ``bench`` collect
-subcommands from several modules without an if/elif chain anywhere.
+Each module in ``kvserve.commands`` (and ``benchmarks.commands``, every
+``kvserve bench …``) registers its commands by space-separated path ("bench
+engine", "store serve"), so groups such as ``store`` collect subcommands from
+several modules without an if/elif chain anywhere.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import kvserve.commands
+from security.redact import install_log_redaction, redact
 
 # Before torch loads libgomp: spinning OpenMP workers make a 2-core machine
 # running several engine processes 10-400x slower (engine/__init__.py).
@@ -91,11 +93,18 @@ class CommandRegistry:
                 self._attach(p, child, f"{dest}_{name}")
 
 
+# Modules outside kvserve.commands that register commands. The benchmarks stand
+# on the floor above this package (they start stacks through its launcher), so
+# they are found by name here, never imported by a statement.
+EXTRA_COMMAND_MODULES = ("benchmarks.commands",)
+
+
 def build_registry() -> CommandRegistry:
     reg = CommandRegistry()
-    for info in pkgutil.iter_modules(kvserve.commands.__path__):
-        module = importlib.import_module(f"kvserve.commands.{info.name}")
-        register = getattr(module, "register", None)
+    names = [f"kvserve.commands.{info.name}"
+             for info in pkgutil.iter_modules(kvserve.commands.__path__)]
+    for name in [*names, *EXTRA_COMMAND_MODULES]:
+        register = getattr(importlib.import_module(name), "register", None)
         if register is not None:
             register(reg)
     return reg
@@ -117,6 +126,7 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()        # no secret reaches a log line (security.redact)
     run: Run | None = getattr(args, "_run", None)
     if run is None:
         parser.print_help()
@@ -124,7 +134,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         return int(run(args) or 0)
     except UsageError as exc:
-        print(f"kvserve: error: {exc}", file=sys.stderr)
+        print(f"kvserve: error: {redact(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -11,9 +11,10 @@ and requires a client certificate of the deployment's CA; it requires the
 deployment's vLLM API key, handed over in ``VLLM_API_KEY`` (never argv); and
 it runs without ``VLLM_SERVER_DEV_MODE`` (whose endpoints are unauthenticated).
 
-``run_up`` is ``kvserve up --engine vllm``: Redis,
-one kvstore, ``--vllm-instances`` vLLM servers (``kv_both``, or with ``--pd``
-one ``kv_producer`` + one ``kv_consumer``) and the router with its vLLM backend.
+``configure_up`` adds the flags of ``kvserve up --engine vllm``
+(kvserve/launch_vllm_up.py): Redis, one kvstore, ``--vllm-instances`` vLLM
+servers (``kv_both``, or with ``--pd`` one ``kv_producer`` + one
+``kv_consumer``) and the router with its vLLM backend.
 Tests and ``kvserve bench vllm`` start servers through the same spec.
 
 vLLM is started as ``python -m connectors.vllm_cli serve`` (the ``vllm``
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -34,9 +34,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from security.redact import has_credentials
+from security.secret_files import write_private
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
@@ -54,7 +57,7 @@ class VLLMSpec:
     model_dir: str
     port: int
     store: str                                  # kvstore gRPC address
-    redis_url: str                              # never in argv: see redis_url_file
+    redis_url: str                              # without credentials (else redis_url_file)
     instance_id: str
     served_name: str = "smollm2"
     host: str = "127.0.0.1"
@@ -70,7 +73,7 @@ class VLLMSpec:
     insecure: bool = False                      # plain HTTP, no API key, no attestation
     secret_file: str = ""                       # deployment secret (salts, API key)
     kv_events: str = ""                         # vLLM's own KV events: a ZMQ endpoint
-    redis_url_file: str = ""                    # 0600 file the connector reads it from
+    redis_url_file: str = ""                    # 0600 file with the URL; VLLMProcess writes it
     log_stats: bool = False                     # vLLM's stats (its /metrics prefix-cache series)
     extra_config: dict[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
@@ -107,11 +110,16 @@ class VLLMSpec:
         return vllm_api_key(self.security().require_secret())
 
     def kv_transfer_config(self) -> dict[str, Any]:
-        # The Redis URL carries a password: the connector reads it from a 0600 file
-        # (VLLMProcess writes it), never from argv (readable by every local user).
-        redis = ({"redis_url_file": self.redis_url_file} if self.redis_url_file
-                 else {"redis_url": self.redis_url} if self.redis_url else {})
-        extra: dict[str, Any] = {"store": self.store, **redis,
+        # A Redis URL with a password goes by a 0600 file (VLLMProcess writes it),
+        # never in argv (readable by every local user).
+        if self.redis_url_file:
+            registry: dict[str, Any] = {"redis_url_file": self.redis_url_file}
+        elif has_credentials(self.redis_url):
+            raise ValueError("a Redis URL with a password never goes on vLLM's command line: "
+                             "set redis_url_file (VLLMProcess.start does)")
+        else:
+            registry = {"redis_url": self.redis_url} if self.redis_url else {}
+        extra: dict[str, Any] = {"store": self.store, **registry,
                                  "instance_id": self.instance_id, "advertise": self.base_url,
                                  "node": self.node, "block_tokens": self.block_tokens,
                                  **self.extra_config}
@@ -175,13 +183,14 @@ class VLLMProcess:
 
     def start(self) -> VLLMProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        if self.spec.redis_url and not self.spec.redis_url_file:
-            path = self.log.with_suffix(".redis-url")
-            write_private(path, self.spec.redis_url)
-            self.spec = dataclasses.replace(self.spec, redis_url_file=str(path))
+        if has_credentials(self.spec.redis_url) and not self.spec.redis_url_file:
+            # Its password goes by a 0600 file beside the log, never in argv.
+            path = write_private(self.log.with_suffix(".redis.url"), self.spec.redis_url + "\n")
+            self.spec = replace(self.spec, redis_url_file=str(path))
         self.started_at = time.monotonic()
-        fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
+        # 0600: a log may quote prompts.
+        with os.fdopen(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                       "wb") as out:
             self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.env(), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
@@ -215,14 +224,6 @@ class VLLMProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-
-def write_private(path: Path, text: str) -> None:
-    """A file only this user can read, created so (no window with a looser mode)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
 
 
 def client_ssl(spec: VLLMSpec) -> ssl.SSLContext | None:
@@ -277,11 +278,3 @@ def configure_up(p: argparse.ArgumentParser) -> None:
                    "(decode) that loads the prefill's KV through the warehouse")
     p.add_argument("--vllm-kv-cache-mib", type=int, default=2048,
                    help="KV cache of each vLLM server, MiB (--kv-cache-memory-bytes)")
-
-
-def run_up(args: argparse.Namespace) -> int:
-    from kvserve.commands.vllm_cmds import need_vllm
-    from kvserve.launch_vllm_up import run
-
-    need_vllm()                       # one line naming the missing step, no traceback
-    return run(args)

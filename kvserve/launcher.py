@@ -1,13 +1,16 @@
 """``kvserve up``: the whole stack on one machine, each part a child process.
 
-Embedded Redis (unless REDIS_URL / --redis-url), one kvstore, one prefill,
-one decode, and the router front when a ``router serve`` command exists. The
+Embedded Redis (unless REDIS_URL / --redis-url), one kvstore, N prefill and
+M decode instances (``--prefill N --decode M`` or ``[engine]``; one each by
+default), and the router front when a ``router serve`` command exists. The
 launcher writes one effective config file that every child reads (so block
 size, classes and ports agree), waits until each answers its health check,
 prints what runs where, and on Ctrl-C / SIGTERM stops the children in
 reverse order (SIGTERM, grace, then SIGKILL). A child that dies on its own
 stops the rest. ``kvserve chat`` and ``kvserve status`` find the running
-stack through the state file it writes.
+stack through the state file it writes (0600). Each child gets only its own
+credentials, by files named on its command line (kvserve/credentials.py); no
+secret is in argv, the environment, the banner, the state or the config file.
 """
 
 from __future__ import annotations
@@ -21,13 +24,18 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from common.config import KVServeConfig
+from common.config import ConfigError, EngineSection, KVServeConfig, parse_size
 from kvserve.cli import UsageError, build_registry
+from kvserve.credentials import ChildCredentials, child_env, hand_out_roles, renew_due
 from security.config import SecurityConfig
+from security.flags import add_redis_flags, redis_url_from
+from security.redact import redact_url
+from security.secret_files import SecretFileError, read_secret_text, write_private
 
 STATE_ENV = "KVSERVE_STATE"
 
@@ -43,7 +51,7 @@ def state_path() -> Path:
 class UpState:
     """What ``kvserve up`` started: read by ``kvserve chat`` / ``status``."""
 
-    redis_url: str
+    redis_url: str                          # for display: the password masked
     model: str
     store: str
     prefill: str
@@ -56,6 +64,18 @@ class UpState:
     metrics: dict[str, str] = field(default_factory=dict)   # role -> Prometheus URL
     config: str = ""                        # the effective config file every child reads
     tls_dir: str = ""                       # the stack's deployment directory; "" = --insecure
+    prefills: list[str] = field(default_factory=list)   # every prefill instance's address
+    decodes: list[str] = field(default_factory=list)    # every decode instance's address
+    pids: dict[str, int] = field(default_factory=dict)  # child name -> process id
+    redis_url_file: str = ""                # the operator's Redis URL (0600)
+
+    def registry_url(self) -> str:
+        """The operator's Redis URL, read from its file ("" when there is none)."""
+        try:
+            return read_secret_text(self.redis_url_file, "the stack's Redis URL file") \
+                if self.redis_url_file else ""
+        except SecretFileError as exc:
+            raise UsageError(str(exc)) from exc
 
     def security(self, role: str = "operator") -> SecurityConfig:
         """Credentials to talk to this stack (``kvserve chat`` / ``status``)."""
@@ -86,13 +106,18 @@ class Child:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     security: SecurityConfig | None = None      # how the launcher dials its health check
+    creds: ChildCredentials | None = None       # what the child was handed (renewed in place)
+    role: str = ""                              # its identity; "" = its name ("prefill-1": set it)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="kvserve TOML config file")
     p.add_argument("--model", default=None, help="model for prefill and decode (default smollm2)")
     p.add_argument("--host", default=None, help="bind address of every service")
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    add_redis_flags(p, default="an embedded Redis with one ACL user per role")
+    p.add_argument("--cert-days", type=int, default=None, metavar="DAYS",
+                   help="validity of the children's certificates, renewed at half-life "
+                   "(default 7)")
     p.add_argument("--g3-path", default=None,
                    help="local disk tier directory (default: $KVSERVE_CACHE/g3, so warm KV "
                    "survives a restart); 'none' for no disk tier")
@@ -112,6 +137,17 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for every service to answer its health check")
     p.add_argument("--grace", type=float, default=10.0, help="shutdown grace per child, seconds")
     p.add_argument("--no-router", action="store_true", help="do not start the router front")
+    p.add_argument("--prefill", type=int, default=None, metavar="N",
+                   help="prefill instances (default [engine].prefill, 1)")
+    p.add_argument("--decode", type=int, default=None, metavar="M",
+                   help="decode instances (default [engine].decode, 1)")
+    p.add_argument("--g1", default=None, metavar="SIZE",
+                   help="each engine's own KV pool (G1), e.g. 256MiB; becomes num_blocks by "
+                   "the model's block size (default [engine].g1_bytes, else the services' "
+                   "default pool)")
+    p.add_argument("--decode-g1", default=None, metavar="SIZE",
+                   help="decode engines' KV pool when it should differ from --g1 (it holds "
+                   "running sequences only; default [engine].decode_g1_bytes, else --g1)")
     p.add_argument("--tls-dir", default=None, metavar="DIR",
                    help="deployment directory (secret, CA, certificates) shared by every child; "
                    "created on first start (default: tls/ next to the state file)")
@@ -120,19 +156,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("kvserve", "vllm"), default="kvserve",
                    help="kvserve's own prefill/decode services, or vLLM OpenAI servers with "
                    "the kvserve connector (needs the [vllm] extra; docs/vllm.md)")
-    from kvserve.launch_vllm import configure_up
-
-    configure_up(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import ConfigError
-
-    if getattr(args, "engine", "kvserve") == "vllm":
-        from kvserve.launch_vllm import run_up
-
-        return run_up(args)
-
     if args.state_dir:
         os.environ[STATE_ENV] = str(Path(args.state_dir).resolve() / "up.json")
     _refuse_second(state_path())
@@ -140,51 +166,65 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--api-key-file {args.api_key_file}: no such file")
     try:
         cfg = KVServeConfig.load(args.config) if args.config else KVServeConfig()
-        cfg = _effective(cfg, args)
+        cfg = effective_config(cfg, args)
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
     metrics_ports = _metrics_ports(cfg, free=args.free_ports)
-    check_ports_free(cfg.ports.host, {**_service_ports(cfg, router=not args.no_router),
+    check_ports_free(cfg.ports.host, {**_service_ports(cfg, router=not args.no_router,
+                                                       free=args.free_ports),
                                       **{f"{r} metrics": p for r, p in metrics_ports.items()}})
     run_dir = Path(args.run_dir) if args.run_dir else state_path().parent / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # logs may quote prompts
     security = _security(args)
-    stop = _stop_on_signals()
-    redis = None
-    redis_url = args.redis_url or cfg.redis.effective_url()
-    if not redis_url:
-        from kvstore.redis_server import EmbeddedRedis
-
-        redis = EmbeddedRedis(preexec=_die_with_parent).start()
-        redis_url = redis.url
-    cfg = replace(cfg, redis=replace(cfg.redis, url=redis_url))
-    os.environ["REDIS_URL"] = redis_url           # children inherit it (never in argv)
+    stop = stop_on_signals()
+    redis, url = _redis(args, cfg)
+    # The shared config names no Redis: each child gets its own role's URL file.
+    cfg = replace(cfg, redis=replace(cfg.redis, url="", url_file=""))
     _prefetch(cfg.model.name)
     config_file = run_dir / "kvserve.toml"
-    _write_private(config_file, to_toml(cfg))     # it holds the Redis password
+    _write_private(config_file, to_toml(cfg))
     children = _children(cfg, config_file, run_dir, router=not args.no_router,
-                         metrics=metrics_ports, api_key_file=args.api_key_file)
-    for c in children:
-        c.argv += security.cli_args()
-        c.security = security
+                         metrics=metrics_ports, api_key_file=args.api_key_file,
+                         free=args.free_ports)
+    deployment = None if security.insecure else Path(security.cert_dir)
+    operator = _hand_out_credentials(children, run_dir, deployment, security, url,
+                                     args.cert_days)
+    redis_url = url("operator")
     state = replace(_state(cfg, children, metrics_ports), config=str(config_file),
+                    redis_url=redact_url(redis_url), redis_url_file=str(operator),
                     tls_dir="" if security.insecure else security.cert_dir)
     try:
         # The router last: its first view of the registry then holds the others.
         start_children([c for c in children if c.name != "router"], args.ready_timeout, stop)
-        _wait_registered(redis_url, {"kvstore", "prefill", "decode"}, args.ready_timeout)
+        wait_registered(redis_url, {"kvstore": 1, "prefill": cfg.engine.prefill,
+                                    "decode": cfg.engine.decode}, args.ready_timeout)
         start_children([c for c in children if c.name == "router"], args.ready_timeout, stop)
-        state_path().parent.mkdir(parents=True, exist_ok=True)
+        state = replace(state, pids={c.name: c.proc.pid for c in children if c.proc})
         _write_private(state_path(), json.dumps(asdict(state), indent=1))
         _print_started(state, children)
-        code = _supervise(children, stop)
+        code = _supervise(children, stop, deployment, args.cert_days)
     finally:
         stop_children(children, args.grace)
-        _remove_state()
+        remove_state()
         if redis is not None:
             redis.stop()
     print("kvserve up: stopped", flush=True)
     return code
+
+
+def _redis(args: argparse.Namespace, cfg: KVServeConfig) -> tuple[Any, Callable[[str], str]]:
+    """(the embedded server or None, role -> its Redis URL): one ACL user per role
+    on the embedded server; a given URL serves every role."""
+    try:
+        external = redis_url_from(args, cfg.redis)
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from exc
+    if external:
+        return None, lambda _role: external
+    from kvstore.redis_server import EmbeddedRedis
+
+    redis = EmbeddedRedis(preexec=_die_with_parent).start()
+    return redis, redis.url_for
 
 
 def _security(args: argparse.Namespace) -> SecurityConfig:
@@ -205,6 +245,20 @@ def _security(args: argparse.Namespace) -> SecurityConfig:
         raise UsageError(f"cannot prepare certificates in {tls}: {exc}") from exc
 
 
+def _hand_out_credentials(children: list[Child], run_dir: Path, deployment: Path | None,
+                          security: SecurityConfig, url: Callable[[str], str],
+                          cert_days: int | None) -> Path:
+    """Give each child its role's credentials directory (kvserve.credentials) on
+    its command line; returns the operator's Redis URL file."""
+    creds = hand_out_roles([c.role or c.name for c in children], run_dir, url=url,
+                           deployment=deployment, days=cert_days)
+    for c in children:
+        c.creds = creds[c.role or c.name]
+        c.argv += c.creds.argv()
+        c.security = security
+    return creds["operator"].redis_url_file
+
+
 def stack_security(role: str = "operator") -> SecurityConfig:
     """Credentials of a command-line tool: KVSERVE_TLS_DIR if set, else those of
     the running ``kvserve up`` (its state file), else an error naming both."""
@@ -217,15 +271,10 @@ def stack_security(role: str = "operator") -> SecurityConfig:
         raise UsageError(str(exc)) from exc
 
 
-def _write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
+_write_private = write_private          # 0600, atomic; a missing parent is made 0700
 
 
-def _remove_state() -> None:
+def remove_state() -> None:
     """Remove the state file if it is ours (another launcher may have replaced it)."""
     with contextlib.suppress(OSError, ValueError, KeyError):
         if json.loads(state_path().read_text())["pid"] == os.getpid():
@@ -265,26 +314,78 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
                          "[ports] section, or use --free-ports")
 
 
-def _service_ports(cfg: KVServeConfig, *, router: bool) -> dict[str, int]:
+# Instance i > 0 of a role listens on its role's configured port + PORT_STRIDE * i
+# (metrics likewise), so a fixed [ports] section still gives every instance a port.
+PORT_STRIDE = 100
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSlot:
+    """One engine instance ``up`` runs: its child name, role and ports."""
+
+    name: str                   # "prefill" / "decode" alone, "prefill-0", "prefill-1", ...
+    role: str
+    index: int
+    port: int
+    metrics_port: int
+
+
+def engine_slots(cfg: KVServeConfig, metrics: Mapping[str, int], *,
+                 free: bool) -> list[EngineSlot]:
+    """The prefill instances then the decode instances of ``cfg.engine``."""
+    from kvstore.redis_server import free_port
+
+    out = []
+    for role, n, port in (("prefill", cfg.engine.prefill, cfg.ports.prefill),
+                          ("decode", cfg.engine.decode, cfg.ports.decode)):
+        for i in range(n):
+            name = role if n == 1 else f"{role}-{i}"
+            p = port if i == 0 else (free_port(cfg.ports.host) if free
+                                     else port + PORT_STRIDE * i)
+            out.append(EngineSlot(name, role, i, p, metrics[name]))
+    return out
+
+
+def _service_ports(cfg: KVServeConfig, *, router: bool, free: bool = False) -> dict[str, int]:
     p = cfg.ports
-    ports = {"kvstore": p.kvstore, "prefill": p.prefill, "decode": p.decode}
+    ports = {"kvstore": p.kvstore}
+    for role, n, port in (("prefill", cfg.engine.prefill, p.prefill),
+                          ("decode", cfg.engine.decode, p.decode)):
+        for i in range(n):
+            if i == 0 or not free:          # free extra ports are picked at spawn time
+                ports[role if n == 1 else f"{role}-{i}"] = port + PORT_STRIDE * i
     if router and router_available():
         ports |= {"router gRPC": p.router_grpc, "HTTP": p.http}
     return ports
 
 
 def _metrics_ports(cfg: KVServeConfig, *, free: bool) -> dict[str, int]:
-    """Prometheus ports of kvstore, prefill and decode ([ports].metrics and the
-    two after it; the router serves /metrics on its HTTP port)."""
+    """Prometheus ports of the kvstore and every engine instance ([ports].metrics,
+    then +1 for prefill and +2 for decode, + PORT_STRIDE per further instance; the
+    router serves /metrics on its HTTP port)."""
     base = cfg.ports.metrics
+    names = {"kvstore": base}
+    for offset, role, n in ((1, "prefill", cfg.engine.prefill), (2, "decode", cfg.engine.decode)):
+        for i in range(n):
+            names[role if n == 1 else f"{role}-{i}"] = base + offset + PORT_STRIDE * i
     if free:
         from kvstore.redis_server import free_port
 
-        return {r: free_port(cfg.ports.host) for r in ("kvstore", "prefill", "decode")}
-    return {"kvstore": base, "prefill": base + 1, "decode": base + 2}
+        return {r: free_port(cfg.ports.host) for r in names}
+    return names
 
 
-def _effective(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
+def engine_threads(engine: EngineSection, cpus: int | None = None) -> int:
+    """Torch threads per engine: as configured, else (several instances of a role,
+    which compute at once) the cores split between them, so N+M engines on a small
+    machine do not oversubscribe it; 0 (all cores) for one instance per role."""
+    if engine.threads or max(engine.prefill, engine.decode) == 1:
+        return engine.threads
+    cpus = cpus or len(os.sched_getaffinity(0))
+    return max(1, cpus // max(engine.prefill, engine.decode))
+
+
+def effective_config(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
     if args.model:
         cfg = replace(cfg, model=replace(cfg.model, name=args.model))
     g3 = args.g3_path
@@ -307,7 +408,19 @@ def _effective(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
                         http=free_port(ports.host), metrics=free_port(ports.host))
     if args.port is not None:
         ports = replace(ports, http=args.port)
-    return replace(cfg, ports=ports)
+    engine = cfg.engine
+    given = {k: v for k, v in (("prefill", getattr(args, "prefill", None)),
+                               ("decode", getattr(args, "decode", None)),
+                               ("g1_bytes", getattr(args, "g1", None)),
+                               ("decode_g1_bytes", getattr(args, "decode_g1", None)))
+             if v is not None}
+    if given:
+        for name, flag in (("g1_bytes", "--g1"), ("decode_g1_bytes", "--decode-g1")):
+            if name in given:
+                given[name] = parse_size(given[name], flag)
+        engine = replace(engine, **given)     # validated again (ConfigError names the flag)
+    engine = replace(engine, threads=engine_threads(engine))
+    return replace(cfg, ports=ports, engine=engine)
 
 
 def _prefetch(model: str) -> None:
@@ -319,25 +432,37 @@ def _prefetch(model: str) -> None:
 
 
 def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *, router: bool,
-              metrics: dict[str, int], api_key_file: str | None = None) -> list[Child]:
+              metrics: dict[str, int], api_key_file: str | None = None,
+              free: bool = False) -> list[Child]:
+    """Every child of the stack, kvstore first and router last (the one place
+    that builds their command lines)."""
     host, p = cfg.ports.host, cfg.ports
     base = [sys.executable, "-m", "kvserve.cli"]
-    # No --redis-url: the URL may carry a password, and argv is world-readable in
-    # /proc. Children read it from the 0600 config file (REDIS_URL in their env
-    # wins there, so the launcher sets that too).
+    # No --redis-url, no secret: argv is world-readable in /proc. Each child's own
+    # credentials (Redis URL file, certificate) are added by _hand_out_credentials.
     common = ["--config", str(config_file), "--host", host]
     store_addr = f"{host}:{p.kvstore}"
     children = [
         Child("kvstore", [*base, "store", "serve", *common, "--port", str(p.kvstore),
                           "--metrics-port", str(metrics["kvstore"])], store_addr,
-              run_dir / "kvstore.log"),
-        Child("prefill", [*base, "prefill", "serve", *common, "--port", str(p.prefill),
-                          "--store", store_addr, "--metrics-port", str(metrics["prefill"])],
-              f"{host}:{p.prefill}", run_dir / "prefill.log"),
-        Child("decode", [*base, "decode", "serve", *common, "--port", str(p.decode),
-                         "--store", store_addr, "--metrics-port", str(metrics["decode"])],
-              f"{host}:{p.decode}", run_dir / "decode.log"),
-    ]
+              run_dir / "kvstore.log")]
+    decode_pool = []
+    if cfg.engine.decode_g1_bytes:
+        from service.config import engine_spec_from, num_blocks_for
+
+        decode_pool = ["--num-blocks",
+                       str(num_blocks_for(cfg.engine.decode_g1_bytes, engine_spec_from(cfg)))]
+    for slot in engine_slots(cfg, metrics, free=free):
+        # Several instances of a role on one host: each its own registry id.
+        ident = ["--instance-id", f"{slot.role}-{host}:{slot.port}"] if slot.name != slot.role \
+            else []
+        pool = decode_pool if slot.role == "decode" else []
+        children.append(Child(slot.name, [*base, slot.role, "serve", *common, "--port",
+                                          str(slot.port), "--store", store_addr,
+                                          "--metrics-port", str(slot.metrics_port), *ident,
+                                          *pool],
+                              f"{host}:{slot.port}", run_dir / f"{slot.name}.log",
+                              role=slot.role))
     if router and router_available():
         keys = ["--api-key-file", str(Path(api_key_file).resolve())] if api_key_file else []
         children.append(Child("router", [*base, "router", "serve", *common, *keys],
@@ -353,19 +478,26 @@ def router_available() -> bool:
 def _state(cfg: KVServeConfig, children: list[Child], metrics: dict[str, int]) -> UpState:
     by = {c.name: c for c in children}
     p = cfg.ports
-    tiers = ["G2 host " + _size(cfg.tiers.g2_bytes)]
+    tiers = ["G2 host " + human_size(cfg.tiers.g2_bytes)]
     if cfg.tiers.g3_path:
-        tiers.append(f"G3 disk {cfg.tiers.g3_path} {_size(cfg.tiers.g3_bytes)}")
+        tiers.append(f"G3 disk {cfg.tiers.g3_path} {human_size(cfg.tiers.g3_bytes)}")
     if cfg.tiers.g4_url:
         tiers.append(f"G4 {cfg.tiers.g4_url}")
     router = "router" in by
+    prefills = [c.health for c in children if _role(c.name) == "prefill"]
+    decodes = [c.health for c in children if _role(c.name) == "decode"]
     return UpState(redis_url=cfg.redis.url, model=cfg.model.name, store=by["kvstore"].health,
-                   prefill=by["prefill"].health, decode=by["decode"].health,
+                   prefill=prefills[0], decode=decodes[0], prefills=prefills, decodes=decodes,
                    router_http=f"http://{p.host}:{p.http}" if router else "",
                    router_grpc=f"{p.host}:{p.router_grpc}" if router else "",
                    tiers=", ".join(tiers), pid=os.getpid(),
                    logs={c.name: str(c.log) for c in children},
                    metrics=_metrics_urls(p.host, metrics, p.http if router else 0))
+
+
+def _role(name: str) -> str:
+    """A child's role from its name ("prefill-1" -> "prefill")."""
+    return name.split("-", 1)[0]
 
 
 def _metrics_urls(host: str, ports: dict[str, int], http: int) -> dict[str, str]:
@@ -375,7 +507,7 @@ def _metrics_urls(host: str, ports: dict[str, int], http: int) -> dict[str, str]
     return urls
 
 
-def _size(n: int) -> str:
+def human_size(n: int) -> str:
     for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
         if n >= div:
             return f"{n / div:.1f}{unit}"
@@ -383,13 +515,14 @@ def _size(n: int) -> str:
 
 
 def _spawn(c: Child) -> subprocess.Popen[bytes]:
-    log = open(c.log, "wb")  # noqa: SIM115 - the child owns it for its lifetime
+    # 0600: a log may quote prompts; the child owns the file for its lifetime.
+    log = os.fdopen(os.open(c.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
     try:
         # Own process group: Ctrl-C reaches the launcher only, which stops
         # children in order; PDEATHSIG stops them if the launcher is killed.
         return subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=_die_with_parent, env=child_env(c.name))
     finally:
         log.close()
 
@@ -401,7 +534,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class _Stop:
+class Stop:
     def __init__(self) -> None:
         self.requested = False
 
@@ -409,8 +542,8 @@ class _Stop:
         self.requested = True
 
 
-def _stop_on_signals() -> _Stop:
-    stop = _Stop()
+def stop_on_signals() -> Stop:
+    stop = Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     return stop
@@ -430,7 +563,7 @@ def _healthy(address: str, security: SecurityConfig | None = None) -> bool:
     return res.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def start_children(children: list[Child], timeout_s: float, stop: _Stop | None = None) -> None:
+def start_children(children: list[Child], timeout_s: float, stop: Stop | None = None) -> None:
     """Spawn every child (they load models in parallel), then wait until each
     answers its health check; a child that exits first fails with its log."""
     for c in children:
@@ -438,7 +571,7 @@ def start_children(children: list[Child], timeout_s: float, stop: _Stop | None =
     _wait_ready(children, timeout_s, stop)
 
 
-def _wait_ready(children: list[Child], timeout_s: float, stop: _Stop | None) -> None:
+def _wait_ready(children: list[Child], timeout_s: float, stop: Stop | None) -> None:
     deadline = time.monotonic() + timeout_s
     pending = [c for c in children if c.health]
     while pending:
@@ -460,22 +593,29 @@ def _wait_ready(children: list[Child], timeout_s: float, stop: _Stop | None) -> 
             time.sleep(0.2)
 
 
-def _wait_registered(redis_url: str, roles: set[str], timeout_s: float) -> None:
-    """Until every role has a live entry in the instance registry."""
+def wait_registered(redis_url: str, roles: set[str] | Mapping[str, int],
+                    timeout_s: float) -> None:
+    """Until every role has as many live entries in the instance registry as
+    asked (a set: one each)."""
     import asyncio
+    from collections import Counter
 
     from kvstore.registry import InstanceRegistry
+
+    want = dict.fromkeys(roles, 1) if isinstance(roles, set) else dict(roles)
 
     async def wait() -> None:
         async with InstanceRegistry(redis_url) as reg:
             deadline = time.monotonic() + timeout_s
             while True:
-                have = {i.role for i in await reg.list_instances()}
-                if roles <= have:
+                have = Counter(i.role for i in await reg.list_instances())
+                short = {r: n for r, n in want.items() if have[r] < n}
+                if not short:
                     return
                 if time.monotonic() > deadline:
                     raise UsageError(f"not registered after {timeout_s:.0f}s: "
-                                     f"{sorted(roles - have)}")
+                                     + ", ".join(f"{r} ({have[r]} of {n})"
+                                                 for r, n in sorted(short.items())))
                 await asyncio.sleep(0.1)
 
     asyncio.run(wait())
@@ -502,14 +642,33 @@ def _print_started(state: UpState, children: list[Child]) -> None:
     print("  try:      kvserve chat --prompt 'Hello'   |   kvserve status", flush=True)
 
 
-def _supervise(children: list[Child], stop: _Stop) -> int:
+def _supervise(children: list[Child], stop: Stop, deployment: Path | None = None,
+               cert_days: int | None = None) -> int:
+    """Until Ctrl-C / SIGTERM. A child that exits stops the stack, unless it is one
+    of several instances of its role: then the router places around it (it leaves
+    the registry) and the stack runs on while one instance of the role is left."""
+    days = {} if cert_days is None else {"days": cert_days}
+    gone: set[str] = set()
     while not stop.requested:
         for c in children:
             assert c.proc is not None
-            if c.proc.poll() is not None:
-                print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; stopping "
-                      f"the rest. Its log: {c.log}\n{_tail(c.log)}", file=sys.stderr, flush=True)
-                return 1
+            if c.name in gone:
+                continue
+            if c.proc.poll() is None:
+                if c.creds is not None:     # short-lived certificates: renewed in place
+                    c.creds = renew_due(c.creds, deployment, **days)
+                continue
+            gone.add(c.name)
+            left = [o for o in children if _role(o.name) == _role(c.name)
+                    and o.name not in gone]
+            if left and c.name != _role(c.name):
+                print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; "
+                      f"{len(left)} {_role(c.name)} instance(s) left, running on. Its log: "
+                      f"{c.log}", file=sys.stderr, flush=True)
+                continue
+            print(f"kvserve up: {c.name} exited with status {c.proc.returncode}; stopping "
+                  f"the rest. Its log: {c.log}\n{_tail(c.log)}", file=sys.stderr, flush=True)
+            return 1
         time.sleep(0.2)
     return 0
 

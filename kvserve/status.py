@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 from kvserve.cli import UsageError
 from security.config import SecurityConfig
+from security.flags import add_redis_flags, redis_url_from
+from security.redact import redact, redact_url
+from security.secret_files import SecretFileError
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +42,7 @@ CACHED_METRICS: dict[str, tuple[str, str, str]] = {
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=None,
-                   help="registry Redis (default: the running `kvserve up`, else REDIS_URL)")
+    add_redis_flags(p, default="the running `kvserve up`, else REDIS_URL(_FILE)")
     p.add_argument("--store", action="append", default=[], metavar="ADDRESS",
                    help="also query this kvstore (repeatable)")
     p.add_argument("--json", action="store_true")
@@ -52,12 +53,17 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.launcher import UpState
 
     state = UpState.load()
-    url = args.redis_url or (state.redis_url if state else "") or os.environ.get("REDIS_URL", "")
+    try:
+        explicit = redis_url_from(args, env=False)
+        url = explicit or (state.registry_url() if state else "") or redis_url_from(None)
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from exc
     if not url:
-        raise UsageError("no registry: start `kvserve up` or pass --redis-url / set REDIS_URL")
+        raise UsageError("no registry: start `kvserve up` or pass --redis-url(-file) / set "
+                         "REDIS_URL(_FILE)")
     snap = asyncio.run(collect(url, args.store, args.timeout,
                                state.security() if state is not None else None))
-    if state is not None and not args.redis_url:
+    if state is not None and not explicit:
         snap = replace(snap, cached=cached_tokens(state.metrics, args.timeout))
     if args.json:
         print(json.dumps(asdict(snap), indent=1, sort_keys=True))
@@ -76,7 +82,7 @@ async def collect(redis_url: str, extra_stores: list[str], timeout_s: float,
         async with InstanceRegistry(redis_url) as reg:
             live = await reg.list_instances()
     except Exception as exc:  # redis errors of every kind: say where and why
-        raise UsageError(f"registry at {redis_url}: {exc}") from exc
+        raise UsageError(f"registry at {redact_url(redis_url)}: {exc}") from exc
     addresses = [i.address for i in live if i.role == "kvstore"] + list(extra_stores)
     stores: dict[str, dict[str, object]] = {}
     for address in dict.fromkeys(addresses):
@@ -85,8 +91,8 @@ async def collect(redis_url: str, extra_stores: list[str], timeout_s: float,
                                      security=security) as c:
                 stores[address] = asdict(await c.stats())
         except (KVStoreError, ValueError) as exc:   # ValueError: no credentials
-            stores[address] = {"error": str(exc)}
-    return Snapshot(redis_url, [asdict(i) for i in sorted(live, key=lambda i: (i.role,
+            stores[address] = {"error": redact(exc)}
+    return Snapshot(redact_url(redis_url), [asdict(i) for i in sorted(live, key=lambda i: (i.role,
                                                                               i.instance_id))],
                     stores)
 
@@ -99,7 +105,9 @@ def cached_tokens(metrics_urls: dict[str, str], timeout_s: float) -> dict[str, f
 
     out: dict[str, float] = {}
     for role, url in metrics_urls.items():
-        wanted = {n: (s, k) for n, (r, s, k) in CACHED_METRICS.items() if r == role}
+        # Several instances of a role are "prefill-0", "prefill-1", ...: summed.
+        base = role.split("-", 1)[0]
+        wanted = {n: (s, k) for n, (r, s, k) in CACHED_METRICS.items() if r == base}
         if not wanted:
             continue
         try:
@@ -118,6 +126,20 @@ def cached_tokens(metrics_urls: dict[str, str], timeout_s: float) -> dict[str, f
 def _rate(hits: object, misses: object) -> str:
     h, m = int(hits), int(misses)  # type: ignore[call-overload]
     return f"{100 * h / (h + m):.1f}%" if h + m else "-"
+
+
+def _tenant_rows(s: dict[str, object]) -> list[str]:
+    """Per-tier tenant usage and quotas (kvstore quotas, docs/operators.md)."""
+    rows = s.get("tenants") or []
+    out = [f"  tenants: {s.get('tenant_names', 0)} of {s.get('max_tenants', 0)} names"]
+    if rows:
+        out.append(f"  {'tier':<5} {'tenant':<20} {'used bytes':>14} {'quota':>14} "
+                   f"{'blocks':>8} {'evicted':>8}")
+    for t in rows:  # type: ignore[attr-defined]
+        quota = "none" if int(t["quota_bytes"]) < 0 else f"{int(t['quota_bytes']):,}"
+        out.append(f"  {t['tier']:<5} {str(t['tenant'])[:20]:<20} {t['used_bytes']:>14,} "
+                   f"{quota:>14} {t['blocks']:>8} {t['evictions']:>8}")
+    return out
 
 
 def render(snap: Snapshot) -> str:
@@ -148,6 +170,7 @@ def render(snap: Snapshot) -> str:
             ttl = f"{int(c['ttl_s']) / 86400:.1f}d"
             out.append(f"  {c['traffic_class']:<8} {ttl:>9} {c['blocks']:>8} {c['hits']:>8} "
                        f"{c['misses']:>8} {_rate(c['hits'], c['misses']):>8}")
+        out += _tenant_rows(s)
     if snap.cached:
         c = {k: int(snap.cached.get(k, 0)) for k in CACHED_METRICS}
         out += ["", f"cached tokens since start: engine G1 {c['engine_g1_tokens']:,} + warehouse "

@@ -36,6 +36,7 @@ from kvstore.errors import (
     AccessDenied,
     InvalidRequest,
     KVStoreError,
+    ResourceExhausted,
     ShmUnavailable,
     StoreUnavailable,
 )
@@ -46,8 +47,10 @@ from kvstore.types import (
     GetResult,
     LookupResult,
     PutResult,
+    QuotaEntry,
     RequestCtx,
     StoreStats,
+    TenantSnapshot,
     TierSnapshot,
 )
 from kvstore.wire import decode_get_chunk, encode_put_data, encode_put_header
@@ -58,6 +61,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CHUNK_BYTES = 4 * 2**20
+# One Put call carries at most this many payload bytes (a larger put is split), so
+# that it fits the store's Put budget beside other callers' (kvstore.limits).
+PUT_CALL_BYTES = 128 * 2**20
 MAX_MESSAGE_BYTES = 128 * 2**20
 COPY_THREADS = 2    # shared-memory Get copier threads (see _SlotCopier)
 
@@ -66,7 +72,7 @@ _ERRORS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.UNAVAILABLE: StoreUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: StoreUnavailable,
     grpc.StatusCode.CANCELLED: StoreUnavailable,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.FAILED_PRECONDITION: ShmUnavailable,
     grpc.StatusCode.UNAUTHENTICATED: AccessDenied,
     grpc.StatusCode.PERMISSION_DENIED: AccessDenied,
@@ -80,8 +86,25 @@ def _mapped(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             return await fn(*args, **kwargs)
         except grpc.aio.AioRpcError as exc:
             err = _ERRORS.get(exc.code(), KVStoreError)
+            if err is ResourceExhausted:
+                raise ResourceExhausted(f"{exc.code().name}: {exc.details()}",
+                                        _retry_after_s(exc)) from exc
             raise err(f"{exc.code().name}: {exc.details()}") from exc
     return call
+
+
+def _retry_after_s(exc: grpc.aio.AioRpcError) -> float:
+    """The store's ``retry-after-ms`` trailer, in seconds (0: none)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after-ms":
+            with contextlib.suppress(ValueError):
+                return max(0.0, int(value) / 1000.0)
+    return 0.0
+
+
+def _quota_entries(res: kvstore_pb2.QuotaResponse) -> list[QuotaEntry]:
+    return [QuotaEntry(q.tier, q.tenant, None if q.quota_bytes < 0 else q.quota_bytes, q.source)
+            for q in res.quotas]
 
 
 def ctx_to_proto(ctx: RequestCtx) -> common_pb2.RequestContext:
@@ -217,12 +240,18 @@ class _SlotCopier:
         return True
 
 
+DEFAULT_CLIENT_ROLE = "engine"
+
+
 class KVStoreClient:
     def __init__(self, address: str, *, timeout_s: float = 5.0, use_shm: bool = True,
                  chunk_bytes: int = CHUNK_BYTES, copy_threads: int = COPY_THREADS,
-                 security: SecurityConfig | None = None) -> None:
+                 security: SecurityConfig | None = None,
+                 put_call_bytes: int = PUT_CALL_BYTES) -> None:
         """``security``: this caller's credentials (mTLS); None reads them from the
-        environment (``SecurityConfig.from_env("operator")``)."""
+        environment as the least-privileged kvstore client, ``engine`` (the data
+        methods and Stats; security/methods.py). Never an operator by default:
+        maintenance (Delete) must be asked for with an operator's credentials."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if copy_threads < 1:
@@ -232,7 +261,8 @@ class KVStoreClient:
         self.timeout_s = timeout_s
         self.use_shm = use_shm
         self.chunk_bytes = chunk_bytes
-        self.security = security or SecurityConfig.from_env("operator")
+        self.put_call_bytes = put_call_bytes
+        self.security = security or SecurityConfig.from_env(DEFAULT_CLIENT_ROLE)
         self._channel = self.security.aio_channel(address, "kvstore", options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
@@ -280,11 +310,31 @@ class KVStoreClient:
                   token_count: int | Sequence[int], ctx: RequestCtx,
                   timeout_s: float | None = None) -> PutResult:
         """Store blocks (a tensor [n, layers, 2, kv_heads, block_tokens, head_dim] or
-        n bytes-likes); ``token_count`` per block, or one value for all."""
+        n bytes-likes); ``token_count`` per block, or one value for all. Split into
+        calls of at most ``put_call_bytes`` (whole blocks each)."""
         views = as_byte_views(blocks, len(keys))
         if len(views) != len(keys):
             raise InvalidRequest(f"{len(keys)} keys but {len(views)} blocks")
         counts = [token_count] * len(keys) if isinstance(token_count, int) else list(token_count)
+        stored = skipped = nbytes = 0
+        start = 0
+        while start < len(keys) or not keys:
+            end, size = start, 0
+            while end < len(keys) and (end == start or size + views[end].nbytes
+                                       <= self.put_call_bytes):
+                size += views[end].nbytes
+                end += 1
+            res = await self._put_one(keys[start:end], views[start:end], counts[start:end],
+                                      layout, ctx, timeout_s)
+            stored, skipped, nbytes = (stored + res.stored, skipped + res.skipped,
+                                       nbytes + res.bytes)
+            if not keys:
+                break
+            start = end
+        return PutResult(stored, skipped, nbytes)
+
+    async def _put_one(self, keys: Sequence[bytes], views: list[memoryview], counts: list[int],
+                       layout: str, ctx: RequestCtx, timeout_s: float | None) -> PutResult:
         headers = [kvstore_pb2.BlockHeader(key=k, size=v.nbytes, token_count=c)
                    for k, v, c in zip(keys, views, counts, strict=True)]
         hdr = kvstore_pb2.PutHeader(ctx=ctx_to_proto(ctx), layout=layout, blocks=headers)
@@ -304,6 +354,12 @@ class KVStoreClient:
                     return PutResult(res.stored_blocks, res.skipped_blocks, res.bytes)
                 except (grpc.aio.AioRpcError, ShmUnavailable, OSError) as exc:
                     code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+                    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and hdr.shm_name == "":
+                        # No staging room for us now (our share, or a full pool): stream
+                        # this put; later puts try shared memory again.
+                        hdr.shm_name, hdr.shm_offset = "", 0
+                        res = await self._put_call(self._chunks(hdr, views), timeout=timeout)
+                        return PutResult(res.stored_blocks, res.skipped_blocks, res.bytes)
                     if code not in (None, grpc.StatusCode.FAILED_PRECONDITION,
                                     grpc.StatusCode.UNIMPLEMENTED):
                         raise
@@ -418,6 +474,14 @@ class KVStoreClient:
         return int(res.deleted)
 
     @_mapped
+    async def warm(self, keys: Sequence[bytes], *, prompt_tokens: int, ctx: RequestCtx,
+                   timeout_s: float | None = None) -> kvstore_pb2.WarmResponse:
+        """Move the chain's usable blocks up into G2 now (kvstore.warm)."""
+        return await self._stub.Warm(
+            kvstore_pb2.WarmRequest(ctx=ctx_to_proto(ctx), keys=keys, prompt_tokens=prompt_tokens),
+            timeout=timeout_s or self.timeout_s)
+
+    @_mapped
     async def stats(self, *, timeout_s: float | None = None) -> StoreStats:
         s = await self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=timeout_s or self.timeout_s)
         return StoreStats(
@@ -426,7 +490,27 @@ class KVStoreClient:
                           t.evictions, t.checksum_failures) for t in s.tiers],
             [ClassSnapshot(c.traffic_class, c.ttl_s, c.hits, c.misses, c.blocks)
              for c in s.classes],
-            s.whatif_json, s.shm_capable, s.hostname)
+            s.whatif_json, s.shm_capable, s.hostname,
+            [TenantSnapshot(t.tier, t.tenant, t.used_bytes, t.blocks, t.quota_bytes, t.evictions)
+             for t in s.tenants], s.tenant_names, s.max_tenants)
+
+    @_mapped
+    async def set_quota(self, tier: str, tenant: str, quota_bytes: int | None, *,
+                        reset: bool = False, timeout_s: float | None = None,
+                        ) -> list[QuotaEntry]:
+        """An operator's per-tenant quota (None: no limit; ``reset``: the config's
+        applies again); returns the effective table."""
+        res = await self._stub.SetQuota(kvstore_pb2.SetQuotaRequest(
+            tier=tier, tenant=tenant, reset=reset,
+            quota_bytes=-1 if quota_bytes is None else quota_bytes),
+            timeout=timeout_s or self.timeout_s)
+        return _quota_entries(res)
+
+    @_mapped
+    async def get_quotas(self, *, timeout_s: float | None = None) -> list[QuotaEntry]:
+        res = await self._stub.GetQuotas(kvstore_pb2.GetQuotasRequest(),
+                                         timeout=timeout_s or self.timeout_s)
+        return _quota_entries(res)
 
     async def _same_host(self) -> bool:
         """Whether to use shared memory: asked once (Stats), then remembered."""

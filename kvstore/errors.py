@@ -16,6 +16,16 @@ class PayloadTooLarge(InvalidRequest):
     """A block or a request exceeds the configured limits."""
 
 
+class ResourceExhausted(KVStoreError):
+    """A bounded resource is used up right now (the Put byte budget, a caller's
+    share of the staging pool, the tenant-name table): RESOURCE_EXHAUSTED, with
+    ``retry_after_s`` when waiting may help (0: it will not, change the request)."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class StoreUnavailable(KVStoreError):
     """A backing service (Redis, a tier) cannot be reached right now."""
 

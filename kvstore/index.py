@@ -24,7 +24,10 @@ Node and class names map to small ids through the hash ``kvserve:ids``; every
 store re-asserts its own ids, so a FLUSHALL cannot make two names share one.
 Tenant namespaces get ids the same way (``tenant:`` space): an entry belongs to
 the namespace that stored it first; a lookup for another namespace stops there
-and a store for another namespace leaves it alone (docs/security.md).
+and a store for another namespace leaves it alone (docs/security.md). Only a
+store (or a reindex) creates a tenant id, up to ``max_tenants`` names; a
+lookup for a name without one matches nothing and creates nothing, so
+requests cannot grow the table (Redis runs ``noeviction``).
 """
 
 from __future__ import annotations
@@ -41,19 +44,19 @@ from redis.exceptions import RedisError
 from common.config import TrafficClasses
 from kvstore import events, index_cluster
 from kvstore.errors import InvalidRequest, StoreUnavailable
+from kvstore.index_ids import IDS_HASH, IdTable
 from kvstore.keys import DEFAULT_TENANT
 from kvstore.redis_conn import connect, is_cluster_url
 from kvstore.types import LOCAL_TIERS_MASK, TIER_BITS
+from security.redact import redact_url
 
 KEY_BYTES = 16
 PREFIX = b"B"
 ENTRY = struct.Struct("<BBHIII")          # mask, class id, node id, size, stamp, tenant id
 RECORD = struct.Struct("<16sIBII")        # key, size, class id, ttl, tenant id (store input)
-IDS_HASH = "kvserve:ids"
 EPOCH_KEY = "kvserve:index:epoch"
 MAX_NODE_ID = 65_535
 MAX_CLASS_ID = 255
-MAX_TENANT_ID = 2**32 - 1
 ALL_TIERS_MASK = sum(TIER_BITS.values())
 # Keys per MGET inside Lua: a small first probe (a cold prompt misses at once),
 # then large batches (fewer calls; Lua's unpack() is limited to ~8,000 values).
@@ -258,20 +261,6 @@ end
 return removed
 """).substitute(local_mask=LOCAL_TIERS_MASK)
 
-_LUA_ENSURE_ID = Template("""
-local h, name, limit = '$ids', ARGV[1], tonumber(ARGV[2])
-local id = redis.call('HGET', h, ARGV[3] .. 'n:' .. name)
-if id then return tonumber(id) end
-local nid = redis.call('HINCRBY', h, ARGV[3] .. '#next', 1) - 1
-while redis.call('HEXISTS', h, ARGV[3] .. 'i:' .. nid) == 1 do
-  nid = redis.call('HINCRBY', h, ARGV[3] .. '#next', 1) - 1
-end
-if nid > limit then return redis.error_reply('id space exhausted for ' .. ARGV[3]) end
-redis.call('HSET', h, ARGV[3] .. 'n:' .. name, nid, ARGV[3] .. 'i:' .. nid, name)
-return nid
-""").substitute(ids=IDS_HASH)
-
-
 # Redis Cluster variants (kvstore.index_cluster): per-key GETs instead of MGET, and
 # store/clear return the keys they changed (events and G2 set go out after the call).
 _LUA_LOOKUP_CLUSTER = index_cluster.cluster_lookup_script(_LUA_LOOKUP,
@@ -354,7 +343,7 @@ class BlockIndex:
     def __init__(self, redis_url: str, *, node: str, classes: TrafficClasses,
                  instance: str = "", publish_events: bool = True,
                  event_maxlen: int = events.DEFAULT_MAXLEN,
-                 refresh_fraction: float = 0.01) -> None:
+                 refresh_fraction: float = 0.01, max_tenants: int = 4096) -> None:
         if not 0.0 <= refresh_fraction < 1.0:
             raise ValueError(f"refresh_fraction must be in [0, 1), got {refresh_fraction}")
         self.redis_url = redis_url
@@ -373,21 +362,21 @@ class BlockIndex:
         self._lookup = self._r.register_script(_LUA_LOOKUP)
         self._store = self._r.register_script(_LUA_STORE)
         self._clear = self._r.register_script(_LUA_CLEAR)
-        self._ensure = self._r.register_script(_LUA_ENSURE_ID)
+        self.ids = IdTable(self._r, max_tenants=max_tenants)
         self.node_id = -1
         self.class_ids: dict[str, int] = {}
         self._ttl_argv: list[int] = []
         self._reassert: list[str | int] = []
-        self._tenant_ids: dict[str, int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> BlockIndex:
         try:
-            self.node_id = await self._id_for("node", self.node, MAX_NODE_ID)
+            self.node_id = await self.ids.ensure("node", self.node, MAX_NODE_ID)
             for name in sorted(self.classes.ttl_s):
-                self.class_ids[name] = await self._id_for("class", name, MAX_CLASS_ID)
+                self.class_ids[name] = await self.ids.ensure("class", name, MAX_CLASS_ID)
         except RedisError as exc:
-            raise StoreUnavailable(f"Redis at {self.redis_url} unavailable: {exc}") from exc
+            raise StoreUnavailable(f"Redis at {redact_url(self.redis_url)} unavailable: "
+                                   f"{exc}") from exc
         top = max(self.class_ids.values())
         ttl_by_id = dict.fromkeys(range(top + 1), 0)
         for name, cid in self.class_ids.items():
@@ -399,10 +388,6 @@ class BlockIndex:
             pairs += [(f"class:n:{name}", cid), (f"class:i:{cid}", name)]
         self._reassert = [x for p in pairs for x in p]
         return self
-
-    async def _id_for(self, space: str, name: str, limit: int) -> int:
-        # KEYS names the hash only so a cluster client routes the call to its slot.
-        return int(await self._ensure(keys=[IDS_HASH], args=[name, limit, f"{space}:"]))
 
     @property
     def cluster_errors(self) -> int:
@@ -424,17 +409,8 @@ class BlockIndex:
         return self.class_ids[self.classes.resolve(traffic_class)]
 
     async def tenant_id(self, tenant: str) -> int:
-        """The namespace id of ``tenant`` (one round trip the first time per process)."""
-        tenant = tenant or DEFAULT_TENANT
-        tid = self._tenant_ids.get(tenant)
-        if tid is None:
-            try:
-                tid = await self._id_for("tenant", tenant, MAX_TENANT_ID)
-            except RedisError as exc:
-                raise StoreUnavailable(f"Redis at {self.redis_url} unavailable: {exc}") from exc
-            if len(self._tenant_ids) < 65_536:  # bounded: names come from requests
-                self._tenant_ids[tenant] = tid
-        return tid
+        """The namespace id of ``tenant``, created on first use (kvstore.index_ids)."""
+        return await self.ids.tenant_id(tenant or DEFAULT_TENANT)
 
     # -- reads -------------------------------------------------------------------------------
     async def match_chain(self, keys: Sequence[bytes], *, traffic_class: str = "",
@@ -452,7 +428,10 @@ class BlockIndex:
         local_mask = TIER_BITS["G2"] | TIER_BITS["G3"] if local_only else ALL_TIERS_MASK
         shared_mask = TIER_BITS["G4"] if local_only else ALL_TIERS_MASK
         me = self.node_id if local_only else -1
-        tid = _TENANT_ID.pack(await self.tenant_id(tenant))
+        known = await self.ids.known_tenant_id(tenant or DEFAULT_TENANT)
+        if known is None:   # a namespace that never stored a block has no entries
+            return ChainMatch(b"", time.perf_counter() - t0)
+        tid = _TENANT_ID.pack(known)
         args = [int(touch), int(time.time()), self.class_id(traffic_class), self._frac,
                 me, local_mask, shared_mask, tid, *self._ttl_argv]
         try:

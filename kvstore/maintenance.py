@@ -18,18 +18,38 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from common.config import TrafficClasses
 from kvstore.blockfile import BlockMeta
-from kvstore.index import IndexRecord
+from kvstore.index import BlockIndex, IndexEntry, IndexRecord
+from kvstore.metrics import StoreMetrics
+from kvstore.tiers import Tier
 from kvstore.types import TIER_BITS
-
-if TYPE_CHECKING:
-    from kvstore.warehouse import Warehouse
+from kvstore.writeback import WriteBack
 
 BATCH = 1000
+
+
+class MaintainedStore(Protocol):
+    """What the sweeper and reindex need of a store (``kvstore.warehouse.Warehouse``,
+    which calls them: declared here so the two modules do not import each other)."""
+
+    classes: TrafficClasses
+    index: BlockIndex
+    metrics: StoreMetrics
+    writeback: WriteBack
+
+    @property
+    def tiers(self) -> Mapping[str, Tier]: ...
+
+    def count_class_blocks(self, traffic_class: str, n: int) -> None: ...
+
+    def is_pending(self, key: bytes) -> bool: ...
+
+    def servable_mask(self, entry: IndexEntry | None) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +82,11 @@ def _batches(it: Iterator[BlockMeta], n: int) -> Iterator[list[BlockMeta]]:
         yield buf
 
 
-def _class_of(wh: Warehouse, meta: BlockMeta) -> str:
+def _class_of(wh: MaintainedStore, meta: BlockMeta) -> str:
     return meta.traffic_class if meta.traffic_class in wh.classes.ttl_s else wh.classes.default
 
 
-def _record(wh: Warehouse, meta: BlockMeta, now: float) -> IndexRecord:
+def _record(wh: MaintainedStore, meta: BlockMeta, now: float) -> IndexRecord:
     cls = _class_of(wh, meta)
     left = meta.expires_at - now
     # An expired file may still be live (its entry was refreshed by hits and then
@@ -79,7 +99,7 @@ async def _scan(tier_scan: Iterator[BlockMeta]) -> list[list[BlockMeta]]:
     return await asyncio.to_thread(lambda: list(_batches(tier_scan, BATCH)))
 
 
-async def reindex(wh: Warehouse) -> ReindexReport:
+async def reindex(wh: MaintainedStore) -> ReindexReport:
     """Index every block the tiers hold (``kvserve store reindex``, or on start
     when Redis lost its data), then mark the epoch."""
     t0 = time.perf_counter()
@@ -98,7 +118,7 @@ async def reindex(wh: Warehouse) -> ReindexReport:
     return ReindexReport(counts, time.perf_counter() - t0)
 
 
-async def sweep(wh: Warehouse) -> SweepReport:
+async def sweep(wh: MaintainedStore) -> SweepReport:
     """One pass over every tier (see the module rules)."""
     t0 = time.perf_counter()
     if not await wh.index.epoch_present():
@@ -129,7 +149,7 @@ async def sweep(wh: Warehouse) -> SweepReport:
     return SweepReport(scanned, deleted, restored, False, time.perf_counter() - t0)
 
 
-async def _delete(wh: Warehouse, name: str, keys: list[bytes]) -> int:
+async def _delete(wh: MaintainedStore, name: str, keys: list[bytes]) -> int:
     claimed = wh.writeback.begin_sweeping(keys)
     try:
         # Re-check after claiming: a put may have indexed the key since the scan.

@@ -1,9 +1,11 @@
 """Prometheus metrics of one kvstore: hits/misses per tier and class, bytes
 per tier, evictions, checksum failures, lookup latency and hit-rule tokens.
 
-Tier gauges (used/capacity bytes, blocks, evictions, checksum failures) are
-read from the tiers at scrape time through a collector, so the tiers keep
-one set of counters and the exposition can never drift from them.
+Tier gauges (used/capacity bytes, blocks, evictions, checksum failures) and
+per-tenant ones (bytes, blocks, quota, evictions per tier; the tenant label is
+bounded by ``[quotas].max_tenants``) are read from the tiers at scrape time
+through collectors, so the tiers keep one set of counters and the exposition
+can never drift from them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore.types import TierSnapshot
+from kvstore.types import TenantSnapshot, TierSnapshot
 
 # Loopback chain lookups sit around 0.1-2 ms; the tail buckets catch a slow Redis.
 _LOOKUP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -42,6 +44,30 @@ class _TierCollector(Collector):
             ev.add_metric([t.tier], t.evictions)
             bad.add_metric([t.tier], t.checksum_failures)
         yield from (used, cap, blocks, ev, bad)
+
+
+class _TenantCollector(Collector):
+    def __init__(self, snapshot: Callable[[], list[TenantSnapshot]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["tier", "tenant"]
+        used = GaugeMetricFamily("kvstore_tenant_used_bytes", "Bytes a tenant holds per tier",
+                                 labels=labels)
+        blocks = GaugeMetricFamily("kvstore_tenant_blocks", "Blocks a tenant holds per tier",
+                                   labels=labels)
+        quota = GaugeMetricFamily("kvstore_tenant_quota_bytes",
+                                  "A tenant's quota per tier (absent: no limit)", labels=labels)
+        ev = CounterMetricFamily("kvstore_tenant_evictions",
+                                 "A tenant's blocks evicted per tier (its quota or a full tier)",
+                                 labels=labels)
+        for t in self._snapshot():
+            used.add_metric([t.tier, t.tenant], t.used_bytes)
+            blocks.add_metric([t.tier, t.tenant], t.blocks)
+            if t.quota_bytes >= 0:
+                quota.add_metric([t.tier, t.tenant], t.quota_bytes)
+            ev.add_metric([t.tier, t.tenant], t.evictions)
+        yield from (used, blocks, quota, ev)
 
 
 @dataclass(slots=True)
@@ -88,8 +114,11 @@ class StoreMetrics:
         self.errors = Counter("kvstore_rpc_errors", "RPCs that ended in an error",
                               ["method", "code"], registry=r)
 
-    def watch_tiers(self, snapshot: Callable[[], list[TierSnapshot]]) -> None:
+    def watch_tiers(self, snapshot: Callable[[], list[TierSnapshot]],
+                    tenants: Callable[[], list[TenantSnapshot]] | None = None) -> None:
         self.registry.register(_TierCollector(snapshot))
+        if tenants is not None:
+            self.registry.register(_TenantCollector(tenants))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> MetricsServer:
         httpd, _thread = start_http_server(port, addr=host, registry=self.registry)

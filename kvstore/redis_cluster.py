@@ -4,6 +4,11 @@ bundled ``redis-cli --cluster create``. For tests, ``kvserve bench store
 --redis-cluster N`` and trying the cluster code paths on one machine; never a
 fake. Production points ``REDIS_URL=redis+cluster://...`` at a real cluster.
 
+Every node starts locked down as the single embedded server does
+(kvstore.redis_server: ACL users per role, the default user off, CONFIG/DEBUG/
+MODULE disabled, all of it on stdin); replicas authenticate to their masters
+as ``admin`` (``masteruser``). ``url`` is the admin's; ``url_for(role)`` a role's.
+
 ``cluster-node-timeout`` is small by default (1.5 s) so a killed master's
 replica is promoted within a few seconds (``kill_master`` / ``wait_healthy``).
 """
@@ -23,7 +28,8 @@ from pathlib import Path
 import redis
 from redis.cluster import RedisCluster
 
-from kvstore.redis_server import redis_server_binary
+from kvstore.redis_acl import ADMIN_USER, RedisUsers
+from kvstore.redis_server import locked_down_config, redis_server_binary, server_log_tail
 from kvstore.subproc import stop_process
 
 SLOTS = 16384
@@ -69,8 +75,9 @@ class EmbeddedRedisCluster:
     masters: int = 3
     replicas_per_master: int = 1
     host: str = "127.0.0.1"
-    password: str = ""
+    password: str = ""              # the admin's; empty: a random one
     node_timeout_ms: int = 1500
+    users: RedisUsers | None = None  # per-role passwords; None: random ones
     _nodes: list[_Node] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
@@ -79,6 +86,9 @@ class EmbeddedRedisCluster:
             raise ValueError(f"a Redis Cluster needs at least 3 masters, got {self.masters}")
         if self.replicas_per_master < 0 or self.node_timeout_ms < 100:
             raise ValueError("replicas_per_master >= 0 and node_timeout_ms >= 100")
+        users = self.users or RedisUsers.generate()
+        self.password = self.password or users.passwords[ADMIN_USER]
+        self.users = RedisUsers({**users.passwords, ADMIN_USER: self.password})
 
     @property
     def ports(self) -> list[int]:
@@ -86,13 +96,17 @@ class EmbeddedRedisCluster:
 
     @property
     def url(self) -> str:
-        """A ``redis+cluster://`` URL naming one seed node (kvstore.redis_conn)."""
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis+cluster://{auth}{self.host}:{self._nodes[0].port}/0"
+        """The admin's ``redis+cluster://`` URL naming one seed node (kvstore.redis_conn)."""
+        return self.url_for(ADMIN_USER)
+
+    def url_for(self, role: str) -> str:
+        assert self.users is not None
+        return self.users.url(role, self.host, self._nodes[0].port, scheme="redis+cluster")
 
     def node_url(self, port: int) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}{self.host}:{port}/0"
+        """The admin's URL of one node."""
+        assert self.users is not None
+        return self.users.url(ADMIN_USER, self.host, port)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> EmbeddedRedisCluster:
@@ -110,10 +124,12 @@ class EmbeddedRedisCluster:
                 self._wait_ping(node, timeout_s)
             cmd = [redis_cli_binary(), "--cluster", "create",
                    *[f"{self.host}:{n.port}" for n in self._nodes],
-                   "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes"]
-            if self.password:
-                cmd += ["-a", self.password, "--no-auth-warning"]
-            out = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)
+                   "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes",
+                   "--user", ADMIN_USER]
+            # The password in the environment (REDISCLI_AUTH), never in argv.
+            env = {**os.environ, "REDISCLI_AUTH": self.password}
+            out = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False,
+                                 env=env)
             if out.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: "
                                    f"{(out.stdout + out.stderr).decode()[-2000:]}")
@@ -130,14 +146,20 @@ class EmbeddedRedisCluster:
                 "--cluster-node-timeout", str(self.node_timeout_ms),
                 # A replica whose master died long ago must still take over in tests.
                 "--cluster-replica-validity-factor", "0",
-                "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"]
-        if self.password:
-            args += ["--requirepass", self.password, "--masterauth", self.password]
-        node.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
+                "--logfile", os.path.join(node.data_dir, "redis.log")]
+        assert self.users is not None
+        conf = (locked_down_config(self.users)
+                + f"masteruser {ADMIN_USER}\nmasterauth {self.password}\n")
+        node.proc = subprocess.Popen([args[0], "-", *args[1:]], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert node.proc.stdin is not None
+        node.proc.stdin.write(conf.encode())
+        node.proc.stdin.close()
 
     def _client(self, port: int) -> redis.Redis:
-        return redis.Redis(host=self.host, port=port, password=self.password or None,
-                           socket_timeout=2.0)
+        return redis.Redis(host=self.host, port=port, username=ADMIN_USER,
+                           password=self.password, socket_timeout=2.0)
 
     def _wait_ping(self, node: _Node, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -150,7 +172,8 @@ class EmbeddedRedisCluster:
                 except redis.ConnectionError:
                     if node.proc is not None and node.proc.poll() is not None:
                         err = node.proc.stderr.read().decode() if node.proc.stderr else ""
-                        raise RuntimeError(f"redis-server exited: {err.strip()}") from None
+                        raise RuntimeError(f"redis-server exited: {err.strip()} "
+                                           f"{server_log_tail(node.data_dir)}") from None
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"redis node {node.port} did not answer") from None
                     time.sleep(0.02)
@@ -223,8 +246,8 @@ class EmbeddedRedisCluster:
 
     def flushall(self) -> None:
         """Empty every master (tests share one cluster per session)."""
-        rc = RedisCluster(host=self.host, port=self.master_ports()[0],
-                          password=self.password or None)
+        rc = RedisCluster(host=self.host, port=self.master_ports()[0], username=ADMIN_USER,
+                          password=self.password)
         try:
             rc.flushall(target_nodes=RedisCluster.PRIMARIES)
         finally:

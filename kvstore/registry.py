@@ -1,10 +1,15 @@
 """Instance registry in Redis (docs/architecture.md#redis-control-plane): every
-kvstore, prefill, decode and router instance keeps a hash ``kvserve:inst:<id>``
-alive by heartbeats; the hash expires ``ttl_s`` after the last one, so a crashed instance drops out
-without anyone deleting it.
+kvstore, prefill, decode and router instance keeps a hash
+``kvserve:inst:<role>:<id>`` alive by heartbeats; the hash expires ``ttl_s``
+after the last one, so a crashed instance drops out without anyone deleting it.
 
-The set ``kvserve:instances`` lists ids for discovery; ids whose hash has
-expired are pruned from it by ``list_instances``.
+The set ``kvserve:instances:<role>`` lists a role's ids for discovery; ids
+whose hash has expired are pruned from it when an instance of that role
+registers (readers never write).
+
+The role is part of every key so that each role's Redis user may write only
+its own role's entries (kvstore.redis_acl); a reader accepts an entry only when
+the role it names is the role of the keys it was found under.
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ from dataclasses import asdict, dataclass, fields
 
 from kvstore.redis_conn import connect, is_cluster_url
 
-INSTANCES_SET = "kvserve:instances"
 ROLES = frozenset({"kvstore", "prefill", "decode", "router"})
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-def _inst_key(instance_id: str) -> str:
-    return f"kvserve:inst:{instance_id}"
+def instances_set(role: str) -> str:
+    return f"kvserve:instances:{role}"
+
+
+def _inst_key(role: str, instance_id: str) -> str:
+    return f"kvserve:inst:{role}:{instance_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,22 +89,41 @@ class InstanceRegistry:
         # A cluster has no transaction across slots; each key's own commands stay in order.
         self._tx = not is_cluster_url(redis_url)
         self.ttl_ms = int(ttl_s * 1000)
+        self._roles: dict[str, str] = {}      # instance id -> role, of what we registered
 
     async def register(self, info: InstanceInfo) -> None:
         fields_ = info.to_fields()
         fields_["last_heartbeat"] = str(time.time())
-        key = _inst_key(info.instance_id)
+        key = _inst_key(info.role, info.instance_id)
+        await self._prune(info.role)
         pipe = self._r.pipeline(transaction=self._tx)
         pipe.delete(key)
         pipe.hset(key, mapping=fields_)
         pipe.pexpire(key, self.ttl_ms)
-        pipe.sadd(INSTANCES_SET, info.instance_id)
+        pipe.sadd(instances_set(info.role), info.instance_id)
         await pipe.execute()
+        self._roles[info.instance_id] = info.role
+
+    async def _prune(self, role: str) -> None:
+        """Drop ids of ``role`` whose hash expired (a crash skips deregister)."""
+        ids = [m.decode() for m in await self._r.smembers(instances_set(role))]
+        if not ids:
+            return
+        pipe = self._r.pipeline(transaction=False)
+        for i in ids:
+            pipe.exists(_inst_key(role, i))
+        gone = [i for i, alive in zip(ids, await pipe.execute(), strict=True) if not alive]
+        if gone:
+            await self._r.srem(instances_set(role), *gone)
 
     async def heartbeat(self, instance_id: str, report: LoadReport | None = None) -> bool:
-        """Extends the instance's life; False when it had already expired (the
-        caller should ``register`` again)."""
-        key = _inst_key(instance_id)
+        """Extends the life of an instance this registry registered; False when
+        it had already expired (or was never registered here): the caller should
+        ``register`` again."""
+        role = self._roles.get(instance_id)
+        if role is None:
+            return False
+        key = _inst_key(role, instance_id)
         updates = {"last_heartbeat": str(time.time())}
         if report is not None:
             updates.update({k: str(v) for k, v in asdict(report).items() if v is not None})
@@ -111,30 +138,40 @@ class InstanceRegistry:
         return True
 
     async def deregister(self, instance_id: str) -> None:
+        role = self._roles.pop(instance_id, None)
+        if role is None:
+            return
         pipe = self._r.pipeline(transaction=self._tx)
-        pipe.delete(_inst_key(instance_id))
-        pipe.srem(INSTANCES_SET, instance_id)
+        pipe.delete(_inst_key(role, instance_id))
+        pipe.srem(instances_set(role), instance_id)
         await pipe.execute()
 
     async def list_instances(self, role: str | None = None) -> list[InstanceInfo]:
-        ids = sorted(m.decode() for m in await self._r.smembers(INSTANCES_SET))
-        if not ids:
+        """Live instances (of ``role``), sorted by id. An entry that names
+        another role than the keys it sits under, or does not parse, is skipped:
+        a role's Redis user can write only its own role's keys."""
+        roles = sorted(ROLES) if role is None else [role]
+        pipe = self._r.pipeline(transaction=False)
+        for r in roles:
+            pipe.smembers(instances_set(r))
+        listed = [(r, m.decode(errors="replace")) for r, members in
+                  zip(roles, await pipe.execute(), strict=True) for m in members]
+        if not listed:
             return []
         pipe = self._r.pipeline(transaction=False)
-        for i in ids:
-            pipe.hgetall(_inst_key(i))
+        for r, i in listed:
+            pipe.hgetall(_inst_key(r, i))
         found: list[InstanceInfo] = []
-        gone: list[str] = []
-        for i, raw in zip(ids, await pipe.execute(), strict=True):
+        for (r, i), raw in zip(listed, await pipe.execute(), strict=True):
             if not raw or b"role" not in raw:
-                gone.append(i)
                 continue
-            info = InstanceInfo.from_fields(raw)
-            if role is None or info.role == role:
+            try:
+                info = InstanceInfo.from_fields(raw)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if info.role == r and info.instance_id == i:
                 found.append(info)
-        if gone:
-            await self._r.srem(INSTANCES_SET, *gone)
-        return found
+        return sorted(found, key=lambda x: x.instance_id)
 
     async def close(self) -> None:
         await self._r.aclose()

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-from kvstore.errors import ShmUnavailable
+from kvstore.errors import ResourceExhausted, ShmUnavailable
 from kvstore.tiers.shm import (  # noqa: F401 - copy_verified/digest_matches re-exported
     attach_segment,
     copy_verified,
@@ -94,7 +94,8 @@ def populate_read(seg: shared_memory.SharedMemory) -> bool:
 @dataclass(slots=True)
 class _Staged:
     seg: shared_memory.SharedMemory
-    owner: str
+    owner: str              # the connection it is bound to (capability)
+    caller: str             # the identity whose share it counts against
     used_at: float
 
 
@@ -105,28 +106,39 @@ class StagingSegments:
     to its connection (the gRPC peer); a shared-memory Put is served only from a
     segment found here under the same owner (``resolve``), never from a name the
     request merely states, so a Put can never make the store read another
-    process's memory. At most ``per_owner`` segments per owner and ``max_bytes``
-    in all, least recently used first out; a segment idle for ``idle_s`` goes at
-    the next ``open``. A client whose segment went asks again. Thread-safe."""
+    process's memory.
+
+    Limits: ``max_bytes`` in all; each calling identity (``caller``: one
+    certificate identity, however many connections it opens) at most
+    ``share_bytes``, and each connection ``per_owner`` segments. Making room for
+    a caller only ever drops *its own* least recently used segments, or anyone's
+    idle for ``idle_s``: no caller can churn another's segments out of the pool.
+    A request that does not fit is refused with ResourceExhausted (the client
+    streams that Put instead). A client whose segment went asks again.
+    Thread-safe."""
 
     def __init__(self, *, max_bytes: int, idle_s: float = 600.0, min_bytes: int = 64 * 2**20,
-                 per_owner: int = 8) -> None:
+                 per_owner: int = 8, share_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes
+        self.share_bytes = max_bytes if share_bytes is None else min(share_bytes, max_bytes)
         self.per_owner = per_owner
         self.idle_s = idle_s
         self.min_bytes = min_bytes
         self._by_name: OrderedDict[str, _Staged] = OrderedDict()
         self._lock = threading.Lock()
 
-    def open(self, owner: str, nbytes: int) -> shared_memory.SharedMemory:
-        """A new staging segment of at least ``nbytes`` for ``owner``. Never one handed
+    def open(self, owner: str, nbytes: int, caller: str = "") -> shared_memory.SharedMemory:
+        """A new staging segment of at least ``nbytes`` for connection ``owner``,
+        counted against ``caller``'s share (default: the connection). Never one handed
         out before: two clients behind one connection (one process) must not write
         the same memory."""
-        if nbytes > self.max_bytes:   # the client streams this put instead
-            raise ShmUnavailable(f"a staging segment of {nbytes} bytes exceeds the "
-                                 f"{self.max_bytes}-byte limit")
+        caller = caller or owner
+        if nbytes > self.share_bytes:   # the client streams this put instead
+            raise ResourceExhausted(f"a staging segment of {nbytes} bytes exceeds a caller's "
+                                    f"share of the staging pool ({self.share_bytes} bytes); "
+                                    "stream this Put")
         now = time.monotonic()
-        size = min(self.max_bytes, max(nbytes, self.min_bytes))
+        size = min(self.share_bytes, max(nbytes, self.min_bytes))
         with self._lock:
             for name, st in list(self._by_name.items()):
                 if now - st.used_at > self.idle_s:
@@ -134,12 +146,19 @@ class StagingSegments:
             mine = [n for n, st in self._by_name.items() if st.owner == owner]
             for name in mine[:max(0, len(mine) + 1 - self.per_owner)]:
                 self._drop(name)                 # the owner's least recently used first
-            while self._by_name and self._total() + size > self.max_bytes:
-                self._drop(next(iter(self._by_name)))
+            # Room comes from the caller's own segments, least recently used first.
+            theirs = [n for n, st in self._by_name.items() if st.caller == caller]
+            while theirs and (self._held(caller) + size > self.share_bytes
+                              or self._total() + size > self.max_bytes):
+                self._drop(theirs.pop(0))
+            if self._total() + size > self.max_bytes:
+                raise ResourceExhausted(
+                    f"the staging pool is full ({self._total()} of {self.max_bytes} bytes, "
+                    "held by other callers); stream this Put", retry_after_s=1.0)
             seg = shared_memory.SharedMemory(name=STAGING_PREFIX + secrets.token_hex(16),
                                              create=True, size=size)
             own_segment(seg.name)
-            self._by_name[seg.name] = _Staged(seg, owner, now)
+            self._by_name[seg.name] = _Staged(seg, owner, caller, now)
             return seg
 
     def resolve(self, owner: str, name: str) -> shared_memory.SharedMemory:
@@ -165,6 +184,21 @@ class StagingSegments:
 
     def _total(self) -> int:
         return sum(st.seg.size for st in self._by_name.values())
+
+    def _held(self, caller: str) -> int:
+        return sum(st.seg.size for st in self._by_name.values() if st.caller == caller)
+
+    def usage(self) -> dict[str, int]:
+        """Bytes of staging segments per calling identity."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for st in self._by_name.values():
+                out[st.caller] = out.get(st.caller, 0) + st.seg.size
+            return out
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._by_name
 
     def _drop(self, name: str) -> None:
         st = self._by_name.pop(name)

@@ -10,17 +10,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
 
+from common import exit_watchdog
 from common.config import KVServeConfig
+from kvstore.integrity import block_mac
 from kvstore.memtune import tune_malloc
 from kvstore.redis_server import EmbeddedRedis
 from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
 from kvstore.service import ServiceLimits, start_server
 from kvstore.warehouse import Warehouse, WarehouseConfig
 from security.config import SecurityConfig
+from security.redact import register_secret
+from security.secret_files import refuse_placeholder
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,7 @@ class StoreOptions:
     prefault_g2: bool = True
     security: SecurityConfig | None = None   # None: from the environment (KVSERVE_TLS_DIR)
     health_port: int = -1                    # plain-text health-only port for probes
+    integrity_key_file: str = ""             # block MAC key; default: from the secret
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or self.metrics_port > 65535:
@@ -52,20 +59,42 @@ def warehouse_config(opts: StoreOptions, redis_url: str) -> WarehouseConfig:
     cfg = opts.config
     return WarehouseConfig(redis_url=redis_url, tiers=cfg.tiers, classes=cfg.classes,
                            hit_rule=cfg.blocks, sweep_interval_s=opts.sweep_interval_s,
-                           fsync=opts.fsync, prefault_g2=opts.prefault_g2)
+                           fsync=opts.fsync, prefault_g2=opts.prefault_g2,
+                           mac=block_mac(opts.security, opts.integrity_key_file),
+                           quotas=cfg.quotas, whatif=cfg.whatif)
+
+
+# The object store's credentials, as Kubernetes hands them to the kvstore (k8s/components/s3-g4).
+OBJECT_STORE_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def check_object_store_secrets(g4_url: str) -> None:
+    """With a G4 URL, the object store's credentials in the environment must be
+    real ones (a shipped ``CHANGE-ME`` refuses to start, naming the variable);
+    they are registered for redaction."""
+    if not g4_url:
+        return
+    for name in OBJECT_STORE_SECRETS:
+        value = os.environ.get(name)
+        if value is not None:
+            refuse_placeholder(value, f"${name} (G4 credentials)")
+            register_secret(value)
 
 
 async def run_store(opts: StoreOptions) -> int:
+    check_object_store_secrets(opts.config.tiers.g4_url)
     embedded: EmbeddedRedis | None = None
     url = opts.redis_url or opts.config.redis.effective_url()
     if not url:
         embedded = EmbeddedRedis().start()
         url = embedded.url
-        log.info("no Redis configured: started an embedded one at %s", url)
+        log.info("no Redis configured: started an embedded one at %s:%d", embedded.host,
+                 embedded.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    tracing.setup("kvstore")
     wh = await Warehouse(warehouse_config(opts, url)).start()
     running = await start_server(wh, host=opts.host, port=opts.port, limits=opts.limits,
                                  security=opts.security, health_port=opts.health_port)
@@ -88,6 +117,7 @@ async def run_store(opts: StoreOptions) -> int:
         wh.accepting = False
         await running.drain(opts.grace_s)
     finally:
+        exit_watchdog.arm("kvstore", opts.grace_s)
         beat.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await beat
@@ -113,12 +143,15 @@ async def _heartbeats(registry: InstanceRegistry, info: InstanceInfo, wh: Wareho
                 load = g2.stats().used_bytes / g2.capacity_bytes
             if not await registry.heartbeat(info.instance_id, LoadReport(load=load)):
                 await registry.register(info)
+            wh.ops.redis_up.set(1)
         except Exception:  # Redis hiccup: try again next beat
+            wh.ops.redis_up.set(0)
             log.warning("registry heartbeat failed", exc_info=True)
 
 
 def main(opts: StoreOptions) -> int:
     tune_malloc()
+    os.umask(0o077)   # whatever a library creates for us (G4 on a mount, temp files) is private
     try:
         return asyncio.run(run_store(opts))
     except KeyboardInterrupt:

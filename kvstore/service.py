@@ -10,7 +10,14 @@
 - Same-host fast path: a Get with ``use_shm`` answers G2 hits with shared
   memory descriptors (the client verifies every copy); a Put may name a
   staging segment instead of streaming, but only one this store created and
-  handed to the same connection (``Stage``, kvstore.segments.StagingSegments).
+  handed to the same connection (``Stage``, kvstore.segments.StagingSegments),
+  within the calling identity's share of the staging pool.
+- Limits (kvstore.limits): at most ``max_concurrent_rpcs`` calls at once; a Put
+  reserves its announced bytes from the Put budget when its header arrives,
+  before any payload is received, or is refused with RESOURCE_EXHAUSTED and
+  ``retry-after-ms`` trailing metadata.
+- Operators set per-tenant quotas (``SetQuota``/``GetQuotas``, kept in Redis);
+  ``Stats`` reports per-tenant usage, only the caller's own to a tenant identity.
 - Standard health and reflection services; SIGTERM drains (``serve``).
 """
 
@@ -34,11 +41,14 @@ from kvstore.blockfile import BlockCorruptError, BlockFormatError
 from kvstore.errors import (
     InvalidRequest,
     PayloadTooLarge,
+    ResourceExhausted,
     ShmUnavailable,
     StoreDraining,
     StoreUnavailable,
 )
 from kvstore.keys import KeyInputError
+from kvstore.limits import PutBudget, ServiceLimits
+from kvstore.quotas import QuotaTable
 from kvstore.segments import SegmentCache, StagingSegments, digest_matches
 from kvstore.tiers import ShmSlot, TierError
 from kvstore.types import BlockLayout, RequestCtx
@@ -46,15 +56,17 @@ from kvstore.warehouse import Warehouse
 from kvstore.wire import PutPart, decode_put_chunk, encode_get_chunks, get_chunk_prefix
 from proto import common_pb2, kvstore_pb2
 from security.authz import (
-    Access,
     AuthInterceptor,
     PermissionDenied,
     Unauthenticated,
     acting_tenant,
+    current_identity,
 )
 from security.config import SecurityConfig
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
+from security.redact import redact
+from telemetry.grpc_hooks import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -63,37 +75,11 @@ KEY_BYTES = 16
 SHM_GET_BATCH = 64
 
 
-@dataclass(frozen=True, slots=True)
-class ServiceLimits:
-    """Application limits, enforced with INVALID_ARGUMENT. gRPC's own message
-    limit is set to twice ``max_message_bytes`` so that a merely oversized
-    message gets our explanation rather than RESOURCE_EXHAUSTED."""
-
-    max_message_bytes: int = 64 * 2**20
-    max_block_bytes: int = 256 * 2**20
-    max_put_bytes: int = 4 * 2**30
-    max_keys: int = 1 << 17
-    get_chunk_bytes: int = 4 * 2**20
-    max_staging_bytes: int = 8 * 2**30      # all same-host Put staging segments together
-
-    def __post_init__(self) -> None:
-        if min(self.max_message_bytes, self.max_block_bytes, self.max_put_bytes,
-               self.max_keys, self.get_chunk_bytes, self.max_staging_bytes) < 1:
-            raise ConfigError("service limits must be positive")
-        if self.get_chunk_bytes > self.max_message_bytes - 4096:
-            raise ConfigError("get_chunk_bytes must leave room for a header in max_message_bytes")
-
-    def grpc_options(self) -> list[tuple[str, int]]:
-        transport = min(2 * self.max_message_bytes, 2**31 - 1)
-        return [("grpc.max_receive_message_length", transport),
-                ("grpc.max_send_message_length", transport),
-                ("grpc.so_reuseport", 0)]       # a taken port fails the bind, never shares it
-
-
 # -- errors -> status codes, the one table ---------------------------------------------------
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),  # e.g. another tenant's key
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),  # budget, share, tenant table
     (StoreDraining, grpc.StatusCode.UNAVAILABLE),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (ShmUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
@@ -149,7 +135,10 @@ def rpc(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             self.wh.metrics.errors.labels(method, code.name).inc()
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method)
-            await context.abort(code, f"{method}: {exc}")
+            wait = getattr(exc, "retry_after_s", 0.0)
+            trailers = (("retry-after-ms", str(max(1, round(wait * 1000)))),) if wait else ()
+            # Status text reaches any caller (tenants included): never a secret in it.
+            await context.abort(code, redact(f"{method}: {exc}"), trailing_metadata=trailers)
 
         if inspect.isasyncgenfunction(fn):
             @functools.wraps(fn)
@@ -185,6 +174,20 @@ def ctx_from_proto(ctx: common_pb2.RequestContext) -> RequestCtx:
     is refused; a service acts for the tenant it names)."""
     return RequestCtx(ctx.request_id, acting_tenant(ctx.tenant), ctx.traffic_class,
                       ctx.model_fingerprint)
+
+
+def _caller(context: grpc.aio.ServicerContext) -> str:
+    """Whose share a staging segment counts against: the certificate identity
+    (however many connections it opens), or the connection in plain text."""
+    ident = current_identity()
+    return context.peer() if ident.insecure else ident.describe()
+
+
+def _quota_response(table: QuotaTable) -> kvstore_pb2.QuotaResponse:
+    return kvstore_pb2.QuotaResponse(quotas=[
+        kvstore_pb2.QuotaEntry(tier=e.tier, tenant=e.tenant, source=e.source,
+                               quota_bytes=-1 if e.quota_bytes is None else e.quota_bytes)
+        for e in table.entries])
 
 
 def _keys(raw: Any, limits: ServiceLimits) -> list[bytes]:
@@ -264,8 +267,10 @@ class KVStoreService:
         self.wh = wh
         self.limits = limits or ServiceLimits()
         self._segments = SegmentCache()          # the store's own G2 arena, mapped once
-        self.staging = StagingSegments(max_bytes=min(self.limits.max_staging_bytes,
-                                                     self.limits.max_put_bytes))
+        pool = min(self.limits.max_staging_bytes, self.limits.max_put_bytes)
+        self.staging = StagingSegments(max_bytes=pool,
+                                       share_bytes=int(pool * self.limits.staging_share))
+        self.put_budget = PutBudget(self.limits.put_budget_bytes)
 
     @rpc("Lookup")
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext,
@@ -287,16 +292,17 @@ class KVStoreService:
         if first.header is None:
             raise InvalidRequest("a Put must start with its PutHeader (wrong chunk order)")
         plan = _plan_put(first.header, self.limits)
-        if plan.shm_name:
-            payloads = self._staged(plan, context.peer())
-            async for chunk in it:
-                _parsed(chunk, "PutChunk")
-                raise InvalidRequest("a shared-memory Put carries no data chunks")
-        else:
-            payloads = await self._receive(plan, it)
-        res = await self.wh.put(plan.keys, payloads, layout=plan.layout,
-                                token_counts=plan.token_counts, ctx=plan.ctx,
-                                checksums=plan.checksums, borrowed=bool(plan.shm_name))
+        with self.put_budget.hold(plan.total):   # before one payload byte is received
+            if plan.shm_name:
+                payloads = self._staged(plan, context.peer())
+                async for chunk in it:
+                    _parsed(chunk, "PutChunk")
+                    raise InvalidRequest("a shared-memory Put carries no data chunks")
+            else:
+                payloads = await self._receive(plan, it)
+            res = await self.wh.put(plan.keys, payloads, layout=plan.layout,
+                                    token_counts=plan.token_counts, ctx=plan.ctx,
+                                    checksums=plan.checksums, borrowed=bool(plan.shm_name))
         return kvstore_pb2.PutResponse(stored_blocks=res.stored, skipped_blocks=res.skipped,
                                        bytes=res.bytes)
 
@@ -363,10 +369,8 @@ class KVStoreService:
         req: kvstore_pb2.StageRequest = _parsed(request, "StageRequest")
         if self.wh.g2 is None:
             raise ShmUnavailable("this store has no shared-memory tier")
-        if req.min_bytes > self.limits.max_put_bytes:
-            raise ShmUnavailable(f"{req.min_bytes} bytes exceed the {self.limits.max_put_bytes}"
-                                 "-byte put limit")
-        seg = await asyncio.to_thread(self.staging.open, context.peer(), req.min_bytes)
+        seg = await asyncio.to_thread(self.staging.open, context.peer(), req.min_bytes,
+                                      _caller(context))
         return kvstore_pb2.StageResponse(shm_name=seg.name, size=seg.size)
 
     @rpc("Get")
@@ -449,7 +453,10 @@ class KVStoreService:
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext,
                     ) -> kvstore_pb2.StatsResponse:
         _parsed(request, "StatsRequest")
-        s = await self.wh.stats()
+        # A tenant identity learns nothing of other tenants (names, volumes, how many):
+        # only the aggregate tier and class counters (docs/security.md, side channels).
+        own = current_identity().tenant
+        s = await self.wh.stats(tenant=own)
         return kvstore_pb2.StatsResponse(
             node=s.node,
             tiers=[kvstore_pb2.TierStats(tier=t.tier, capacity_bytes=t.capacity_bytes,
@@ -460,7 +467,43 @@ class KVStoreService:
             classes=[kvstore_pb2.ClassStats(traffic_class=c.traffic_class, ttl_s=c.ttl_s,
                                             hits=c.hits, misses=c.misses, blocks=c.blocks)
                      for c in s.classes],
-            whatif_json=s.whatif_json, shm_capable=s.shm_capable, hostname=s.hostname)
+            whatif_json=s.whatif_json, shm_capable=s.shm_capable, hostname=s.hostname,
+            tenants=[kvstore_pb2.TenantStats(tier=t.tier, tenant=t.tenant,
+                                             used_bytes=t.used_bytes, blocks=t.blocks,
+                                             quota_bytes=t.quota_bytes, evictions=t.evictions)
+                     for t in s.tenants],
+            tenant_names=0 if own else s.tenant_names, max_tenants=s.max_tenants)
+
+    @rpc("SetQuota")
+    async def SetQuota(self, request: Any, context: grpc.aio.ServicerContext,
+                       ) -> kvstore_pb2.QuotaResponse:
+        req: kvstore_pb2.SetQuotaRequest = _parsed(request, "SetQuotaRequest")
+        if req.quota_bytes < -1:
+            raise InvalidRequest(f"quota_bytes must be >= 0, or -1 for no limit; got "
+                                 f"{req.quota_bytes}")
+        nbytes = None if req.quota_bytes == -1 else req.quota_bytes
+        log.info("quota %s %s: %s (by %s)", req.tier[:8], req.tenant[:64],
+                 "reset to the config" if req.reset else nbytes, current_identity().describe())
+        return _quota_response(await self.wh.set_quota(req.tier, req.tenant, nbytes,
+                                                       reset=req.reset))
+
+    @rpc("GetQuotas")
+    async def GetQuotas(self, request: Any, context: grpc.aio.ServicerContext,
+                        ) -> kvstore_pb2.QuotaResponse:
+        _parsed(request, "GetQuotasRequest")
+        return _quota_response(self.wh.quotas.table)
+
+    @rpc("Warm")
+    async def Warm(self, request: Any, context: grpc.aio.ServicerContext,
+                   ) -> kvstore_pb2.WarmResponse:
+        from kvstore.warm import warm
+
+        req: kvstore_pb2.WarmRequest = _parsed(request, "WarmRequest")
+        res = await warm(self.wh, _keys(req.keys, self.limits), prompt_tokens=req.prompt_tokens,
+                         ctx=ctx_from_proto(req.ctx))
+        return kvstore_pb2.WarmResponse(matched_blocks=res.matched_blocks,
+                                        in_g2_blocks=res.in_g2_blocks,
+                                        promoted_blocks=res.promoted_blocks)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         ser = {"response_serializer": lambda m: m.SerializeToString()}
@@ -482,6 +525,15 @@ class KVStoreService:
             "Stage": grpc.unary_unary_rpc_method_handler(
                 self.Stage, request_deserializer=_safe(kvstore_pb2.StageRequest.FromString),
                 **ser),
+            "Warm": grpc.unary_unary_rpc_method_handler(
+                self.Warm, request_deserializer=_safe(kvstore_pb2.WarmRequest.FromString),
+                **ser),
+            "SetQuota": grpc.unary_unary_rpc_method_handler(
+                self.SetQuota,
+                request_deserializer=_safe(kvstore_pb2.SetQuotaRequest.FromString), **ser),
+            "GetQuotas": grpc.unary_unary_rpc_method_handler(
+                self.GetQuotas,
+                request_deserializer=_safe(kvstore_pb2.GetQuotasRequest.FromString), **ser),
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -507,13 +559,6 @@ class RunningServer:
             self.service.staging.close()
 
 
-# Who may call what (security.authz); unlisted methods (reflection) need a service.
-POLICY: dict[str, Access] = {
-    **{f"/{SERVICE_NAME}/{m}": Access.TENANT for m in ("Lookup", "Get", "Put", "Stage", "Stats")},
-    f"/{SERVICE_NAME}/Delete": Access.OPERATOR,
-}
-
-
 async def start_server(wh: Warehouse, *, host: str = "127.0.0.1", port: int = 0,
                        limits: ServiceLimits | None = None,
                        security: SecurityConfig | None = None,
@@ -522,8 +567,12 @@ async def start_server(wh: Warehouse, *, host: str = "127.0.0.1", port: int = 0,
     when ``health_port`` >= 0, the health service alone in plain text there."""
     limits = limits or ServiceLimits()
     security = security or SecurityConfig.from_env("kvstore")
+    # Calls beyond maximum_concurrent_rpcs get RESOURCE_EXHAUSTED from gRPC itself,
+    # before any handler (or the interceptors) run.
     server = grpc.aio.server(options=limits.grpc_options(), interceptors=[
-        AuthInterceptor(POLICY, insecure=security.insecure), InputGuard()])
+        # Who may call what: the per-role table in security/methods.py.
+        *server_interceptors(), AuthInterceptor(insecure=security.insecure), InputGuard()],
+        maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
     service = KVStoreService(wh, limits)
     service.add_to_server(server)
     health = health_aio.HealthServicer()

@@ -165,6 +165,28 @@ class TierSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantSnapshot:
+    """One tenant's share of one tier (proto ``TenantStats``); quota -1 = no limit."""
+
+    tier: str
+    tenant: str
+    used_bytes: int
+    blocks: int
+    quota_bytes: int
+    evictions: int
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaEntry:
+    """One quota: ``quota_bytes`` None = no limit; ``source`` "config" or "operator"."""
+
+    tier: str
+    tenant: str
+    quota_bytes: int | None
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
 class ClassSnapshot:
     traffic_class: str
     ttl_s: int
@@ -181,3 +203,6 @@ class StoreStats:
     whatif_json: str = ""
     shm_capable: bool = False
     hostname: str = ""
+    tenants: list[TenantSnapshot] = field(default_factory=list)
+    tenant_names: int = 0          # names holding a tenant id (bounded by max_tenants)
+    max_tenants: int = 0

@@ -9,6 +9,13 @@ G3, else G4, verified by the tier; a G3/G4 hit is promoted into G2 (and a G4
 hit also lands in G3), a block evicted from G2 that no lower tier holds is
 demoted into G3.
 
+Integrity at rest: G3/G4 blocks carry a header MAC under ``cfg.mac`` (the
+deployment's block MAC key, kvstore.integrity); every read and every reindex
+verifies it, so a forged or old-format block is a miss, never served or
+indexed. Quotas: per-tenant bytes per tier (``cfg.quotas`` and operators'
+settings in Redis, kvstore.quotas); each tier evicts a tenant over quota from
+its own blocks only (kvstore.eviction.tenants).
+
 Concurrency: tier I/O runs in worker threads (tiers lock themselves); the
 asyncio loop owns the index. ``_g2_lock`` makes "G2 put + index update" one
 step, so an eviction from another request cannot clear a bit before it is set.
@@ -29,17 +36,26 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from common.config import ConfigError, HitRule, TierConfig, TrafficClasses
+from common.config import (
+    ConfigError,
+    HitRule,
+    QuotaSection,
+    TierConfig,
+    TrafficClasses,
+    WhatIfSection,
+)
 from kvstore import maintenance
-from kvstore.blockfile import BlockMeta, checksum
+from kvstore.blockfile import UNKEYED, BlockMac, BlockMeta, checksum
 from kvstore.errors import InvalidRequest, StoreDraining, StoreUnavailable
 from kvstore.index import BlockIndex, IndexEntry, IndexRecord
 from kvstore.keys import DEFAULT_TENANT
 from kvstore.metrics import StoreMetrics
+from kvstore.ops_metrics import OpsMetrics
+from kvstore.quotas import QuotaKeeper, QuotaTable
 from kvstore.tiers import ShmSlot, Tier, TierHit, open_tier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.objstore import TierUnavailable
@@ -57,6 +73,7 @@ from kvstore.types import (
 from kvstore.whatif import WhatIfEstimator
 from kvstore.writeback import WriteBack, WriteJob
 from security.authz import PermissionDenied
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +102,9 @@ class WarehouseConfig:
     max_pending_bytes: int = 512 * 2**20   # queued G3/G4 writes before puts wait
     fsync: bool = True
     prefault_g2: bool = False              # touch all of G2 at start (steady-state speed at once)
+    mac: BlockMac = UNKEYED                # G3/G4 header MAC (kvstore.integrity.block_mac)
+    quotas: QuotaSection = field(default_factory=QuotaSection)
+    whatif: WhatIfSection = field(default_factory=WhatIfSection)    # predictions in /metrics
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -118,9 +138,12 @@ class Warehouse:
         self.classes = cfg.classes
         self.hit_rule = cfg.hit_rule
         self.metrics = metrics or StoreMetrics()
+        self.ops = OpsMetrics(self.metrics.registry)
         self.index = BlockIndex(cfg.redis_url, node=self.node, classes=cfg.classes,
-                                instance=cfg.instance or self.node)
+                                instance=cfg.instance or self.node,
+                                max_tenants=cfg.quotas.max_tenants)
         self.tiers: dict[str, Tier] = {}
+        self.quotas = QuotaKeeper(cfg.redis_url, cfg.quotas, self.tiers)
         self.g2: HostTier | None = None
         self.accepting = True
         self.whatif: WhatIfEstimator | None = None   # live what-if (kvstore.whatif)
@@ -147,16 +170,20 @@ class Warehouse:
         await self.index.start()
         if not serve:
             return self
+        await self._drop_evicted(await self.quotas.refresh(force=True))
         stale = await self.index.reconcile_g2()
         if stale:
             log.info("cleared %d G2 index bits left by this node's previous process", stale)
         if not await self.index.epoch_present():
             report = await maintenance.reindex(self)
             log.info("index epoch missing: rebuilt from tiers: %s", report)
-        self.metrics.watch_tiers(self.tier_snapshots)
+        self.metrics.watch_tiers(self.tier_snapshots, self.quotas.usage)
+        self.ops.watch(self, self.metrics.swept, self.cfg.whatif.ttl_values(),
+                       self.cfg.whatif.capacity_values())
         self.writeback.start(self.cfg.write_workers)
         if self.cfg.sweep_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._sweeper(), name="kv-sweeper"))
+        self._tasks.append(asyncio.create_task(self._quota_refresher(), name="kv-quotas"))
         self._load_whatif()
         return self
 
@@ -175,11 +202,11 @@ class Warehouse:
             # Not serving (reindex beside a live store): leave young temp files alone.
             self.tiers["G3"] = open_tier(t.g3_path, name="G3", capacity_bytes=t.g3_bytes,
                                          policy=t.eviction_policy, lz4=t.lz4,
-                                         fsync=self.cfg.fsync,
+                                         fsync=self.cfg.fsync, mac=self.cfg.mac,
                                          temp_grace_s=0.0 if with_g2 else 600.0)
         if t.g4_url:
             self.tiers["G4"] = open_tier(t.g4_url, name="G4", capacity_bytes=self.cfg.g4_bytes,
-                                         policy=t.eviction_policy, lz4=t.lz4)
+                                         policy=t.eviction_policy, lz4=t.lz4, mac=self.cfg.mac)
 
     def _load_whatif(self) -> None:
         self.whatif = WhatIfEstimator()
@@ -246,6 +273,7 @@ class Warehouse:
             self._whatif_thread = None
         for tier in self.tiers.values():
             tier.close()
+        await self.quotas.close()
         await self.index.close()
 
     async def __aenter__(self) -> Warehouse:
@@ -296,6 +324,10 @@ class Warehouse:
         m.lookup_tokens.labels("usable").inc(usable)
         if self.whatif is not None and touch:
             self._feed_whatif(keys, cls, prompt_tokens)
+        if touch:
+            self.ops.lookup(cls, len(keys), match.matched)
+        tracing.annotate(traffic_class=cls, blocks=len(keys), matched_blocks=match.matched,
+                         usable_tokens=usable)
         return LookupResult(match.matched, usable, tiers, match.lookup_s)
 
     # -- put ---------------------------------------------------------------------------------
@@ -369,6 +401,8 @@ class Warehouse:
                                        "nothing of this put is acknowledged")
         self._class_blocks[cls] += len(todo)
         self.metrics.bytes_in.labels("G2").inc(sum(m.size for m in metas))
+        self.ops.stored(tid, cls, sum(m.size for m in metas))
+        tracing.annotate(traffic_class=cls, tenant_ns=tid, stored_blocks=len(todo))
         return PutResult(len(todo), len(keys) - len(todo), nbytes)
 
     async def _into_g2(self, blocks: list[tuple[BlockMeta, memoryview]]) -> None:
@@ -420,18 +454,24 @@ class Warehouse:
         tenant = _tenant(ctx)
         misses: dict[str, list[bytes]] = {name: [] for name in self.tiers}
         denied: list[bytes] = []
+        # Seconds per tier, for the trace's "fetch <tier>" spans; only taken in a trace.
+        spent: dict[str, float] | None = dict.fromkeys(self.tiers, 0.0) if (
+            tracing.active()) else None
 
         def fetch() -> list[Fetched]:
             out: list[Fetched] = []
             for key in keys:
                 found: Fetched | None = None
                 for name, tier in self.tiers.items():
+                    t0 = time.perf_counter() if spent is not None else 0.0
                     if locate and isinstance(tier, HostTier):
                         meta = tier.meta(key)
                         if meta is not None and meta.tenant != tenant:
                             denied.append(key)  # another namespace's block: a miss, and
                             break               # no index bits cleared on its account
                         slot = tier.locate(key) if meta is not None else None
+                        if spent is not None:
+                            spent[name] += time.perf_counter() - t0
                         if slot is not None and meta is not None:
                             found = Fetched(key, name, meta, None, slot)
                             break
@@ -441,6 +481,9 @@ class Warehouse:
                         hit: TierHit | None = tier.get(key)
                     except TierUnavailable:
                         continue  # store down (counted by the tier): a miss; keep the index bit
+                    finally:
+                        if spent is not None:
+                            spent[name] += time.perf_counter() - t0
                     if hit is None:
                         misses[name].append(key)
                         continue
@@ -455,7 +498,10 @@ class Warehouse:
                 out.append(found or Fetched(key, "", None, None))
             return out
 
+        started = tracing.now()
         fetched = await asyncio.to_thread(fetch)
+        if spent is not None:
+            _trace_tiers(started, spent, fetched, misses, cls)
         if denied:
             self.metrics.errors.labels("Get", "PERMISSION_DENIED").inc(len(denied))
         await self._after_get(fetched, misses, cls)
@@ -506,6 +552,22 @@ class Warehouse:
         await self.index.delete(keys)
         return DeleteResult(await asyncio.to_thread(drop))
 
+    def whatif_rows(self, ttls: Sequence[float], capacities: Sequence[float]) -> list[Any]:
+        """The live what-if's predictions (kvstore.whatif.WhatIfRow), [] before it runs."""
+        if self.whatif is None:
+            return []
+        self._whatif_drained(1.0)
+        with self._whatif_lock:
+            return self.whatif.predict(ttls, capacities)
+
+    def _whatif_drained(self, timeout_s: float) -> None:
+        """Let the estimator take the few lookups still queued (at most ``timeout_s``),
+        so a scrape right after a burst reflects it."""
+        q, deadline = self._whatif_q, time.monotonic() + timeout_s
+        with q.all_tasks_done:
+            while q.unfinished_tasks and (left := deadline - time.monotonic()) > 0:
+                q.all_tasks_done.wait(left)
+
     def tier_snapshots(self) -> list[TierSnapshot]:
         out = []
         for name, tier in self.tiers.items():
@@ -514,12 +576,41 @@ class Warehouse:
                                     s.misses, s.evictions, s.checksum_failures))
         return out
 
+    # -- quotas ------------------------------------------------------------------------------
+    async def set_quota(self, tier: str, tenant: str, quota_bytes: int | None, *,
+                        reset: bool = False) -> QuotaTable:
+        """An operator's quota (None: no limit; ``reset``: back to the config's),
+        kept in Redis and applied here at once (other stores within refresh_s)."""
+        await self._drop_evicted(await self.quotas.set(tier, tenant, quota_bytes, reset))
+        return self.quotas.table
+
+    async def _drop_evicted(self, evicted: dict[str, list[BlockMeta]]) -> None:
+        """Index bits of blocks a quota change evicted (G2's as one step with G2, as
+        puts do; a G2 block no lower tier holds is demoted like any G2 eviction)."""
+        for name, metas in evicted.items():
+            keys = [m.key for m in metas]
+            if name == "G2":
+                async with self._g2_lock:
+                    await self.index.remove(keys, tier=name)
+                await self._demote()
+            else:
+                await self.index.remove(keys, tier=name)
+
+    async def _quota_refresher(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.quotas.refresh_s)
+            try:
+                await self._drop_evicted(await self.quotas.refresh())
+            except Exception:  # Redis hiccup: keep the quotas in force, retry later
+                log.warning("quota refresh failed", exc_info=True)
+
     def count_class_blocks(self, traffic_class: str, n: int) -> None:
         """Blocks of a class this store holds: written, or found in a tier at a reindex."""
         if traffic_class in self._class_blocks:
             self._class_blocks[traffic_class] += n
 
-    async def stats(self) -> StoreStats:
+    async def stats(self, tenant: str = "") -> StoreStats:
+        """Counters; with ``tenant``, only that tenant's per-tenant rows."""
         classes = [ClassSnapshot(c, ttl, self._class_hits[c], self._class_misses[c],
                                  self._class_blocks[c])
                    for c, ttl in sorted(self.classes.ttl_s.items())]
@@ -530,8 +621,11 @@ class Warehouse:
                     whatif_json = self.whatif.to_json()
             except Exception:  # stats must answer even if the estimator fails
                 log.exception("what-if estimator failed")
+        names = await self.index.ids.tenant_count()
         return StoreStats(self.node, self.tier_snapshots(), classes, whatif_json,
-                          shm_capable=self.g2 is not None, hostname=socket.gethostname())
+                          shm_capable=self.g2 is not None, hostname=socket.gethostname(),
+                          tenants=self.quotas.usage(tenant), tenant_names=names,
+                          max_tenants=self.cfg.quotas.max_tenants)
 
     async def sweep(self) -> maintenance.SweepReport:
         return await maintenance.sweep(self)
@@ -548,6 +642,19 @@ class Warehouse:
                     log.info("sweep: %s", report)
             except Exception:  # keep sweeping after a transient failure
                 log.exception("sweep failed")
+
+
+def _trace_tiers(started: float, spent: dict[str, float], fetched: list[Fetched],
+                 misses: dict[str, list[bytes]], cls: str) -> None:
+    """One "fetch <tier>" span per tier the get touched: the time spent in it,
+    the blocks and bytes it served and the blocks it missed."""
+    for name, seconds in spent.items():
+        hits = [f for f in fetched if f.tier == name]
+        if not hits and not misses[name]:
+            continue
+        tracing.record(f"fetch {name}", started, started + seconds, tier=name,
+                       traffic_class=cls, blocks=len(hits), missed_blocks=len(misses[name]),
+                       bytes=sum(f.meta.size for f in hits if f.meta is not None))
 
 
 __all__ = ["Fetched", "Warehouse", "WarehouseConfig"]

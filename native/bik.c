@@ -843,6 +843,161 @@ static int64_t pairs512(int64_t D) {
 }
 #endif
 
+#if BIK_X86
+/* AVX2 attention: the same per-element operations as attend_one_scalar, 8
+ * lanes at a time. A 16-lane partial vector is two __m256 (lanes 0-7, 8-15):
+ * each lane's FMA chain over d = lane, lane + 16, ... is unchanged, and the
+ * halving tree is the AVX-512 tail's (lo + hi, then 4, 2, 1), so the bits
+ * equal the scalar and AVX-512 paths'. One pair at a time (AVX2 machines have
+ * 16 vector registers: a 64-wide query and its accumulators fill them). */
+__attribute__((target("avx2,fma"))) static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_C[7]);
+    for (int i = 6; i >= 0; i--) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C[i]));
+    __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* Halving tree of the 16 lanes lo (0-7) and hi (8-15): lane j += lane j + w. */
+__attribute__((target("avx2,fma"))) static inline float tree256(__m256 lo, __m256 hi) {
+    __m256 h8 = _mm256_add_ps(lo, hi);
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    __m128 h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1));
+    return _mm_cvtss_f32(h1);
+}
+
+/* One (row, head) pair: scores, weights and their sum, weighted values. NV =
+ * head_dim / 16 known at compile time keeps the query in registers (0 = any). */
+#define DEF_ATTEND256(NV) \
+__attribute__((target("avx2,fma"))) static void attend256_##NV( \
+    const attn_args *a, const float *q, const float *K, const float *V, int64_t nk, \
+    float *sc, float *o) { \
+    const int64_t D = NV > 0 ? NV * LANES : a->D; \
+    const int64_t nv = D / LANES; \
+    __m256 qlo[8], qhi[8]; \
+    for (int64_t c = 0; c < nv && c < 8; c++) { \
+        qlo[c] = _mm256_loadu_ps(q + c * LANES); \
+        qhi[c] = _mm256_loadu_ps(q + c * LANES + 8); \
+    } \
+    float mx = -INFINITY; \
+    for (int64_t j = 0; j < nk; j++) { \
+        const float *kj = K + j * D; \
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps(); \
+        for (int64_t c = 0; c < nv; c++) { \
+            __m256 ql = c < 8 ? qlo[c] : _mm256_loadu_ps(q + c * LANES); \
+            __m256 qh = c < 8 ? qhi[c] : _mm256_loadu_ps(q + c * LANES + 8); \
+            lo = _mm256_fmadd_ps(ql, _mm256_loadu_ps(kj + c * LANES), lo); \
+            hi = _mm256_fmadd_ps(qh, _mm256_loadu_ps(kj + c * LANES + 8), hi); \
+        } \
+        float v = tree256(lo, hi) * a->scale; \
+        sc[j] = v; \
+        if (v > mx) mx = v; \
+    } \
+    const __m256 mxv = _mm256_set1_ps(mx); \
+    __m256 dlo = _mm256_setzero_ps(), dhi = _mm256_setzero_ps(); \
+    int64_t j = 0; \
+    for (; j + LANES <= nk; j += LANES) { \
+        __m256 el = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mxv)); \
+        __m256 eh = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j + 8), mxv)); \
+        _mm256_storeu_ps(sc + j, el); \
+        _mm256_storeu_ps(sc + j + 8, eh); \
+        dlo = _mm256_add_ps(dlo, el); \
+        dhi = _mm256_add_ps(dhi, eh); \
+    } \
+    float part[LANES]; \
+    _mm256_storeu_ps(part, dlo); \
+    _mm256_storeu_ps(part + 8, dhi); \
+    for (int64_t l = 0; j < nk; j++, l++) { \
+        sc[j] = exp_scalar(sc[j] - mx); \
+        part[l] = part[l] + sc[j]; \
+    } \
+    const __m256 tv = _mm256_set1_ps(tree16(part)); \
+    for (int64_t c0 = 0; c0 < 2 * nv; c0 += 8) { \
+        const int64_t cn = 2 * nv - c0 < 8 ? 2 * nv - c0 : 8; \
+        __m256 ov[8]; \
+        for (int64_t c = 0; c < cn; c++) ov[c] = _mm256_setzero_ps(); \
+        for (int64_t k = 0; k < nk; k++) { \
+            const float *vk = V + k * D + c0 * 8; \
+            __m256 e = _mm256_set1_ps(sc[k]); \
+            for (int64_t c = 0; c < cn; c++) \
+                ov[c] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vk + c * 8), ov[c]); \
+        } \
+        for (int64_t c = 0; c < cn; c++) \
+            _mm256_storeu_ps(o + (c0 + c) * 8, _mm256_div_ps(ov[c], tv)); \
+    } \
+}
+DEF_ATTEND256(0) DEF_ATTEND256(1) DEF_ATTEND256(2) DEF_ATTEND256(4)
+
+/* SwiGLU and RMSNorm on AVX2: the AVX-512 tasks' operations, 8 lanes at a time
+ * (RMSNorm's 16 lane partials as two vectors). */
+__attribute__((target("avx2,fma"))) static void silu_task256(void *ctx, int64_t m0, int64_t m1,
+                                                             int tid) {
+    (void)tid;
+    const silu_args *a = (const silu_args *)ctx;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t m = m0; m < m1; m++) {
+        const float *g = a->gu + m * a->ldg, *u = g + a->I;
+        float *o = a->out + m * a->ldo;
+        int64_t i = 0;
+        for (; i + 8 <= a->I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 t = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, t));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < a->I; i++) {
+            float t = exp_scalar(-g[i]);
+            o[i] = g[i] / (1.0f + t) * u[i];
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void norm_task256(void *ctx, int64_t m0, int64_t m1,
+                                                             int tid) {
+    (void)tid;
+    const norm_args *a = (const norm_args *)ctx;
+    for (int64_t m = m0; m < m1; m++) {
+        const float *x = a->x + m * a->ldx;
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + LANES <= a->N; i += LANES) {
+            __m256 vl = _mm256_loadu_ps(x + i), vh = _mm256_loadu_ps(x + i + 8);
+            lo = _mm256_fmadd_ps(vl, vl, lo);
+            hi = _mm256_fmadd_ps(vh, vh, hi);
+        }
+        float part[LANES];
+        _mm256_storeu_ps(part, lo);
+        _mm256_storeu_ps(part + 8, hi);
+        for (int64_t j = 0; i < a->N; i++, j++) part[j] = fmaf(x[i], x[i], part[j]);
+        float mean = tree16(part) / (float)a->N;
+        float inv = 1.0f / sqrtf(mean + a->eps);
+        float *o = a->out + m * a->ldo;
+        __m256 iv = _mm256_set1_ps(inv);
+        for (i = 0; i + 8 <= a->N; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(a->w + i),
+                                                  _mm256_mul_ps(_mm256_loadu_ps(x + i), iv)));
+        for (; i < a->N; i++) o[i] = a->w[i] * (x[i] * inv);
+    }
+}
+
+typedef void (*attend256_fn)(const attn_args *, const float *, const float *, const float *,
+                             int64_t, float *, float *);
+static attend256_fn attend256_for(int64_t nv) {
+    switch (nv) {
+    case 1: return attend256_1;
+    case 2: return attend256_2;
+    case 4: return attend256_4;
+    default: return attend256_0;
+    }
+}
+#endif
+
 /* The first key a query at position p attends to. */
 static inline int64_t first_key(const attn_args *a, int64_t p) {
     return a->window && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
@@ -903,8 +1058,46 @@ static void attn_task(void *ctx, int64_t i0, int64_t i1, int tid) {
                 }
                 continue;
             }
+            if (g_isa == ISA_AVX2 && D % LANES == 0) {
+                attend256_fn one = attend256_for(D / LANES);
+                for (int i = 0; i < np; i++) one(a, qs[i], K, V, nks[i], scs[i], outs[i]);
+                continue;
+            }
 #endif
             for (int i = 0; i < np; i++) attend_one_scalar(a, qs[i], K, V, nks[i], scs[i], outs[i]);
+        }
+    }
+}
+
+/* -------------------------------------------------------------- rope */
+/* Rotary embedding, half-split ("rotate_half", HF Llama): per row m and head,
+ * out[i] = x[i]*c - x[i+D/2]*s, out[i+D/2] = x[i+D/2]*c + x[i]*s with c, s the
+ * tables' row at positions[m]: two products, each rounded, then one add: the
+ * operations torch's element-wise version performs (no fusion: the build
+ * passes -ffp-contract=off), so the bits are torch's. */
+typedef struct {
+    const float *x;
+    int64_t ldx, H, D;        /* row m, head h at x + m*ldx + h*D */
+    const int64_t *pos;
+    const float *cos, *sin;   /* [P, D/2] */
+    float *out;               /* [M, H, D] contiguous */
+} rope_args;
+
+static void rope_task(void *ctx, int64_t m0, int64_t m1, int tid) {
+    (void)tid;
+    const rope_args *a = (const rope_args *)ctx;
+    const int64_t half = a->D / 2;
+    for (int64_t m = m0; m < m1; m++) {
+        const float *c = a->cos + a->pos[m] * half, *sn = a->sin + a->pos[m] * half;
+        for (int64_t h = 0; h < a->H; h++) {
+            const float *x1 = a->x + m * a->ldx + h * a->D, *x2 = x1 + half;
+            float *o1 = a->out + (m * a->H + h) * a->D, *o2 = o1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                float p = x1[i] * c[i], q = x2[i] * sn[i];
+                float r = x2[i] * c[i], t = x1[i] * sn[i];
+                o1[i] = p - q;
+                o2[i] = r + t;
+            }
         }
     }
 }
@@ -972,6 +1165,7 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
     task_fn fn = norm_task;
 #if BIK_X86
     if (g_isa == ISA_AVX512) fn = norm_task512;
+    else if (g_isa == ISA_AVX2) fn = norm_task256;
 #endif
     Py_BEGIN_ALLOW_THREADS
     parallel_run(fn, &a, M, 64);
@@ -988,6 +1182,7 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
     task_fn fn = silu_task;
 #if BIK_X86
     if (g_isa == ISA_AVX512) fn = silu_task512;
+    else if (g_isa == ISA_AVX2) fn = silu_task256;
 #endif
     int64_t grain = I > 0 ? 8192 / I + 1 : 1;
     Py_BEGIN_ALLOW_THREADS
@@ -1049,6 +1244,25 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    rope_args a;
+    unsigned long long x, pos, c, sn, out;
+    long long ldx, M, H, D;
+    if (!PyArg_ParseTuple(args, "KLLLLKKKK", &x, &ldx, &M, &H, &D, &pos, &c, &sn, &out))
+        return NULL;
+    if (M < 0 || H < 1 || D < 2 || D % 2 || ldx < H * D) {
+        PyErr_SetString(PyExc_ValueError, "rope: bad shape");
+        return NULL;
+    }
+    a.x = ptr(x); a.ldx = ldx; a.H = H; a.D = D; a.pos = ptr(pos); a.cos = ptr(c);
+    a.sin = ptr(sn); a.out = ptr(out);
+    int64_t grain = H * D > 0 ? 16384 / (H * D) + 1 : 1;
+    Py_BEGIN_ALLOW_THREADS
+    parallel_run(rope_task, &a, M, grain);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_set_threads(PyObject *self, PyObject *args) {
     int n;
     if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
@@ -1094,6 +1308,7 @@ static PyMethodDef methods[] = {
     {"gemm", py_gemm, METH_VARARGS, "gemm(x, ldx, M, K, wp, N, bias, out, ldo)"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, ldx, M, N, w, eps, out, ldo)"},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gu, ldg, M, I, out, ldo)"},
+    {"rope", py_rope, METH_VARARGS, "rope(x, ldx, M, H, D, positions, cos, sin, out)"},
     {"attend", py_attend, METH_VARARGS,
      "attend(q, ldq, H, Hkv, D, seg, nseg, window, scale, out, ldo, "
      "max_keys)"},

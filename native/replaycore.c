@@ -1,8 +1,8 @@
-/* Trace replay core: kvstore.sim.SimWarehouse's single-tier accounting with
+/* Trace replay core: studies.sim.SimWarehouse's single-tier accounting with
  * the lru, fifo, prefix_lru, s3fifo, belady, hit_density and session_density policies and
  * per-class TTL expiry,
  * over interned uint32 block ids. Every step mirrors the Python code in
- * kvstore/sim.py and kvstore/eviction/ operation for operation (including
+ * studies/sim.py and kvstore/eviction/ operation for operation (including
  * tie-breaks, stale-entry rules and the order victims are removed), so hit
  * counts are bit-identical; tests/kvstore/test_replay_native.py checks that.
  *
@@ -22,7 +22,7 @@
 
 #define NIL (-1)
 #define NEVER INT64_MAX              /* Belady: "never used again" (math.inf) */
-#define DEPTH_SLOTS (1LL << 20)      /* kvstore.sim._DEPTH_SLOTS */
+#define DEPTH_SLOTS (1LL << 20)      /* studies.sim._DEPTH_SLOTS */
 
 enum { P_LRU = 0, P_PREFIX_LRU = 1, P_S3FIFO = 2, P_BELADY = 3, P_FIFO = 4, P_HIT_DENSITY = 5,
        P_SESSION_DENSITY = 6, P_COUNT = 7 };
@@ -1101,7 +1101,7 @@ typedef struct {
 } Result;
 
 typedef struct {
-    /* TTL queues, one per class, in expiry order (kvstore.sim._due) */
+    /* TTL queues, one per class, in expiry order (studies.sim._due) */
     int32_t *qprev, *qnext;
     double *due;
     List *q;
@@ -1415,7 +1415,7 @@ done:
 }
 
 /* next_req[u] = index of the next request after u's that uses the same block
- * (-1: none); kvstore.sim.Future.of over interned ids. */
+ * (-1: none); studies.sim.Future.of over interned ids. */
 static PyObject *py_next_uses(PyObject *self, PyObject *args) {
     PyObject *o_ids, *o_off, *o_out;
     long long n_keys;
@@ -1465,6 +1465,6 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_replaycore",
-                                    "kvstore.sim's replay loop in C", -1, methods};
+                                    "studies.sim's replay loop in C", -1, methods};
 
 PyMODINIT_FUNC PyInit__replaycore(void) { return PyModule_Create(&module); }

@@ -5,10 +5,10 @@ construction over the shared pieces in ``service.config``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from common.config import ConfigError, KVServeConfig, TrafficClasses, parse_size
+from common.config import ConfigError, KVServeConfig, PrefillSection, TrafficClasses, parse_size
 from service.config import CostConfig, Endpoint, EngineSpec, WriterConfig, split_overrides
 
 _TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -26,8 +26,10 @@ class PrefillConfig:
     classes: TrafficClasses = field(default_factory=TrafficClasses)
     cost: CostConfig = field(default_factory=CostConfig)
     writer: WriterConfig = field(default_factory=WriterConfig)
+    scheduler: PrefillSection = field(default_factory=PrefillSection)   # [prefill]
     default_tenant: str = "default"
-    buffer_ttl_s: float = 30.0          # how long decode may pull a handle's KV
+    buffer_ttl_s: float = 3600.0        # a handle's KV nobody pulled this long is dropped
+                                        # (decode rebuilds it); not an expiry of live handles
     buffer_max_bytes: int = 4 * 2**30
     chunk_bytes: int = 4 * 2**20        # PullKV stream chunk size
     shm_dir: str = "/dev/shm"           # same-host pulls; empty: stream only
@@ -50,5 +52,10 @@ class PrefillConfig:
     @classmethod
     def from_kvserve(cls, cfg: KVServeConfig, **overrides: Any) -> PrefillConfig:
         """The prefill section of a deployment config; ``overrides`` are
-        Endpoint/EngineSpec/PrefillConfig field names (CLI flags)."""
-        return cls(**split_overrides(cfg, cfg.ports.prefill, overrides, cls))
+        Endpoint/EngineSpec/PrefillSection/PrefillConfig field names (CLI flags)."""
+        names = {f.name for f in fields(PrefillSection)}
+        sched = {k: overrides.pop(k) for k in list(overrides) if k in names}
+        sched = {k: v for k, v in sched.items() if v is not None}
+        parts = split_overrides(cfg, cfg.ports.prefill, overrides, cls)
+        parts.setdefault("scheduler", replace(cfg.prefill, **sched))
+        return cls(**parts)

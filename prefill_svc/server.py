@@ -1,16 +1,16 @@
 """The gRPC Prefill service (grpc.aio).
 
-Prefill: tokenize, chain keys (tenant + engine fingerprint), G1 match,
-warehouse lookup, hit rule, cost-aware fetch, ``Engine.prefill`` of the rest,
-then in one engine-thread job the prompt's KV is copied to the host buffer,
-the new full blocks are exported for write-through, and the sequence is freed
-(its blocks stay in G1 under their keys). The reply goes out as soon as that
-job has sampled the first token, so the copy-out runs behind it; the block
-writer then puts the new blocks into the warehouse.
+Prefill: refuse at once when the waiting queue is full (RESOURCE_EXHAUSTED +
+``retry-after-ms``), tokenize, chain keys (tenant + engine fingerprint), G1
+match, then queue the request in the step loop (prefill_svc/steps.py), whose
+scheduler batches the prompts of many requests into each engine step under a
+token budget, in a cache-aware order. While the request waits, its warehouse
+lookup, hit rule and cost-aware fetch run. The reply goes out as soon as its
+first token is sampled; its prompt's KV is copied to the host buffer for
+decode right behind it, and the new full blocks go to the block writer.
 
 PullKV / Release serve that host buffer to decode (waiting for a copy-out
-still in progress). Errors become status
-codes only in service.errors.
+still in progress). Errors become status codes only in service.errors.
 """
 
 from __future__ import annotations
@@ -19,28 +19,29 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import torch
 
 from kvstore.client import ctx_to_proto
 from kvstore.keys import chain_keys
 from kvstore.registry import LoadReport
-from kvstore.types import PutResult, RequestCtx
+from kvstore.types import PutResult
 from prefill_svc.config import PrefillConfig
+from prefill_svc.steps import Computed, Job, StepLoop
 from proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from service.cost import CostModel
-from service.engine_thread import EngineThread, Stop
+from service.engine_thread import EngineThread
 from service.errors import grpc_stream, grpc_unary, status_for
 from service.kv_buffer import KVBuffer, KVShape
-from service.metrics import Source
+from service.metrics import Hist, Source
 from service.request import ModelIdentity, prefill_input
 from service.restore import Restore, Restorer
 from service.store_link import StoreLink
 from service.writer import BlockWriter, WriteJob
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +60,27 @@ class PrefillStats:
     fetch_short_blocks_total: int = 0
     pulls_total: dict[str, int] = field(default_factory=dict)       # "shm" / "stream"
     prefill_tokens_per_s: float = 0.0
-    in_flight_tokens: int = 0
-    chunks_total: int = 0                   # prefill chunks computed (engine.prefill)
-    stopped_total: int = 0                  # prefills ended early: their caller went away
+    in_flight_tokens: int = 0               # tokens still to compute, queued and running
+    queue_waiting: int = 0                  # requests waiting to be admitted
+    running: int = 0                        # prompts being computed
+    refused_total: int = 0                  # RESOURCE_EXHAUSTED: the queue was full
+    cancelled_total: int = 0                # callers gone before their first token
+    admitted_total: int = 0                 # requests admitted into the engine
+    queue_wait_s_total: float = 0.0         # their time from arrival to admission
+    steps_total: int = 0                    # engine steps (one forward with bik)
+    step_tokens_total: int = 0              # prompt tokens computed by them
+    chunks_total: int = 0                   # prompt chunks computed (one per prompt per step)
+    stopped_total: int = 0                  # prompts ended early: their caller went away
+    queue_seconds: Hist = field(default_factory=Hist)   # arrival to admission
 
 
-@dataclass(frozen=True, slots=True)
-class _Sampled:
-    result: Any                     # engine.PrefillResult
-    queue_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Computed:
-    kv: torch.Tensor                # [layers, 2, kv_heads, L, head_dim] on the host
-    new_blocks: torch.Tensor | None  # [n, layers, 2, kv_heads, B, head_dim], blocks write_from..
-
-
-def _resolve(fut: asyncio.Future[_Sampled], first: _Sampled) -> None:
-    if not fut.done():
-        fut.set_result(first)
+def _trace_engine(queue_s: float, res: Any) -> None:
+    """The engine thread's part of the request as spans, placed back from now
+    (the first token was just sampled): its queue wait, then the compute."""
+    t = tracing.now()
+    tracing.record("queue", t - res.compute_s - queue_s, t - res.compute_s, stage="prefill")
+    tracing.record("compute", t - res.compute_s, t, computed_tokens=res.computed_tokens,
+                   cached_tokens=res.restored_tokens + res.g1_tokens, g1_tokens=res.g1_tokens)
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -103,15 +105,17 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                  pin=engine.device.type == "cuda")
         self.writer = BlockWriter(self._put, retries=cfg.writer.retries,
                                   backoff_s=cfg.writer.backoff_s, max_queue=cfg.writer.max_queue)
-        self.buffer = KVBuffer(ttl_s=cfg.buffer_ttl_s, max_bytes=cfg.buffer_max_bytes,
+        self.buffer = KVBuffer(abandon_s=cfg.buffer_ttl_s, max_bytes=cfg.buffer_max_bytes,
                                chunk_bytes=cfg.chunk_bytes, shm_dir=cfg.shm_dir)
         self.stats = PrefillStats()
         self._sweeper: asyncio.Task[None] | None = None
         mc = engine.model_config
         self.token_nbytes = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                     engine.dtype).token_nbytes
-        # Requests whose handle is out while their KV is still being copied out.
-        self._pending: dict[str, asyncio.Task[None]] = {}
+        self.steps = StepLoop(engine, self.thread, cfg.scheduler, self.stats,
+                              tokens_per_s=self.cost.snapshot().prefill_tokens_per_s,
+                              on_computed=self._buffer,
+                              observe=self._observe)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -121,8 +125,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.writer.start()
         await self.store.tier_names()              # learnt now if the store is up
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="kv-sweeper")
+        self.steps.start()
 
     async def close(self) -> None:
+        await self.steps.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -139,7 +145,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     def _warmup(self, n: int) -> None:
         """One cold prefill at start: warms the kernels and measures this
-        instance's prefill speed for the cost rule."""
+        instance's prefill speed for the cost rule and the scheduler."""
         from engine import SamplingParams
 
         n = min(n, self.model.max_prompt_tokens)
@@ -150,15 +156,25 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.engine.free("__warmup__")
         self.cost.observe_prefill(res.computed_tokens, res.compute_s, calibrate=True)
         self.stats.prefill_tokens_per_s = self.cost.snapshot().prefill_tokens_per_s
+        self.steps.sched.tokens_per_s = self.stats.prefill_tokens_per_s
+
+    def _observe(self, tokens: int, seconds: float) -> float:
+        """A step computed ``tokens`` in ``seconds``: the speed the cost rule and
+        the scheduler use (per step, not per request: requests share steps)."""
+        self.cost.observe_prefill(tokens, seconds)
+        self.stats.prefill_tokens_per_s = self.cost.snapshot().prefill_tokens_per_s
+        return self.stats.prefill_tokens_per_s
 
     def load_report(self) -> LoadReport:
-        return LoadReport(load=self.thread.utilization(), queue=max(0, self.thread.pending - 1),
-                          tokens_in_flight=self.stats.in_flight_tokens,
+        sched = self.steps.sched
+        return LoadReport(load=self.thread.utilization(), queue=sched.queue,
+                          tokens_in_flight=sched.tokens_in_flight,
                           capacity=float(self.cfg.engine.num_blocks))
 
     def metric_sources(self) -> dict[str, Source]:
         return {"prefill": lambda: self.stats, "writer": lambda: self.writer.stats,
-                "store": lambda: self.store.stats, "buffer": self.buffer.stats}
+                "store": lambda: self.store.stats, "buffer": self.buffer.stats,
+                "restore": lambda: self.restorer.stats}
 
     # -- RPCs ----------------------------------------------------------------
 
@@ -176,120 +192,67 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.KVHandle:
         t0 = time.perf_counter()
+        self.steps.check_count()                  # a full queue refuses before any work
         inp = prefill_input(request, self.model, self.engine.tokenizer,
                             classes=self.cfg.classes, default_tenant=self.cfg.default_tenant)
         tokens, ctx, L = inp.tokens, inp.ctx, len(inp.tokens)
         keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
                           fingerprint=self.engine.fingerprint, secret=self.secret)
-        self.buffer.check_room(L * self.token_nbytes)
-        self.stats.in_flight_tokens += L
-        try:
-            g1 = (await self.thread.call(self.engine.g1_match, keys)
-                  if self.cfg.local_prefix_cache else 0)
-            restore = await self.restorer.restore(keys, prompt_tokens=L, g1_blocks=g1, ctx=ctx)
-        except BaseException:
-            self.stats.in_flight_tokens -= L
-            raise
-        # Blocks the warehouse lacks get written through (none without a warehouse).
-        writing = self.store.enabled and self.cfg.writer.enabled
-        write_from = (restore.stored_blocks or 0) if writing else len(keys)
+        # Read off the engine thread: BlockPool.match only reads dicts, and the
+        # admission matches again on the engine thread (this count only ranks
+        # the request and sizes the fetch).
+        g1 = self.engine.g1_match(keys) if self.cfg.local_prefix_cache else 0
         loop = asyncio.get_running_loop()
-        sampled: asyncio.Future[_Sampled] = loop.create_future()
-        expires_at = self.buffer.expiry()
-        job = loop.create_task(self._run(ctx, tokens, inp.sampling, keys, restore, write_from,
-                                         expires_at, sampled))
-        self._pending[ctx.request_id] = job
+        job = Job(ctx, tokens, inp.sampling, keys, keys if self.cfg.local_prefix_cache else None,
+                  len(keys), loop.create_future(), loop.create_future(),
+                  kv_seed=self.buffer.new_seed())
+        entry = self.steps.submit(job, cached_tokens=self.engine.hit_rule.usable_tokens(
+            g1 * self.block_tokens, L), warm=self._warm(job, g1))
         try:
-            # The handle goes out as soon as the first token is sampled; the KV
-            # copy-out for decode finishes behind it (PullKV waits for it).
-            first = await asyncio.shield(sampled)
+            first = await job.first
         except asyncio.CancelledError:
-            # Stoppable: a caller that hangs up (the router's client left) ends the
-            # prefill before its next chunk instead of after the whole prompt.
-            job.cancel()
+            # Stoppable: a caller that hangs up (the router's client left) leaves the
+            # queue at once, or stops its prompt before the next step.
+            self.steps.cancel(entry)
             raise
+        restore = job.restore
+        assert restore is not None
         res = first.result
+        self.stats.queue_seconds.observe(first.queue_s)
+        _trace_engine(first.queue_s, res)
         written: list[str] = []
-        if writing and len(tokens) // self.block_tokens > write_from:
+        if job.write_from < len(keys):
             written = await self.store.tier_names() or ["warehouse"]
         self._count(restore, res)
         total_s = time.perf_counter() - t0
         return prefill_pb2.KVHandle(
             ctx=ctx_to_proto(ctx), prefill_address=self.address, prompt_ids=tokens,
             block_keys=keys, first_token=res.first_token,
-            cached_tokens=res.restored_tokens + res.g1_tokens, expires_at=expires_at,
+            cached_tokens=res.restored_tokens + res.g1_tokens, kv_seed=job.kv_seed,
             layout=self.engine.layout.name,
             timings=common_pb2.Timings(queue_s=first.queue_s, lookup_s=restore.lookup_s,
                                        fetch_s=restore.fetch_s, compute_s=res.compute_s,
                                        total_s=total_s),
             written_tiers=written, fetch_decision=restore.decision)
 
-    async def _run(self, ctx: RequestCtx, tokens: list[int], sampling: Any,
-                   keys: Sequence[bytes], restore: Restore, write_from: int, expires_at: float,
-                   sampled: asyncio.Future[_Sampled]) -> None:
-        """The engine job of one request and what follows it: buffer the KV for
-        decode, queue the new blocks for the warehouse. ``sampled`` resolves
-        (or fails) as soon as the first token is known."""
-        loop = asyncio.get_running_loop()
+    async def _warm(self, job: Job, g1: int) -> Restore:
+        """While the request waits: warehouse lookup, hit rule, cost-aware fetch."""
+        restore = await self.restorer.restore(job.keys, prompt_tokens=len(job.tokens),
+                                              g1_blocks=g1, ctx=job.ctx)
+        # Blocks the warehouse lacks get written through (none without a warehouse).
+        if self.store.enabled and self.cfg.writer.enabled:
+            job.write_from = restore.stored_blocks or 0
+        return restore
 
-        def tell(first: _Sampled) -> None:       # engine thread
-            loop.call_soon_threadsafe(_resolve, sampled, first)
-
-        try:
-            computed = await self.thread.call_stoppable(
-                self._compute, ctx.request_id, tokens, sampling, keys, restore, write_from,
-                time.perf_counter(), tell)
-            self.buffer.put(ctx.request_id, computed.kv, expires_at=expires_at)
-            if computed.new_blocks is not None:
-                self.writer.submit(keys[write_from:], computed.new_blocks,
-                                   layout=self.engine.layout.name,
-                                   token_count=self.block_tokens, ctx=ctx)
-        except BaseException as exc:
-            if not sampled.done():
-                if isinstance(exc, asyncio.CancelledError):
-                    sampled.cancel()
-                else:
-                    sampled.set_exception(exc)
-            elif not isinstance(exc, asyncio.CancelledError):
-                # The handle is out: its pull will report the KV as gone.
-                log.warning("KV of prefilled request %s not buffered: %s", ctx.request_id, exc)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-        finally:
-            self.stats.in_flight_tokens -= len(tokens)
-            self._pending.pop(ctx.request_id, None)
-
-    def _compute(self, stop: Stop, seq_id: str, tokens: list[int], sampling: Any,
-                 keys: Sequence[bytes], restore: Restore, write_from: int,
-                 t_submit: float, tell: Callable[[_Sampled], None]) -> _Computed:
-        """Engine thread: prefill, tell the loop the first token, copy the
-        prompt's KV out, free the sequence."""
-        queue_s = time.perf_counter() - t_submit
-        eng = self.engine
-
-        def next_chunk() -> bool:
-            """True: stop now. Counts the chunks that do run."""
-            if stop():
-                self.stats.stopped_total += 1
-                return True
-            self.stats.chunks_total += 1
-            return False
-
-        g1_keys = keys if self.cfg.local_prefix_cache else None
-        # restored_start_block pins where the fetched blocks go: if another
-        # request evicted part of the G1 hit meanwhile, the engine recomputes.
-        res = eng.prefill(seq_id, tokens, sampling=sampling, block_keys=g1_keys,
-                          restored=restore.blocks, max_restore_tokens=restore.usable_tokens,
-                          restored_start_block=restore.start_block, stop=next_chunk)
-        try:
-            tell(_Sampled(res, queue_s))
-            kv = eng.export_tokens(seq_id, 0, len(tokens))
-            n_full = len(tokens) // self.block_tokens
-            new = (eng.export_blocks(seq_id, write_from, n_full - write_from)
-                   if n_full > write_from else None)
-        finally:
-            eng.free(seq_id, keep_keys=g1_keys)
-        return _Computed(kv, new)
+    def _buffer(self, job: Job, computed: Computed) -> None:
+        """A finished prompt (loop thread): its KV into the host buffer for
+        decode, its new blocks to the block writer."""
+        assert computed.kv is not None
+        self.buffer.put(job.ctx.request_id, computed.kv, seed=job.kv_seed)
+        if computed.new_blocks is not None:
+            self.writer.submit(job.keys[job.write_from:], computed.new_blocks,
+                               layout=self.engine.layout.name,
+                               token_count=self.block_tokens, ctx=job.ctx)
 
     def _count(self, restore: Restore, res: Any) -> None:
         s = self.stats
@@ -303,8 +266,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         s.g1_tokens_total += res.g1_tokens
         s.warehouse_tokens_total += res.restored_tokens
         s.computed_tokens_total += res.computed_tokens
-        self.cost.observe_prefill(res.computed_tokens, res.compute_s)
-        s.prefill_tokens_per_s = self.cost.snapshot().prefill_tokens_per_s
 
     async def _put(self, job: WriteJob) -> PutResult:
         return await self.store.put(job.keys, job.blocks, layout=job.layout,
@@ -325,12 +286,12 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 self.stats.pulls_total["shm"] = self.stats.pulls_total.get("shm", 0) + 1
                 yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,
                                           shm_name=p.shm_name, shm_offset=p.shm_offset,
-                                          size=p.size)
+                                          size=p.size, checksum=p.checksum)
                 return
         self.stats.pulls_total["stream"] = self.stats.pulls_total.get("stream", 0) + 1
         for p in self.buffer.pieces(entry):
             yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,
-                                      data=p.data, size=len(p.data))
+                                      data=p.data, size=len(p.data), checksum=p.checksum)
 
     @grpc_unary
     async def Release(self, request: prefill_pb2.ReleaseRequest,
@@ -338,9 +299,16 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         await self._buffered(request.request_id)
         return prefill_pb2.ReleaseResponse(released=self.buffer.release(request.request_id))
 
+    @grpc_unary
+    async def ResetPrefixCache(self, request: common_pb2.ResetPrefixCacheRequest,
+                               context: grpc.aio.ServicerContext
+                               ) -> common_pb2.ResetPrefixCacheResponse:
+        from service.operator import reset_prefix_cache
+
+        return await reset_prefix_cache(self.thread, self.engine)
+
     async def _buffered(self, request_id: str) -> None:
         """Wait until a just-prefilled request's KV is in the buffer (or failed to be)."""
-        job = self._pending.get(request_id)
+        job = self.steps.jobs.get(request_id)
         if job is not None:
-            await asyncio.wait([job])           # never raises the job's own outcome
-
+            await asyncio.wait([job.buffered])   # never raises the request's own outcome

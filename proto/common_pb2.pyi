@@ -92,3 +92,15 @@ class BlockRef(_message.Message):
     node: str
     size: int
     def __init__(self, key: _Optional[bytes] = ..., tier: _Optional[str] = ..., node: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("dropped_blocks", "in_use_blocks")
+    DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    dropped_blocks: int
+    in_use_blocks: int
+    def __init__(self, dropped_blocks: _Optional[int] = ..., in_use_blocks: _Optional[int] = ...) -> None: ...

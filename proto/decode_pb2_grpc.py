@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from proto import common_pb2 as proto_dot_common__pb2
 from proto import decode_pb2 as proto_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -39,6 +40,11 @@ class DecodeStub:
                 request_serializer=proto_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=proto_dot_decode__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/kvserve.v1.Decode/ResetPrefixCache',
+                request_serializer=proto_dot_common__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=proto_dot_common__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -50,6 +56,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Operator (through the router's /reset_prefix_cache): forget the engine's G1 prefix cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +70,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=proto_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=proto_dot_decode__pb2.DecodeEvent.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=proto_dot_common__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=proto_dot_common__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +104,33 @@ class Decode:
             '/kvserve.v1.Decode/Decode',
             proto_dot_decode__pb2.DecodeRequest.SerializeToString,
             proto_dot_decode__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.Decode/ResetPrefixCache',
+            proto_dot_common__pb2.ResetPrefixCacheRequest.SerializeToString,
+            proto_dot_common__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WarmRequest(_message.Message):
+    __slots__ = ("ctx", "keys", "prompt_tokens")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ctx: _common_pb2.RequestContext
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    prompt_tokens: int
+    def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class WarmResponse(_message.Message):
+    __slots__ = ("matched_blocks", "in_g2_blocks", "promoted_blocks")
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IN_G2_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    matched_blocks: int
+    in_g2_blocks: int
+    promoted_blocks: int
+    def __init__(self, matched_blocks: _Optional[int] = ..., in_g2_blocks: _Optional[int] = ..., promoted_blocks: _Optional[int] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
     __slots__ = ("ctx", "keys", "prompt_tokens", "touch")
     CTX_FIELD_NUMBER: _ClassVar[int]
@@ -185,18 +205,74 @@ class ClassStats(_message.Message):
     blocks: int
     def __init__(self, traffic_class: _Optional[str] = ..., ttl_s: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
+class TenantStats(_message.Message):
+    __slots__ = ("tier", "tenant", "used_bytes", "blocks", "quota_bytes", "evictions")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    tenant: str
+    used_bytes: int
+    blocks: int
+    quota_bytes: int
+    evictions: int
+    def __init__(self, tier: _Optional[str] = ..., tenant: _Optional[str] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("node", "tiers", "classes", "whatif_json", "shm_capable", "hostname")
+    __slots__ = ("node", "tiers", "classes", "whatif_json", "shm_capable", "hostname", "tenants", "tenant_names", "max_tenants")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     WHATIF_JSON_FIELD_NUMBER: _ClassVar[int]
     SHM_CAPABLE_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TENANTS_FIELD_NUMBER: _ClassVar[int]
     node: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     classes: _containers.RepeatedCompositeFieldContainer[ClassStats]
     whatif_json: str
     shm_capable: bool
     hostname: str
-    def __init__(self, node: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., whatif_json: _Optional[str] = ..., shm_capable: _Optional[bool] = ..., hostname: _Optional[str] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    tenant_names: int
+    max_tenants: int
+    def __init__(self, node: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., whatif_json: _Optional[str] = ..., shm_capable: _Optional[bool] = ..., hostname: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., tenant_names: _Optional[int] = ..., max_tenants: _Optional[int] = ...) -> None: ...
+
+class SetQuotaRequest(_message.Message):
+    __slots__ = ("tenant", "tier", "quota_bytes", "reset")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    tier: str
+    quota_bytes: int
+    reset: bool
+    def __init__(self, tenant: _Optional[str] = ..., tier: _Optional[str] = ..., quota_bytes: _Optional[int] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class GetQuotasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class QuotaEntry(_message.Message):
+    __slots__ = ("tier", "tenant", "quota_bytes", "source")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    tenant: str
+    quota_bytes: int
+    source: str
+    def __init__(self, tier: _Optional[str] = ..., tenant: _Optional[str] = ..., quota_bytes: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
+class QuotaResponse(_message.Message):
+    __slots__ = ("quotas",)
+    QUOTAS_FIELD_NUMBER: _ClassVar[int]
+    quotas: _containers.RepeatedCompositeFieldContainer[QuotaEntry]
+    def __init__(self, quotas: _Optional[_Iterable[_Union[QuotaEntry, _Mapping]]] = ...) -> None: ...

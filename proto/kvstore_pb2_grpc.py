@@ -64,6 +64,21 @@ class KVStoreStub:
                 request_serializer=proto_dot_kvstore__pb2.StageRequest.SerializeToString,
                 response_deserializer=proto_dot_kvstore__pb2.StageResponse.FromString,
                 _registered_method=True)
+        self.SetQuota = channel.unary_unary(
+                '/kvserve.v1.KVStore/SetQuota',
+                request_serializer=proto_dot_kvstore__pb2.SetQuotaRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore__pb2.QuotaResponse.FromString,
+                _registered_method=True)
+        self.GetQuotas = channel.unary_unary(
+                '/kvserve.v1.KVStore/GetQuotas',
+                request_serializer=proto_dot_kvstore__pb2.GetQuotasRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore__pb2.QuotaResponse.FromString,
+                _registered_method=True)
+        self.Warm = channel.unary_unary(
+                '/kvserve.v1.KVStore/Warm',
+                request_serializer=proto_dot_kvstore__pb2.WarmRequest.SerializeToString,
+                response_deserializer=proto_dot_kvstore__pb2.WarmResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -111,6 +126,28 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetQuota(self, request, context):
+        """Operators: per-tenant byte quotas per tier (docs/operators.md), kept in
+        Redis so they survive restarts and reach every store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetQuotas(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Warm(self, request, context):
+        """Session warm-up: move a key chain's blocks up the tiers (G3/G4 -> G2) now,
+        ahead of the prefill that will read them (the router calls it on arrival).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +180,21 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stage,
                     request_deserializer=proto_dot_kvstore__pb2.StageRequest.FromString,
                     response_serializer=proto_dot_kvstore__pb2.StageResponse.SerializeToString,
+            ),
+            'SetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuota,
+                    request_deserializer=proto_dot_kvstore__pb2.SetQuotaRequest.FromString,
+                    response_serializer=proto_dot_kvstore__pb2.QuotaResponse.SerializeToString,
+            ),
+            'GetQuotas': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQuotas,
+                    request_deserializer=proto_dot_kvstore__pb2.GetQuotasRequest.FromString,
+                    response_serializer=proto_dot_kvstore__pb2.QuotaResponse.SerializeToString,
+            ),
+            'Warm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Warm,
+                    request_deserializer=proto_dot_kvstore__pb2.WarmRequest.FromString,
+                    response_serializer=proto_dot_kvstore__pb2.WarmResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +359,87 @@ class KVStore:
             '/kvserve.v1.KVStore/Stage',
             proto_dot_kvstore__pb2.StageRequest.SerializeToString,
             proto_dot_kvstore__pb2.StageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVStore/SetQuota',
+            proto_dot_kvstore__pb2.SetQuotaRequest.SerializeToString,
+            proto_dot_kvstore__pb2.QuotaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQuotas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVStore/GetQuotas',
+            proto_dot_kvstore__pb2.GetQuotasRequest.SerializeToString,
+            proto_dot_kvstore__pb2.QuotaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Warm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVStore/Warm',
+            proto_dot_kvstore__pb2.WarmRequest.SerializeToString,
+            proto_dot_kvstore__pb2.WarmResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,7 +22,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("ctx", "prefill_address", "prompt_ids", "block_keys", "first_token", "cached_tokens", "expires_at", "layout", "timings", "written_tiers", "fetch_decision")
+    __slots__ = ("ctx", "prefill_address", "prompt_ids", "block_keys", "first_token", "cached_tokens", "expires_at", "layout", "timings", "written_tiers", "fetch_decision", "kv_seed")
     CTX_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class KVHandle(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_TIERS_FIELD_NUMBER: _ClassVar[int]
     FETCH_DECISION_FIELD_NUMBER: _ClassVar[int]
+    KV_SEED_FIELD_NUMBER: _ClassVar[int]
     ctx: _common_pb2.RequestContext
     prefill_address: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -45,7 +46,8 @@ class KVHandle(_message.Message):
     timings: _common_pb2.Timings
     written_tiers: _containers.RepeatedScalarFieldContainer[str]
     fetch_decision: str
-    def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., layout: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., written_tiers: _Optional[_Iterable[str]] = ..., fetch_decision: _Optional[str] = ...) -> None: ...
+    kv_seed: int
+    def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., layout: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., written_tiers: _Optional[_Iterable[str]] = ..., fetch_decision: _Optional[str] = ..., kv_seed: _Optional[int] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
     __slots__ = ("request_id", "use_shm")
@@ -56,20 +58,22 @@ class PullKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., use_shm: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("start_token", "token_count", "data", "shm_name", "shm_offset", "size")
+    __slots__ = ("start_token", "token_count", "data", "shm_name", "shm_offset", "size", "checksum")
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     start_token: int
     token_count: int
     data: bytes
     shm_name: str
     shm_offset: int
     size: int
-    def __init__(self, start_token: _Optional[int] = ..., token_count: _Optional[int] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    checksum: bytes
+    def __init__(self, start_token: _Optional[int] = ..., token_count: _Optional[int] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from proto import common_pb2 as proto_dot_common__pb2
 from proto import prefill_pb2 as proto_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -49,6 +50,11 @@ class PrefillStub:
                 request_serializer=proto_dot_prefill__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=proto_dot_prefill__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/kvserve.v1.Prefill/ResetPrefixCache',
+                request_serializer=proto_dot_common__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=proto_dot_common__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -75,6 +81,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Operator (through the router's /reset_prefix_cache): forget the engine's G1 prefix cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +105,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=proto_dot_prefill__pb2.ReleaseRequest.FromString,
                     response_serializer=proto_dot_prefill__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=proto_dot_common__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=proto_dot_common__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class Prefill:
             '/kvserve.v1.Prefill/Release',
             proto_dot_prefill__pb2.ReleaseRequest.SerializeToString,
             proto_dot_prefill__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.Prefill/ResetPrefixCache',
+            proto_dot_common__pb2.ResetPrefixCacheRequest.SerializeToString,
+            proto_dot_common__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from common.config import ConfigError, TrafficClasses
 from router.errors import AuthenticationError, InvalidRequestError
+from security.redact import register_secret
+from security.secret_files import SecretFileError, read_secret_text, refuse_placeholder
 
 DEFAULT_TENANT = "default"
 CLASS_HEADER = "X-KV-Class"
@@ -33,6 +35,9 @@ class ApiKeyFileError(ConfigError):
 class Caller:
     tenant: str
     traffic_class: str
+    # Which API key (its position in the key file, never the key): the admission
+    # layer's rate and concurrency limits are per key. "" without keys.
+    key_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +61,10 @@ class ApiKeys:
     def load(cls, path: str | Path) -> ApiKeys:
         p = Path(path)
         try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ApiKeyFileError(f"cannot read API key file {p}: {exc}") from exc
+            # Not world-readable; placeholders are checked per key below.
+            text = read_secret_text(p, "the API key file", whole_value=False)
+        except SecretFileError as exc:
+            raise ApiKeyFileError(str(exc)) from exc
         tenants: dict[str, str] = {}
         for lineno, raw in enumerate(text.splitlines(), start=1):
             line = raw.split("#", 1)[0].strip()
@@ -73,6 +79,11 @@ class ApiKeys:
             if not _KEY.match(key) or not _TENANT.match(tenant):
                 raise ApiKeyFileError(f"{p}:{lineno}: key must be 8..512 non-space characters "
                                       "and tenant [A-Za-z0-9._-]{1,64}")
+            try:
+                refuse_placeholder(key, f"the API key on {p}:{lineno}")
+            except SecretFileError as exc:
+                raise ApiKeyFileError(str(exc)) from exc
+            register_secret(key)
             tenants[key] = tenant
         if not tenants:
             raise ApiKeyFileError(f"API key file {p} lists no keys")
@@ -80,8 +91,12 @@ class ApiKeys:
 
     def tenant_for(self, authorization: str | None) -> str:
         """The tenant of an ``Authorization`` header value, or AuthenticationError."""
+        return self.resolve(authorization)[0]
+
+    def resolve(self, authorization: str | None) -> tuple[str, str]:
+        """(tenant, key id) of an ``Authorization`` header value, or AuthenticationError."""
         if not self.enabled:
-            return DEFAULT_TENANT
+            return DEFAULT_TENANT, ""
         if not authorization:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer KEY'")
         scheme, _, key = authorization.strip().partition(" ")
@@ -89,13 +104,13 @@ class ApiKeys:
             raise AuthenticationError("malformed Authorization header: want 'Bearer KEY'")
         key = key.strip()
         # Compare against every key in constant time so timing says nothing about prefixes.
-        found = ""
-        for known, tenant in self.tenants.items():
+        found, key_id = "", ""
+        for i, (known, tenant) in enumerate(self.tenants.items()):
             if hmac.compare_digest(known.encode(), key.encode()):
-                found = tenant
+                found, key_id = tenant, f"key-{i}"
         if not found:
             raise AuthenticationError("invalid API key")
-        return found
+        return found, key_id
 
 
 def traffic_class(header: str | None, classes: TrafficClasses) -> str:
@@ -110,5 +125,6 @@ def traffic_class(header: str | None, classes: TrafficClasses) -> str:
 
 def identify(headers: Mapping[str, str], keys: ApiKeys, classes: TrafficClasses) -> Caller:
     """Tenant and class of a request from its headers (auth first: 401 beats 400)."""
-    tenant = keys.tenant_for(headers.get("Authorization"))
-    return Caller(tenant=tenant, traffic_class=traffic_class(headers.get(CLASS_HEADER), classes))
+    tenant, key_id = keys.resolve(headers.get("Authorization"))
+    return Caller(tenant=tenant, traffic_class=traffic_class(headers.get(CLASS_HEADER), classes),
+                  key_id=key_id)

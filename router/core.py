@@ -5,45 +5,50 @@
 1. tokenizes (the chat template for messages) and checks the context length;
 2. computes the prompt's block keys (tenant + model fingerprint,
    docs/architecture.md#block-identity);
-3. asks the live view for a prefill instance (affinity and queue) and runs
-   Prefill, then for a decode instance (load x expert imbalance) and opens
-   the Decode stream;
-4. yields ``GenEvent``s as decode streams tokens.
+3. passes the admission layer (router.admission): room now, a wait in its
+   tenant's fair queue, or a 429 / 503 before any instance did work for it;
+4. runs it on the instances (router.dispatch): Prefill on the instance the
+   live view picks (affinity and queue), then the Decode stream on one picked
+   by load x expert imbalance, retrying busy and failed instances before the
+   first token, all under one end-to-end budget sent as gRPC deadlines;
+5. yields ``GenEvent``s as decode streams tokens.
 
-An instance that fails before the first token is quarantined in the view and
-the request tries another (up to ``max_attempts`` in all); after the first
-token has gone to the client a failure ends the stream with a clear error,
-since the client already holds part of an answer.
+After the first token has gone to the client a failure ends the stream with a
+clear error, since the client already holds part of an answer.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from engine.errors import EngineInputError
 from kvstore.keys import chain_keys
+from kvstore.types import RequestCtx
 from proto import common_pb2, decode_pb2, prefill_pb2
+from router.admission import Admission
+from router.dispatch import Budget, Dispatcher
 from router.errors import (
     ContextLengthError,
     InvalidRequestError,
     NoInstanceError,
-    RouterError,
     UpstreamError,
     upstream_error,
 )
 from router.generation import GenEvent, RouteRequest, Usage
-from router.live_view import Choice, LiveView
+from router.live_view import LiveView
 from router.metrics import RouterMetrics
 from router.model_meta import ModelMeta
 from router.openai_schema import Sampling, messages_as_dicts
+from router.serving_metrics import ServingMetrics
 from router.tokenize import tokenize_off_loop
-from router.upstream import DecodeCall, Upstreams
+from router.upstream import Upstreams
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -67,33 +72,18 @@ class CoreConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
 
 
-@dataclass(slots=True)
-class _Started:
-    handle: prefill_pb2.KVHandle
-    call: DecodeCall
-    first: decode_pb2.DecodeEvent
-    prefill: Choice
-    decode: Choice
-
-
-@dataclass(slots=True)
-class _Attempts:
-    """Instances abandoned so far in one request, and why."""
-
-    excluded: dict[str, set[str]] = field(
-        default_factory=lambda: {"prefill": set(), "decode": set()})
-    errors: list[str] = field(default_factory=list)
-    last: RouterError | None = None
-
-
 class RouterCore:
     def __init__(self, cfg: CoreConfig, meta: ModelMeta, view: LiveView, upstreams: Upstreams,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, admission: Admission) -> None:
         self.cfg = cfg
         self.meta = meta
         self.view = view
         self.upstreams = upstreams
         self.metrics = metrics
+        self.admission = admission
+        self.dispatch = Dispatcher(view, upstreams, metrics, max_attempts=cfg.max_attempts)
+        self.ops: Any = None        # router.cluster_ops.ClusterOps: warm-up on arrival
+        self.serving = ServingMetrics.on(metrics.registry, meta.served_name)
 
     def live_counts(self) -> dict[str, int]:
         return self.view.live_counts()
@@ -142,37 +132,66 @@ class RouterCore:
     # -- the flow ---------------------------------------------------------------------
 
     async def generate(self, req: RouteRequest) -> AsyncGenerator[GenEvent, None]:
+        budget = Budget.of(self.admission.cfg.request_timeout_s)
+        clock = self.serving.clock()
         # Off the event loop (router.tokenize): a long prompt must not stall the front.
         tokens = await tokenize_off_loop(self.tokenize, self.meta.tokenizer, req,
                                          self.meta.max_context)
         sampling = self.sampling(req.sampling, len(tokens),
                                  prompt_param="messages" if req.messages else "prompt")
-        fingerprint = self.view.fingerprint()
+        try:
+            fingerprint = self.view.fingerprint()
+        except NoInstanceError:           # no prefill at all: a 503, counted like admission's
+            self.metrics.rejected.labels(reason="no_instance").inc()
+            raise
         keys = chain_keys(tokens, block_tokens=self.cfg.block_tokens, tenant=req.tenant,
                           fingerprint=bytes.fromhex(fingerprint), secret=self.cfg.secret)
         ctx = common_pb2.RequestContext(request_id=req.request_id, tenant=req.tenant,
                                         traffic_class=req.traffic_class,
                                         model_fingerprint=fingerprint)
         preq = prefill_pb2.PrefillRequest(ctx=ctx, token_ids=tokens, sampling=sampling)
-        started = await self._start(preq, keys, len(tokens), sampling)
-        p_id, d_id = started.prefill.instance.instance_id, started.decode.instance.instance_id
+        if self.ops is not None:      # blocks start up the tiers before any queue (issue 18)
+            self.ops.warm(keys, len(tokens), RequestCtx(req.request_id, req.tenant,
+                                                        req.traffic_class, fingerprint),
+                          req.session_id)
+        ticket = await self.admission.admit(req.api_key_id, req.tenant, len(tokens),
+                                            wait_s=budget.left())
         try:
-            yield self._event(started.first, started.handle, p_id, d_id)
-            if started.first.finished:
-                return
-            async for ev in started.call.rest():
-                yield self._event(ev, started.handle, p_id, d_id)
-                if ev.finished:
+            started = await self.dispatch.start(
+                preq, keys, len(tokens), sampling, budget,
+                busy_until=ticket.arrived + self.admission.cfg.max_queue_wait_s,
+                prefilled=lambda: self.admission.prefilled(ticket), tenant=req.tenant,
+                session=req.session_id)
+            p_id = started.prefill.instance.instance_id
+            d_id = started.decode.instance.instance_id
+            clock.first(started.handle.timings.queue_s, started.handle.timings.compute_s)
+            tracing.annotate(prompt_tokens=len(tokens),
+                             cached_tokens=started.handle.cached_tokens,
+                             traffic_class=req.traffic_class)
+            try:
+                if started.first.finished:
+                    clock.done(started.first.usage.completion_tokens)
+                yield self._event(started.first, started.handle, p_id, d_id)
+                if started.first.finished:
                     return
-            raise UpstreamError(f"decode instance {d_id} ended the stream before finishing",
-                                retryable=False, instance=d_id)
-        except grpc.aio.AioRpcError as exc:
-            err = upstream_error(exc, role="decode", instance=d_id)
-            self.view.mark_failed(d_id)
-            raise UpstreamError(f"{err.message} (after the first token; not retried)",
-                                retryable=False, instance=d_id) from exc
+                async for ev in started.call.rest():
+                    if ev.finished:
+                        clock.done(ev.usage.completion_tokens)
+                    yield self._event(ev, started.handle, p_id, d_id)
+                    if ev.finished:
+                        return
+                raise UpstreamError(f"decode instance {d_id} ended the stream before finishing",
+                                    retryable=False, instance=d_id)
+            except grpc.aio.AioRpcError as exc:
+                err = upstream_error(exc, role="decode", instance=d_id)
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self.view.mark_failed(d_id)
+                raise UpstreamError(f"{err.message} (after the first token; not retried)",
+                                    retryable=False, instance=d_id) from exc
+            finally:
+                started.call.cancel()
         finally:
-            started.call.cancel()
+            self.admission.done(ticket)
 
     @staticmethod
     def _event(ev: decode_pb2.DecodeEvent, handle: prefill_pb2.KVHandle, p_id: str,
@@ -185,101 +204,3 @@ class RouterCore:
         return GenEvent(text=ev.text, token_ids=tuple(ev.token_ids), finished=ev.finished,
                         finish_reason=ev.finish_reason, usage=usage, prefill_instance=p_id,
                         decode_instance=d_id)
-
-    async def _start(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
-                     n_tokens: int, sampling: common_pb2.SamplingParams) -> _Started:
-        tries = _Attempts()
-        for _ in range(self.cfg.max_attempts):
-            try:
-                pchoice = self.view.choose_prefill(keys, n_tokens,
-                                                   exclude=tries.excluded["prefill"])
-            except NoInstanceError:
-                if tries.last is None:
-                    raise
-                break
-            self._count(pchoice, "prefill")
-            handle = await self._prefill(pchoice, preq, tries)
-            if handle is None:
-                continue
-            try:
-                dchoice = self.view.choose_decode(n_tokens, exclude=tries.excluded["decode"])
-            except NoInstanceError:
-                await self.upstreams.release(handle)
-                if tries.last is None:
-                    raise
-                break
-            self._count(dchoice, "decode")
-            started = await self._decode(pchoice, dchoice, handle, sampling, tries)
-            if started is not None:
-                return started
-        raise self._exhausted(tries)
-
-    def _exhausted(self, tries: _Attempts) -> RouterError:
-        last = tries.last
-        assert last is not None
-        summary = "; ".join(tries.errors)
-        if isinstance(last, UpstreamError):
-            return UpstreamError(f"every instance tried failed before the first token: {summary}",
-                                 retryable=False, instance=last.instance,
-                                 http_status=last.http_status, grpc_code=last.grpc_code)
-        return last
-
-    async def _prefill(self, choice: Choice, preq: prefill_pb2.PrefillRequest,
-                       tries: _Attempts) -> prefill_pb2.KVHandle | None:
-        inst = choice.instance
-        try:
-            return await self.upstreams.prefill(inst.address, preq)
-        except grpc.aio.AioRpcError as exc:
-            self._failed(upstream_error(exc, role="prefill", instance=inst.instance_id),
-                         "prefill", inst.instance_id, tries)
-            return None
-
-    async def _decode(self, pchoice: Choice, dchoice: Choice, handle: prefill_pb2.KVHandle,
-                      sampling: common_pb2.SamplingParams, tries: _Attempts) -> _Started | None:
-        inst = dchoice.instance
-        call = self.upstreams.decode(inst.address, handle, sampling)
-        try:
-            first = await call.first()
-            if first is not None:
-                return _Started(handle, call, first, pchoice, dchoice)
-            err: RouterError = UpstreamError(
-                f"decode instance {inst.instance_id} closed the stream without a token",
-                retryable=True, instance=inst.instance_id)
-        except grpc.aio.AioRpcError as exc:
-            err = upstream_error(exc, role="decode", instance=inst.instance_id)
-        except TimeoutError:
-            err = UpstreamError(f"decode instance {inst.instance_id} sent no token within "
-                                f"{call.first_timeout_s:.0f}s", retryable=True,
-                                instance=inst.instance_id, http_status=504,
-                                grpc_code=grpc.StatusCode.DEADLINE_EXCEEDED)
-        except BaseException:
-            call.cancel()             # cancelled meanwhile: do not leave decode running
-            raise
-        call.cancel()
-        # The handle's KV may be unusable now; the next attempt prefills again
-        # (cheaply: its blocks were written through to the warehouse).
-        await asyncio.shield(self.upstreams.release(handle))
-        if isinstance(err, UpstreamError) and err.relayed:
-            # Decode could not pull the KV: the prefill instance is the one to avoid.
-            self._failed(err, "prefill", pchoice.instance.instance_id, tries)
-        else:
-            self._failed(err, "decode", inst.instance_id, tries)
-        return None
-
-    def _failed(self, err: RouterError, role: str, instance_id: str, tries: _Attempts) -> None:
-        if not (isinstance(err, UpstreamError) and err.retryable):
-            raise err
-        log.warning("%s instance %s failed before the first token, trying another: %s",
-                    role, instance_id, err.message)
-        self.metrics.retries.labels(role=role, reason=err.grpc_code.name.lower()).inc()
-        self.view.mark_failed(instance_id)
-        tries.excluded[role].add(instance_id)
-        tries.errors.append(err.message)
-        tries.last = err
-
-    def _count(self, choice: Choice, role: str) -> None:
-        inst = choice.instance.instance_id
-        log.debug("place %s on %s: %s", role, inst, choice.detail or choice.reason)
-        self.metrics.placements.labels(role=role, policy=choice.policy, instance=inst,
-                                       reason=choice.reason).inc()
-        self.metrics.placement_score.labels(role=role, policy=choice.policy).observe(choice.score)

@@ -11,9 +11,11 @@ also decides whether trying another instance can help.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+
+from security.redact import redact
 
 
 class RouterError(Exception):
@@ -53,6 +55,17 @@ class AuthenticationError(RouterError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="invalid_api_key")
+
+
+class PermissionDeniedError(RouterError):
+    """Authenticated, but asking to act for a tenant it is not (router.service.tenant_of)."""
+
+    http_status = 403
+    error_type = "permission_error"
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="permission_denied")
 
 
 class ModelNotFoundError(RouterError):
@@ -103,6 +116,32 @@ class NoInstanceError(RouterError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
 
 
+class RateLimitedError(RouterError):
+    """Backpressure, decided before any work: the caller should retry after
+    ``retry_after_s`` (HTTP 429 + Retry-After; gRPC RESOURCE_EXHAUSTED +
+    ``retry-after-ms``). ``reason`` names the limit (router.admission)."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, *, reason: str, retry_after_s: int) -> None:
+        super().__init__(f"{message}; retry after {retry_after_s}s", code=reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineError(RouterError):
+    """The request's end-to-end budget ran out."""
+
+    http_status = 504
+    error_type = "server_error"
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="request_timeout")
+
+
 class UpstreamError(RouterError):
     """A prefill/decode instance failed; ``retryable`` says another may succeed."""
 
@@ -113,10 +152,13 @@ class UpstreamError(RouterError):
     def __init__(self, message: str, *, retryable: bool, instance: str = "",
                  http_status: int = 502,
                  grpc_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
-                 relayed: bool = False) -> None:
+                 relayed: bool = False, busy_s: float | None = None) -> None:
         super().__init__(message, code="upstream_error")
         self.retryable = retryable
         self.instance = instance
+        # The instance refused before doing any work (RESOURCE_EXHAUSTED; docs/services.md,
+        # "Busy"): busy, not broken; try again after busy_s (its retry-after-ms).
+        self.busy_s = busy_s
         # The instance answered, but with the failure of a call it made itself
         # (decode's PullKV from prefill): the instance it called is to blame.
         self.relayed = relayed
@@ -158,6 +200,23 @@ _UPSTREAM_DEFAULT = _UpstreamRule(False, 502, grpc.StatusCode.INTERNAL)
 RELAYED_PREFIX = "upstream call failed"
 
 
+RETRY_AFTER_KEY = "retry-after-ms"   # trailing metadata of a busy instance (service.errors)
+_DEFAULT_BUSY_S = 0.5                # a busy instance that gave no estimate
+
+
+def busy_seconds(exc: grpc.RpcError) -> float:
+    """An instance's retry-after-ms as seconds (bounded: a peer's number, not ours)."""
+    trailing = exc.trailing_metadata() if isinstance(exc, grpc.aio.AioRpcError | grpc.Call) \
+        else None
+    for k, v in trailing or ():
+        if k == RETRY_AFTER_KEY:
+            try:
+                return min(60.0, max(0.001, int(v) / 1000))
+            except (TypeError, ValueError):
+                break
+    return _DEFAULT_BUSY_S
+
+
 def upstream_error(exc: grpc.RpcError, *, role: str, instance: str) -> RouterError:
     """A gRPC failure of a prefill/decode call as the error the client should see."""
     code = exc.code() if isinstance(exc, grpc.aio.AioRpcError | grpc.Call) else None
@@ -167,16 +226,20 @@ def upstream_error(exc: grpc.RpcError, *, role: str, instance: str) -> RouterErr
         # The instance judged the request itself bad: pass its message on verbatim.
         return InvalidRequestError(details or f"{role} rejected the request")
     name = code.name if code is not None else type(exc).__name__
+    relayed = details.startswith(RELAYED_PREFIX)
+    busy = (busy_seconds(exc) if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not relayed
+            else None)
     return UpstreamError(f"{role} instance {instance} failed: {name}: {details}",
                          retryable=rule.retryable, instance=instance,
                          http_status=rule.http_status, grpc_code=rule.grpc_code,
-                         relayed=details.startswith(RELAYED_PREFIX))
+                         relayed=relayed, busy_s=busy)
 
 
 @dataclass(frozen=True, slots=True)
 class HttpError:
     status: int
     body: dict[str, dict[str, str | None]]
+    headers: dict[str, str] = field(default_factory=dict)
 
     def json(self) -> str:
         return json.dumps(self.body)
@@ -190,22 +253,36 @@ def error_body(message: str, *, error_type: str, param: str | None = None,
 def http_error(exc: BaseException) -> HttpError:
     """The HTTP status and OpenAI-shaped body for any exception."""
     if isinstance(exc, RouterError):
-        return HttpError(exc.http_status, error_body(exc.message, error_type=exc.error_type,
-                                                     param=exc.param, code=exc.code))
+        return HttpError(exc.http_status, error_body(redact(exc.message),
+                                                     error_type=exc.error_type,
+                                                     param=exc.param, code=exc.code),
+                         retry_headers(exc))
     # Anything else is our bug; say so without leaking internals beyond the type.
-    return HttpError(500, error_body(f"internal error: {type(exc).__name__}: {exc}",
+    return HttpError(500, error_body(redact(f"internal error: {type(exc).__name__}: {exc}"),
                                      error_type="server_error", code="internal_error"))
+
+
+def retry_headers(exc: BaseException) -> dict[str, str]:
+    """``Retry-After`` (whole seconds) for backpressure; nothing otherwise."""
+    if isinstance(exc, RateLimitedError):
+        return {"Retry-After": str(exc.retry_after_s)}
+    return {}
 
 
 @dataclass(frozen=True, slots=True)
 class GrpcStatus:
     code: grpc.StatusCode
     message: str
+    trailing: tuple[tuple[str, str], ...] = ()
 
 
 def grpc_status(exc: BaseException) -> GrpcStatus:
     """The status the gRPC Router service aborts with for any exception."""
+    if isinstance(exc, RateLimitedError):
+        return GrpcStatus(exc.grpc_code, exc.message,
+                          ((RETRY_AFTER_KEY, str(exc.retry_after_s * 1000)),))
     if isinstance(exc, RouterError):
         message = f"{exc.param}: {exc.message}" if exc.param else exc.message
-        return GrpcStatus(exc.grpc_code, message)
-    return GrpcStatus(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        return GrpcStatus(exc.grpc_code, redact(message))
+    return GrpcStatus(grpc.StatusCode.INTERNAL,
+                      redact(f"internal error: {type(exc).__name__}: {exc}"))

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front (aiohttp).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE),
-GET /v1/models, GET /health, GET /metrics. Each handler only translates:
+GET /v1/models, GET /health, GET /metrics, and for operators POST
+/reset_prefix_cache (router.operator_http). Each handler only translates:
 headers -> ``Caller`` (auth.py), body -> typed request (openai_schema.py),
 ``GenEvent``s -> OpenAI bodies (openai_responses.py). One middleware turns
 every exception into an OpenAI error body via ``errors.http_error``.
@@ -21,14 +22,13 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
-from common.config import TrafficClasses
-from router.auth import ApiKeys, Caller, identify
-from router.body import BodyLimits, install, parse_json_body
+from router.auth import Caller, identify
+from router.body import install, parse_json_body
 from router.chat_plan import chat_shapes, plan_chat
 from router.errors import (
     MethodNotAllowedError,
@@ -38,6 +38,7 @@ from router.errors import (
     RouterError,
     http_error,
 )
+from router.front_config import FrontConfig, Generator
 from router.generation import GenEvent, RouteRequest, Usage
 from router.messages_api import MessagesApi
 from router.metrics import RouterMetrics
@@ -51,6 +52,9 @@ from router.openai_responses import (
     sse,
 )
 from router.openai_schema import parse_chat_request, parse_completion_request
+from router.operator_http import OperatorEndpoints
+from router.session import session_from
+from telemetry.http_hooks import install as install_tracing
 
 log = logging.getLogger(__name__)
 
@@ -62,43 +66,15 @@ PREFILL_HEADER = "X-KV-Prefill-Instance"
 DECODE_HEADER = "X-KV-Decode-Instance"
 
 
-class Generator(Protocol):
-    """What the front needs from the request flow (router.core.RouterCore)."""
-
-    def generate(self, req: RouteRequest) -> AsyncGenerator[GenEvent, None]: ...
-
-    def live_counts(self) -> dict[str, int]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class FrontConfig:
-    model_name: str
-    max_context: int
-    vocab_size: int
-    classes: TrafficClasses = field(default_factory=TrafficClasses)
-    api_keys: ApiKeys = field(default_factory=ApiKeys)
-    max_body_bytes: int = 16 * 2**20
-    created: int = field(default_factory=lambda: int(time.time()))
-    body: BodyLimits | None = None   # None: the defaults, with max_body_bytes as the size cap
-
-    def __post_init__(self) -> None:
-        if not self.model_name:
-            raise ValueError("FrontConfig.model_name must not be empty")
-        if self.max_context < 2 or self.vocab_size < 1:
-            raise ValueError("FrontConfig.max_context must be >= 2 and vocab_size >= 1")
-        if self.max_body_bytes < 1024:
-            raise ValueError("FrontConfig.max_body_bytes must be >= 1024")
-
-    def body_limits(self) -> BodyLimits:
-        if self.body is not None:
-            return self.body
-        from router.body_decode import DecodeLimits
-
-        return BodyLimits(decode=DecodeLimits(max_bytes=self.max_body_bytes))
-
-
 _APP_KEY = web.AppKey("kvserve_front", object)
 _ENDPOINT_KEY = "kvserve_endpoint"
+
+
+def _with_session(parse: Callable[..., Any], headers: Any) -> Callable[..., Any]:
+    """``parse`` that also returns the request's session (header, else body field)."""
+    def both(body: object, **kwargs: Any) -> tuple[Any, str]:
+        return parse(body, **kwargs), session_from(headers, body)
+    return both
 
 
 @dataclass(slots=True)
@@ -113,7 +89,7 @@ class Front:
         return identify(request.headers, self.cfg.api_keys, self.cfg.classes)
 
     @staticmethod
-    def _request_id(request: web.Request) -> str:
+    def request_id(request: web.Request) -> str:
         """Ours, always (internal keys derive from it and must be unguessable);
         the client's own id is only logged beside it and echoed back."""
         rid = secrets.token_hex(16)
@@ -127,29 +103,33 @@ class Front:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
         # Decoded under limits, parsed on a thread; a parser bug is a 400 (router.body).
-        parsed = await parse_json_body(request, parse_chat_request,
-                                       served_model=self.cfg.model_name,
-                                       max_context=self.cfg.max_context)
+        parsed, session = await parse_json_body(request, _with_session(parse_chat_request,
+                                                                        request.headers),
+                                                served_model=self.cfg.model_name,
+                                                max_context=self.cfg.max_context)
         # Tools rendered in, the grammar of a forced call or response_format set.
         plan = plan_chat(parsed.messages, parsed.sampling, parsed.tools, parsed.response_format)
-        route = RouteRequest(request_id=self._request_id(request), tenant=caller.tenant,
-                             traffic_class=caller.traffic_class, sampling=plan.sampling,
-                             messages=plan.messages)
+        route = RouteRequest(request_id=self.request_id(request), tenant=caller.tenant,
+                             traffic_class=caller.traffic_class, api_key_id=caller.key_id,
+                             sampling=plan.sampling,
+                             messages=plan.messages, session_id=session)
         shapes = chat_shapes(ChatShapes(ResponseIds(self.cfg.model_name, chat=True),
                                         include_usage=parsed.stream.include_usage), plan.tools)
         return await self._respond(request, route, shapes, stream=parsed.stream.enabled)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
-        parsed = await parse_json_body(request, parse_completion_request,
-                                       served_model=self.cfg.model_name,
-                                       max_context=self.cfg.max_context,
-                                       vocab_size=self.cfg.vocab_size)
+        parsed, session = await parse_json_body(request, _with_session(parse_completion_request,
+                                                                        request.headers),
+                                                served_model=self.cfg.model_name,
+                                                max_context=self.cfg.max_context,
+                                                vocab_size=self.cfg.vocab_size)
         prompt, token_ids = ((parsed.prompt, ()) if isinstance(parsed.prompt, str)
                              else ("", parsed.prompt))
-        route = RouteRequest(request_id=self._request_id(request), tenant=caller.tenant,
-                             traffic_class=caller.traffic_class, sampling=parsed.sampling,
-                             prompt=prompt, token_ids=token_ids)
+        route = RouteRequest(request_id=self.request_id(request), tenant=caller.tenant,
+                             traffic_class=caller.traffic_class, api_key_id=caller.key_id,
+                             sampling=parsed.sampling,
+                             prompt=prompt, token_ids=token_ids, session_id=session)
         shapes = CompletionShapes(ResponseIds(self.cfg.model_name, chat=False),
                                   include_usage=parsed.stream.include_usage)
         return await self._respond(request, route, shapes, stream=parsed.stream.enabled)
@@ -177,6 +157,8 @@ class Front:
     async def metrics_handler(self, request: web.Request) -> web.Response:
         for role, n in self.core.live_counts().items():
             self.metrics.instances.labels(role=role).set(n)
+        if self.metrics.vllm is not None:
+            self.metrics.vllm.in_flight(self.metrics.in_flight_now)
         body, content_type = self.metrics.exposition()
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
@@ -194,9 +176,17 @@ class Front:
             except StopAsyncIteration:
                 raise RouterError("the generation ended without any event") from None
             self.metrics.ttft_seconds.observe(time.perf_counter() - t0)
+            if self.metrics.vllm is not None:
+                self.metrics.vllm.first_token(time.perf_counter() - t0)
             if not stream:
-                return await self._whole(request, route, events, first, shapes)
-            return await self._stream(request, route, events, first, shapes)
+                resp: web.StreamResponse = await self._whole(request, route, events, first,
+                                                             shapes)
+            else:
+                resp = await self._stream(request, route, events, first, shapes)
+            if self.metrics.vllm is not None:
+                self.metrics.vllm.e2e.labels(self.cfg.model_name, "0").observe(
+                    time.perf_counter() - t0)
+            return resp
         finally:
             # Whatever happened (done, failed, client gone): end the decode stream.
             await events.aclose()
@@ -209,7 +199,7 @@ class Front:
         async for ev in events:
             parts.append(ev.text)
             last = ev
-        usage = self._finish(last)
+        usage = self.finish(last)
         body = shapes.whole("".join(parts), last.finish_reason or "stop", usage)
         return web.json_response(body, headers=self._headers(request, route, first))
 
@@ -234,7 +224,7 @@ class Front:
             if not last.finished:
                 raise RouterError("the generation stream ended before it finished")
             await resp.write(sse(shapes.chunk(last.text, last.finish_reason or "stop")))
-            usage = self._finish(last)
+            usage = self.finish(last)
             if shapes.include_usage:
                 await resp.write(sse(shapes.usage_chunk(usage)))
         except ConnectionError:
@@ -264,10 +254,13 @@ class Front:
         return out
 
 
-    def _finish(self, last: GenEvent) -> Usage:
+    def finish(self, last: GenEvent) -> Usage:
         if not last.finished or last.usage is None:
             raise RouterError("the generation stream ended without its usage")
         usage = last.usage
+        if self.metrics.vllm is not None:
+            self.metrics.vllm.finished(usage.prompt_tokens, usage.cached_tokens,
+                                       usage.completion_tokens, last.finish_reason)
         self.metrics.tokens.labels(kind="prompt").inc(usage.prompt_tokens)
         self.metrics.tokens.labels(kind="cached").inc(usage.cached_tokens)
         self.metrics.tokens.labels(kind="completion").inc(usage.completion_tokens)
@@ -330,7 +323,8 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
             # A 5xx that is not a RouterError is our bug: log it with its traceback.
             log.error("request %s %s failed: %s", request.method, request.path,
                       err.body["error"]["message"], exc_info=not isinstance(exc, RouterError))
-        return _echo_client_id(request, web.json_response(err.body, status=status))
+        return _echo_client_id(request, web.json_response(err.body, status=status,
+                                                          headers=err.headers))
     finally:
         if api:
             front.metrics.end_request()
@@ -347,11 +341,14 @@ def _echo_client_id(request: web.Request, resp: web.StreamResponse) -> web.Strea
     return resp
 
 
-def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics) -> web.Application:
+def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics,
+             ops: Any = None) -> web.Application:
+    """``ops``: router.cluster_ops.ClusterOps, what the operator endpoints act with."""
     front = Front(cfg, core, metrics)
     app = web.Application(middlewares=[_error_middleware], client_max_size=cfg.max_body_bytes)
     app[_APP_KEY] = front
     install(app, cfg.body_limits())
+    install_tracing(app)             # the trace of each API request (none while off)
     app.router.add_post("/v1/chat/completions", front.chat)
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_post("/v1/messages", MessagesApi(front).handle)   # router/messages_api.py
@@ -359,4 +356,5 @@ def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics) -> web.A
     app.router.add_get("/v1/models/{model_id:.+}", front.model)    # ids may hold a "/"
     app.router.add_get("/health", front.health)
     app.router.add_get("/metrics", front.metrics_handler)
+    OperatorEndpoints(cfg.operator_key, cfg.operator_open, ops).install(app)
     return app

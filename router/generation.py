@@ -23,6 +23,8 @@ class RouteRequest:
     messages: tuple[Message, ...] = ()
     prompt: str = ""
     token_ids: tuple[int, ...] = ()
+    api_key_id: str = ""            # the caller's API key (router.auth), for per-key limits
+    session_id: str = ""            # the client's session (router.session): placement only
 
     def __post_init__(self) -> None:
         given = sum(bool(x) for x in (self.messages, self.prompt, self.token_ids))

@@ -32,6 +32,7 @@ from kvstore.registry import InstanceInfo, InstanceRegistry
 from router.errors import NoInstanceError
 from router.metrics import RouterMetrics
 from router.placement import Decision, NoCandidateError, Placer, make_router_policy
+from router.session import SessionConfig, SessionMap
 from router.view import TIERS, CandidateSet, ClusterView, PrefixView, ViewError
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class ViewConfig:
     instance_ttl_s: float = 5.0
     poll_s: float = 0.5
     events_block_ms: int = 500
+    sessions: SessionConfig = field(default_factory=SessionConfig)
 
     def __post_init__(self) -> None:
         if self.heartbeat_s <= 0 or self.instance_ttl_s <= self.heartbeat_s:
@@ -84,6 +86,7 @@ class LiveView:
         self.placer = Placer(make_router_policy(cfg.policy), self.prefixes,
                              hit_rule=cfg.hit_rule)
         self._quarantine: dict[str, float] = {}      # id -> until (monotonic)
+        self.sessions = SessionMap(cfg.sessions)
         self._nodes_with_store: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list[OnChange] = []
@@ -151,6 +154,7 @@ class LiveView:
                             if k in now_ids and until > now}
         for gone in before - now_ids:
             self.prefixes.drop_location(gone)             # its G1 blocks went with it
+            self.sessions.forget_instance(gone)
         stores = {i.node for i in listed if i.role == "kvstore"}
         for node in self._nodes_with_store - stores:
             self.prefixes.drop_location(node)             # its G2/G3 blocks are unreachable
@@ -236,14 +240,33 @@ class LiveView:
     # -- placement ---------------------------------------------------------------------
 
     def choose_prefill(self, keys: Sequence[bytes], prompt_tokens: int, *,
-                       exclude: set[str]) -> Choice:
+                       exclude: set[str], tenant: str = "", session: str = "") -> Choice:
+        """Placement by the policy, kept on the session's previous instance
+        while that one is not overloaded (router.session)."""
         cands = self._candidates("prefill", exclude)
         try:
-            decision = self.placer.place_prefill(cands, keys, prompt_tokens)
+            decision = self.placer.place_prefill(
+                cands, keys, prompt_tokens, sticky=self.sessions.get(tenant, session),
+                slack_tokens=self.cfg.sessions.slack_tokens)
         except NoCandidateError:
             raise self._none("prefill", exclude) from None
         self.cluster.add_pending(decision.instance_id, prompt_tokens)
+        self.sessions.record(tenant, session, decision.instance_id)
         return self._choice(cands, decision)
+
+    def store_address(self, tenant: str = "", session: str = "") -> str:
+        """A live kvstore to warm a request's blocks in: the one on the node of the
+        session's instance when known, else any ("" when none is live)."""
+        stores = self.cluster.candidates("kvstore", exclude=set())
+        if not len(stores):
+            return ""
+        where = self.sessions.get(tenant, session)
+        prefills = self._candidates("prefill", set())
+        node = prefills.nodes[prefills.ids.index(where)] if where in prefills.ids else ""
+        for info in stores.infos:
+            if info.node == node:
+                return info.address
+        return stores.infos[0].address
 
     def choose_decode(self, prompt_tokens: int, *, exclude: set[str]) -> Choice:
         cands = self._candidates("decode", exclude)

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -28,8 +28,16 @@ from multidict import CIMultiDict
 from router.auth import identify
 from router.body import read_json_body
 from router.chat_plan import plan_chat
-from router.errors import InvalidRequestError, ModelNotFoundError, RouterError, http_error
+from router.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    RouterError,
+    http_error,
+    retry_headers,
+)
+from router.front_config import FrontConfig, Generator
 from router.generation import GenEvent, RouteRequest, Usage
+from router.metrics import RouterMetrics
 from router.openai_schema import MAX_STOP, Message, Sampling
 from router.tools import (
     Piece,
@@ -40,10 +48,21 @@ from router.tools import (
     make_tool,
 )
 
-if TYPE_CHECKING:
-    from router.front import Front
-
 log = logging.getLogger(__name__)
+
+
+class FrontPlumbing(Protocol):
+    """What the Messages API takes from the OpenAI front that mounts it
+    (``router.front.Front``): settings, the request flow, metrics, request ids
+    and the usage accounting of a finished stream."""
+
+    cfg: FrontConfig
+    core: Generator
+    metrics: RouterMetrics
+
+    def request_id(self, request: web.Request) -> str: ...
+
+    def finish(self, last: GenEvent) -> Usage: ...
 
 JsonObj = dict[str, Any]
 # HTTP status -> Anthropic error type.
@@ -215,6 +234,12 @@ def usage_body(usage: Usage) -> JsonObj:
             "cache_creation_input_tokens": 0}
 
 
+def error_response(exc: BaseException) -> web.Response:
+    """The Anthropic-shaped error answer (with Retry-After on a 429)."""
+    status, body = error_body(exc)
+    return web.json_response(body, status=status, headers=retry_headers(exc))
+
+
 def error_body(exc: BaseException) -> tuple[int, JsonObj]:
     err = http_error(exc)
     kind = _ERROR_TYPES.get(err.status, "api_error" if err.status >= 500
@@ -267,7 +292,7 @@ def _anthropic_headers(request: web.Request) -> Mapping[str, str]:
 class MessagesApi:
     """The /v1/messages handler; the front's plumbing (caller, body, ids, metrics)."""
 
-    def __init__(self, front: Front) -> None:
+    def __init__(self, front: FrontPlumbing) -> None:
         self.front = front
 
     def _ending(self, stops: tuple[str, ...]) -> _Ending:
@@ -283,12 +308,12 @@ class MessagesApi:
                                             served_model=front.cfg.model_name,
                                             max_context=front.cfg.max_context)
             plan = plan_chat(parsed.messages, parsed.sampling, parsed.tools, None)
-            route = RouteRequest(request_id=front._request_id(request), tenant=caller.tenant,
-                                 traffic_class=caller.traffic_class, sampling=plan.sampling,
+            route = RouteRequest(request_id=front.request_id(request), tenant=caller.tenant,
+                                 traffic_class=caller.traffic_class, api_key_id=caller.key_id,
+                                 sampling=plan.sampling,
                                  messages=plan.messages)
         except Exception as exc:
-            status, body = error_body(exc)
-            return web.json_response(body, status=status)
+            return error_response(exc)
         t0 = time.perf_counter()
         events = front.core.generate(route)
         answer = _Answer(route, ToolStream(plan.tools, "toolu_"), self._ending(
@@ -299,8 +324,7 @@ class MessagesApi:
             except StopAsyncIteration:
                 raise RouterError("the generation ended without any event") from None
             except Exception as exc:
-                status, body = error_body(exc)
-                return web.json_response(body, status=status)
+                return error_response(exc)
             front.metrics.ttft_seconds.observe(time.perf_counter() - t0)
             if parsed.stream:
                 return await self._stream(request, events, first, answer)
@@ -317,10 +341,9 @@ class MessagesApi:
                 pieces += answer.feed(ev)
                 last = ev
         except Exception as exc:
-            status, body = error_body(exc)
-            return web.json_response(body, status=status)
+            return error_response(exc)
         pieces += answer.stream.finish()
-        usage = self.front._finish(last)
+        usage = self.front.finish(last)
         content: list[JsonObj] = []
         for p in pieces:
             if isinstance(p, ToolCall):
@@ -357,7 +380,7 @@ class MessagesApi:
                 raise RouterError("the generation stream ended before it finished")
             await blocks.send(answer.stream.finish())
             await blocks.close()
-            usage = self.front._finish(last)
+            usage = self.front.finish(last)
             reason, seq = answer.reason(last)
             await resp.write(event("message_delta", {
                 "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},

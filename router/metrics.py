@@ -9,6 +9,7 @@ so /metrics shows why traffic went where it did.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,6 +21,9 @@ from prometheus_client import (
 )
 
 from common.config import HitRule
+
+if TYPE_CHECKING:
+    from router.metrics_vllm import VllmSeries
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -39,7 +43,16 @@ class RouterMetrics:
     instances: Gauge = field(init=False)
     kv_events: Counter = field(init=False)
     hit_rule: Gauge = field(init=False)
+    # The admission layer (router.admission).
+    admitted: Counter = field(init=False)
+    rejected: Counter = field(init=False)
+    queue_wait_seconds: Histogram = field(init=False)
+    queue_depth: Gauge = field(init=False)
+    in_service: Gauge = field(init=False)
     in_flight_now: int = 0
+    warmups: Counter = field(init=False)
+    warmed_blocks: Counter = field(init=False)
+    vllm: VllmSeries | None = None      # vLLM-named series, once the model is known
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -73,6 +86,32 @@ class RouterMetrics:
         self.hit_rule = Gauge("kvserve_router_hit_rule",
                               "Hit-rule configuration (docs/architecture.md#the-hit-rule)",
                               ["field"], registry=r)
+        self.admitted = Counter("kvserve_router_admitted",
+                                "Requests the admission layer let through", registry=r)
+        self.rejected = Counter("kvserve_router_rejected",
+                                "Requests refused before any work, by reason (429: rate_limited, "
+                                "queue_full, over_slo, queue_timeout, busy; 503: no_instance)",
+                                ["reason"], registry=r)
+        self.queue_wait_seconds = Histogram("kvserve_router_queue_wait_seconds",
+                                            "Time admitted requests waited for room",
+                                            buckets=(0.0, *_LATENCY_BUCKETS), registry=r)
+        self.queue_depth = Gauge("kvserve_router_queue_depth",
+                                 "Requests waiting in each tenant's fair queue", ["tenant"],
+                                 registry=r)
+        self.in_service = Gauge("kvserve_router_in_service",
+                                "Admitted requests in prefill, and in service (prefill + "
+                                "decode)", ["stage"], registry=r)
+        self.warmups = Counter("kvserve_router_warmups", "Session warm-ups (G3/G4 -> G2 on "
+                               "arrival) by outcome", ["outcome"], registry=r)
+        self.warmed_blocks = Counter("kvserve_router_warmed_blocks",
+                                     "Blocks moved up to G2 by warm-ups", registry=r)
+
+    def enable_vllm_series(self, model_name: str) -> VllmSeries:
+        """Add the vLLM-named series benchmark tools scrape (router.metrics_vllm)."""
+        from router.metrics_vllm import VllmSeries
+
+        self.vllm = VllmSeries(self.registry, model_name)
+        return self.vllm
 
     def begin_request(self) -> None:
         self.in_flight_now += 1

@@ -313,10 +313,22 @@ class Placer:
             blocks, self.hit_rule.block_tokens, prompt_tokens, self.hit_rule))
 
     def place_prefill(self, cands: CandidateSet, keys: Sequence[Hashable],
-                      prompt_tokens: int) -> Decision:
+                      prompt_tokens: int, *, sticky: str = "",
+                      slack_tokens: float = 0.0) -> Decision:
+        """The policy's choice, or ``sticky`` (the instance that served the
+        request's session last, router.session) while that one is a candidate
+        and its pending work is within ``slack_tokens`` of the least loaded."""
         if len(cands) == 0:
             raise NoCandidateError("no live prefill instance to place the request on")
-        d = self.policy.choose_prefill(cands, self.prefill_request(cands, keys, prompt_tokens))
+        req = self.prefill_request(cands, keys, prompt_tokens)
+        d = self.policy.choose_prefill(cands, req)
+        if sticky and sticky != d.instance_id and sticky in cands.ids:
+            i = cands.ids.index(sticky)
+            pending = cands.pending_tokens
+            if pending[i] - pending.min() <= slack_tokens:
+                d = Decision(sticky, d.scores, "session_affinity", i, d.policy,
+                             0 if req.hit_tokens is None else int(req.hit_tokens[i].sum()),
+                             float(pending[i]))
         if log.isEnabledFor(logging.DEBUG):       # formatting 64 scores is not free
             log.debug("prefill %s scores=%s", d.detail, d.scores)
         return d

@@ -11,9 +11,9 @@ leave the registry, stop accepting, let in-flight requests finish for up to
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
-import os
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -21,11 +21,14 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.config import ConfigError, HitRule, TrafficClasses
+from common import exit_watchdog
+from common.config import AdmissionSection, ConfigError, HitRule, TrafficClasses
 from kvstore.registry import InstanceInfo, LoadReport
 from proto import router_pb2_grpc
-from router.auth import ApiKeys
+from router.admission import Admission, Capacity
+from router.auth import DEFAULT_TENANT, ApiKeys
 from router.backends import make_backend
+from router.cluster_ops import ClusterOps, operator_key
 from router.core import CoreConfig, RouterCore
 from router.front import FrontConfig, make_app
 from router.front_runner import FrontRunner
@@ -34,15 +37,15 @@ from router.metrics import RouterMetrics
 from router.model_meta import load_model_meta
 from router.service import SERVICE_NAME, RouterService
 from router.upstream import CallTimeouts, Upstreams
-from security.authz import Access, AuthInterceptor
+from security.authz import AuthInterceptor
 from security.config import SecurityConfig
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
 from service.hosting import READY_PREFIX, Heartbeat, stop_event_on_signals
+from telemetry import tracing
+from telemetry.grpc_hooks import server_interceptors
 
 log = logging.getLogger(__name__)
-# Seconds a drain may run past its grace before the process exits regardless.
-STOP_SLACK_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,7 @@ class RouterConfig:
     view: ViewConfig = field(default_factory=ViewConfig)
     core: CoreConfig = field(default_factory=CoreConfig)
     timeouts: CallTimeouts = field(default_factory=CallTimeouts)
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
     drain_grace_s: float = 10.0
     max_body_bytes: int = 16 * 2**20
     security: SecurityConfig | None = None   # mTLS + deployment secret; None: the environment
@@ -107,13 +111,17 @@ class RunningRouter:
         await asyncio.gather(self.grpc_server.stop(grace_s), self.http_runner.cleanup())
         await self.view.stop()
         await self.upstreams.close()
+        if self.core.ops is not None:
+            await self.core.ops.close()
         if self.health_server is not None:
             await self.health_server.stop(None)
 
 
 async def start_router(cfg: RouterConfig) -> RunningRouter:
+    tracing.setup("router", instance=cfg.instance_id)     # before any channel is made
     meta = load_model_meta(cfg.model, served_name=cfg.served_name)
     api_keys = ApiKeys.load(cfg.api_key_file) if cfg.api_key_file else ApiKeys()
+    warn_if_open(cfg.host, api_keys)
     # The model decides the hit rule's reserve (sliding-window models keep more).
     rule = meta.config.hit_rule(cfg.hit_rule.block_tokens)
     metrics = RouterMetrics()
@@ -123,16 +131,21 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
     security = cfg.security or SecurityConfig.from_env("router")
     upstreams = Upstreams(cfg.timeouts, security)
     view.on_change(upstreams.retain)
-    core = RouterCore(replace(cfg.core, secret=security.require_secret()), meta, view, upstreams,
-                      metrics)
+    admission = _admission(cfg.admission, view, metrics)
+    secret = security.require_secret()
+    core = RouterCore(replace(cfg.core, secret=secret), meta, view, upstreams, metrics, admission)
+    metrics.enable_vllm_series(meta.served_name)
+    ops = ClusterOps(view, metrics, security)
+    core.ops = ops
     backend = make_backend(cfg.backend, core)   # the fronts' one seam (router.backends)
 
-    # The Router API checks its own API keys; any identity of the deployment may call it.
+    # Tenants and operators may call the Router API (security/methods.py); the
+    # tenant of a call comes from its identity or API key (router.service).
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20),
                                       ("grpc.max_send_message_length", 64 * 2**20),
                                       ("grpc.so_reuseport", 0)],  # taken port: fail, not share
-                             interceptors=[AuthInterceptor({}, default=Access.ANY,
-                                                           insecure=security.insecure),
+                             interceptors=[*server_interceptors(),
+                                           AuthInterceptor(insecure=security.insecure),
                                            InputGuard()])
     router_pb2_grpc.add_RouterServicer_to_server(
         RouterService(backend, classes=cfg.classes, api_keys=api_keys), server)  # type: ignore[arg-type]
@@ -155,8 +168,9 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
 
     front_cfg = FrontConfig(model_name=meta.served_name, max_context=meta.max_context,
                             vocab_size=meta.vocab_size, classes=cfg.classes, api_keys=api_keys,
-                            max_body_bytes=cfg.max_body_bytes)
-    runner = FrontRunner(make_app(front_cfg, backend, metrics), access_log=None,
+                            max_body_bytes=cfg.max_body_bytes,
+                            operator_key=operator_key(secret), operator_open=security.insecure)
+    runner = FrontRunner(make_app(front_cfg, backend, metrics, ops), access_log=None,
                          shutdown_timeout=cfg.drain_grace_s)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.http_port)
@@ -189,6 +203,41 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
                          grpc_port, http_port, instance_id, *(probe or (None, -1)))
 
 
+def _admission(cfg: AdmissionSection, view: LiveView, metrics: RouterMetrics) -> Admission:
+    """The admission layer, its capacity the view's live instances (router.admission)."""
+    def capacity() -> Capacity:
+        counts = view.live_counts()
+        return Capacity(prefill=counts.get("prefill", 0), decode=counts.get("decode", 0))
+
+    admission = Admission(cfg, capacity, metrics)
+
+    async def instances_changed(_: object) -> None:
+        admission.pump()                 # a new instance is room for waiting requests
+
+    view.on_change(instances_changed)
+    return admission
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False                  # a name or a wildcard: reachable from elsewhere
+
+
+def warn_if_open(host: str, api_keys: ApiKeys) -> bool:
+    """Logs (and returns True) when the fronts listen beyond loopback with no API
+    keys: every HTTP client is then the one tenant ``default``."""
+    if api_keys.enabled or is_loopback(host):
+        return False
+    log.warning("SECURITY: the router listens on %s with no API keys (--api-key-file): every "
+                "HTTP client acts as the one tenant %r and shares its cache; give each tenant "
+                "a key (docs/security.md)", host, DEFAULT_TENANT)
+    return True
+
+
 def ready_line(r: RunningRouter) -> str:
     """What a launcher or test waits for on stdout."""
     return READY_PREFIX + json.dumps({"role": "router", "instance_id": r.instance_id,
@@ -208,11 +257,5 @@ async def serve(cfg: RouterConfig) -> None:
     finally:
         # A drain that cannot finish (its Redis or peers already gone, e.g. after the
         # launcher was kill -9'ed) must not keep the process alive past SIGTERM.
-        try:
-            await asyncio.wait_for(running.stop(cfg.drain_grace_s),
-                                   timeout=cfg.drain_grace_s + STOP_SLACK_S)
-        except TimeoutError:
-            log.warning("router drain did not finish within %.1fs; exiting anyway",
-                        cfg.drain_grace_s + STOP_SLACK_S)
-            logging.shutdown()
-            os._exit(0)
+        exit_watchdog.arm("router", cfg.drain_grace_s)
+        await running.stop(cfg.drain_grace_s)

@@ -1,9 +1,14 @@
 """The gRPC ``Router`` service: the HTTP front's generate call for internal clients.
 
 Same flow (``RouterCore.generate``), same validation rules, same error
-mapping (``errors.grpc_status``). The tenant comes from the API key in the
-``authorization`` metadata when keys are configured, else from
-``ctx.tenant`` (internal callers are trusted to name it) or the default.
+mapping (``errors.grpc_status``).
+
+The tenant comes from authentication only (``tenant_of``): the API key in the
+``authorization`` metadata when keys are configured, else the caller's
+certificate: a tenant certificate acts for its own tenant, and only an
+operator (or ``--insecure``) may name one in ``ctx.tenant`` /
+``x-kvserve-tenant``. Any claim that disagrees with what authentication says
+is refused (PERMISSION_DENIED), never silently followed.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from kvstore.keys import KeyInputError, validate_tenant
 from proto import common_pb2, decode_pb2, router_pb2, router_pb2_grpc
 from router.auth import DEFAULT_TENANT, ApiKeys, traffic_class
 from router.core import RouterCore
-from router.errors import InvalidRequestError, grpc_status
+from router.errors import InvalidRequestError, PermissionDeniedError, grpc_status
 from router.generation import GenEvent, RouteRequest, Usage
 from router.openai_schema import MAX_STOP, Message, Sampling
+from security.authz import AuthError, acting_tenant, current_identity
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +105,37 @@ def _event(ev: GenEvent) -> router_pb2.GenerateEvent:
     return out
 
 
+def tenant_of(claimed: str, api_keys: ApiKeys, authorization: str | None) -> str:
+    """The tenant a Router call acts for, from authentication only.
+
+    - API keys configured: the key's tenant (a missing or unknown key is
+      UNAUTHENTICATED); a tenant certificate or a ``ctx.tenant`` naming another
+      tenant is refused.
+    - No API keys: the certificate's tenant (security.authz.acting_tenant: a
+      tenant identity gets its own and is refused if it names another; an
+      operator, or ``--insecure``, may name any; the default otherwise).
+    """
+    try:
+        ident = current_identity()
+        if api_keys.enabled:
+            tenant = api_keys.tenant_for(authorization)
+            for claim, what in ((ident.tenant, "your certificate"), (claimed, "ctx.tenant")):
+                if claim and claim != tenant:
+                    raise PermissionDeniedError(f"{what} names tenant {claim[:64]!r}, but the "
+                                                "API key belongs to another tenant")
+            if acting_tenant(tenant) != tenant:     # x-kvserve-tenant must agree too
+                raise PermissionDeniedError("x-kvserve-tenant names another tenant than the "
+                                            "API key's")
+            return tenant
+        tenant = acting_tenant(claimed)
+    except AuthError as exc:
+        raise PermissionDeniedError(str(exc)) from exc
+    try:
+        return validate_tenant(tenant or DEFAULT_TENANT)
+    except KeyInputError as exc:
+        raise InvalidRequestError(str(exc), param="ctx.tenant") from exc
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, core: RouterCore, *, classes: TrafficClasses, api_keys: ApiKeys) -> None:
         self.core = core
@@ -106,14 +143,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.api_keys = api_keys
 
     def _tenant(self, req: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
-        if self.api_keys.enabled:
-            meta = {k.lower(): v for k, v in (context.invocation_metadata() or ())
-                    if isinstance(v, str)}
-            return self.api_keys.tenant_for(meta.get("authorization"))
-        try:
-            return validate_tenant(req.ctx.tenant or DEFAULT_TENANT)
-        except KeyInputError as exc:
-            raise InvalidRequestError(str(exc), param="ctx.tenant") from exc
+        meta = {k.lower(): v for k, v in (context.invocation_metadata() or ())
+                if isinstance(v, str)}
+        return tenant_of(req.ctx.tenant, self.api_keys,
+                         meta.get("authorization") if self.api_keys.enabled else None)
 
     def _count(self, usage: Usage) -> None:
         """The same token counters as the HTTP front, so /metrics covers both APIs."""
@@ -136,4 +169,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
             status = grpc_status(exc)
             if status.code == grpc.StatusCode.INTERNAL:
                 log.exception("Router.Generate failed")
+            if status.trailing:              # retry-after-ms of a 429-like refusal
+                context.set_trailing_metadata(status.trailing)
             await context.abort(status.code, status.message)

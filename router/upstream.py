@@ -1,9 +1,11 @@
 """gRPC calls from the router to prefill and decode instances.
 
 One ``grpc.aio`` channel per instance address, opened on first use and closed
-when the instance leaves the live view. Every call carries a deadline. Errors
-surface as ``grpc.aio.AioRpcError``; ``router.errors.upstream_error`` decides
-what they mean for the client.
+when the instance leaves the live view. Prefill and Decode carry what is left
+of the request's end-to-end budget as their gRPC deadline (the services see it
+as ``context.time_remaining()``): no per-hop timer can end finished work that
+the client still waits for. Errors surface as ``grpc.aio.AioRpcError``;
+``router.errors.upstream_error`` decides what they mean for the client.
 """
 
 from __future__ import annotations
@@ -30,15 +32,11 @@ _CHANNEL_OPTIONS = (
 
 @dataclass(frozen=True, slots=True)
 class CallTimeouts:
-    prefill_s: float = 120.0
-    decode_first_s: float = 120.0    # from the Decode call to its first event
-    decode_total_s: float = 3600.0
-    release_s: float = 2.0
+    release_s: float = 2.0           # Release is housekeeping, not the request's work
 
     def __post_init__(self) -> None:
-        for name in ("prefill_s", "decode_first_s", "decode_total_s", "release_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"CallTimeouts.{name} must be > 0")
+        if self.release_s <= 0:
+            raise ValueError("CallTimeouts.release_s must be > 0")
 
 
 @dataclass(slots=True)
@@ -66,23 +64,24 @@ class Upstreams:
             self._conns[address] = conn
         return conn
 
-    async def prefill(self, address: str, req: prefill_pb2.PrefillRequest) -> prefill_pb2.KVHandle:
+    async def prefill(self, address: str, req: prefill_pb2.PrefillRequest, *,
+                      budget_s: float) -> prefill_pb2.KVHandle:
         return await self._conn(address, "prefill").prefill.Prefill(
-            req, timeout=self.timeouts.prefill_s)
+            req, timeout=max(0.001, budget_s))
 
     async def release(self, handle: prefill_pb2.KVHandle) -> None:
-        """Best effort: the prefill instance frees the handle at expiry anyway."""
+        """Best effort: the prefill instance drops KV nobody pulls when it needs room."""
         with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
             await self._conn(handle.prefill_address, "prefill").prefill.Release(
                 prefill_pb2.ReleaseRequest(request_id=handle.ctx.request_id),
                 timeout=self.timeouts.release_s)
 
     def decode(self, address: str, handle: prefill_pb2.KVHandle,
-               sampling: common_pb2.SamplingParams) -> DecodeCall:
+               sampling: common_pb2.SamplingParams, *, budget_s: float) -> DecodeCall:
         call = self._conn(address, "decode").decode.Decode(
             decode_pb2.DecodeRequest(handle=handle, sampling=sampling),
-            timeout=self.timeouts.decode_total_s)
-        return DecodeCall(call, self.timeouts.decode_first_s)
+            timeout=max(0.001, budget_s))
+        return DecodeCall(call)
 
     async def retain(self, addresses: Iterable[str]) -> None:
         """Close channels to instances no longer in the view."""
@@ -96,13 +95,12 @@ class Upstreams:
 
 @dataclass(slots=True)
 class DecodeCall:
-    """A running Decode stream; ``first`` waits for its first event under a deadline."""
+    """A running Decode stream (under the request's deadline)."""
 
     call: grpc.aio.UnaryStreamCall
-    first_timeout_s: float
 
     async def first(self) -> decode_pb2.DecodeEvent | None:
-        ev = await asyncio.wait_for(self.call.read(), self.first_timeout_s)
+        ev = await self.call.read()
         return None if ev is grpc.aio.EOF else ev
 
     async def rest(self) -> AsyncIterator[decode_pb2.DecodeEvent]:

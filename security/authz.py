@@ -3,24 +3,25 @@
 ``AuthInterceptor`` reads the caller's identity from its verified client
 certificate (the TLS handshake already refused anyone without a certificate
 of this deployment's CA), answers UNAUTHENTICATED when the certificate names
-no kvserve identity and PERMISSION_DENIED when the identity may not call the
-method, in this one place. Handlers then read ``current_identity()`` and ask
-``acting_tenant`` which tenant the call may touch.
+no kvserve identity and PERMISSION_DENIED when the identity's role may not call
+the method (the per-role table in security.methods; unlisted methods are for
+operators), in this one place. Handlers then read ``current_identity()`` and
+ask ``acting_tenant`` which tenant the call may touch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import enum
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from functools import lru_cache
 from typing import Any
 
 import grpc
 
 from security.identity import INSECURE, TENANT_METADATA, Identity, identity_from_uris
+from security.methods import HEALTH_METHODS, callers_of, may_call
 
 DEFAULT_TENANT = "default"
 
@@ -44,26 +45,6 @@ def auth_status(exc: BaseException) -> grpc.StatusCode | None:
         return grpc.StatusCode.PERMISSION_DENIED
     return None
 
-
-class Access(enum.Enum):
-    """Who may call a method."""
-
-    ANY = "any authenticated identity"
-    TENANT = "services, operators, and tenant identities (for their own tenant)"
-    SERVICE = "kvserve services and operators"
-    OPERATOR = "operators"
-
-    def allows(self, ident: Identity) -> bool:
-        if ident.insecure or self is Access.ANY:
-            return True
-        if self is Access.OPERATOR:
-            return ident.is_operator
-        if self is Access.SERVICE:
-            return ident.is_service or ident.is_operator
-        return True  # TENANT: scoped identities are held to their tenant by acting_tenant
-
-
-HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
 _CURRENT: contextvars.ContextVar[Identity | None] = contextvars.ContextVar(
     "kvserve_identity", default=None)
@@ -114,13 +95,10 @@ def peer_identity(context: Any) -> Identity:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Checks every call against ``policy`` (method path -> Access; others get
-    ``default``). ``insecure``: every caller is ``INSECURE`` (plain-text mode)."""
+    """Checks every call against the per-role method table (security.methods).
+    ``insecure``: every caller is ``INSECURE`` (plain-text mode)."""
 
-    def __init__(self, policy: Mapping[str, Access], *, default: Access = Access.SERVICE,
-                 insecure: bool = False) -> None:
-        self.policy = {**dict.fromkeys(HEALTH_METHODS, Access.ANY), **policy}
-        self.default = default
+    def __init__(self, *, insecure: bool = False) -> None:
         self.insecure = insecure
 
     async def intercept_service(
@@ -130,18 +108,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return handler
-        rule = self.policy.get(details.method, self.default)
         tenant = ""
         for key, value in details.invocation_metadata or ():
             if key == TENANT_METADATA:
                 tenant = value if isinstance(value, str) else value.decode(errors="replace")
-        return _wrap(handler, lambda ctx: self._admit(ctx, rule, details.method), tenant)
+        return _wrap(handler, lambda ctx: self._admit(ctx, details.method), tenant)
 
-    def _admit(self, context: Any, rule: Access, method: str) -> Identity:
+    def _admit(self, context: Any, method: str) -> Identity:
         ident = INSECURE if self.insecure else peer_identity(context)
-        if not rule.allows(ident):
-            raise PermissionDenied(f"{ident.describe()} may not call {method} "
-                                   f"(allowed: {rule.value})")
+        if not (ident.insecure or may_call(ident.role, method, scoped=bool(ident.tenant))):
+            scope = " (tenant-scoped identities: only their tenant's calls)" if ident.tenant \
+                else ""
+            raise PermissionDenied(f"{ident.describe()} may not call {method[:120]} (allowed: "
+                                   f"{', '.join(callers_of(method))}){scope}")
         return ident
 
 
@@ -198,5 +177,6 @@ def _wrap(handler: grpc.RpcMethodHandler, admit: Callable[[Any], Identity],
     return handler
 
 
-__all__ = ["Access", "AuthError", "AuthInterceptor", "PermissionDenied", "Unauthenticated",
-           "acting_tenant", "auth_status", "current_identity", "peer_identity"]
+__all__ = ["HEALTH_METHODS", "AuthError", "AuthInterceptor", "PermissionDenied",
+           "Unauthenticated", "acting_tenant", "auth_status", "current_identity",
+           "peer_identity"]

@@ -24,6 +24,7 @@ secret is an error, never a silent unkeyed salt.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
 from dataclasses import dataclass, field
@@ -31,8 +32,12 @@ from pathlib import Path
 
 import grpc
 
+from security.certfiles import WARN_LEFT, CertFileError, CertFiles
 from security.identity import ROLES
-from security.pki import CA_CERT, TLS_CERT, TLS_KEY, server_name
+from security.pki import TLS_CERT, server_name
+from security.redact import register_secret
+from security.secret_files import read_secret_text
+from telemetry.grpc_hooks import client_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +72,7 @@ class SecurityConfig:
     role: str = ""                 # which identity to pick from a deployment directory
     secret_file: str = ""          # deployment secret; default: see the module doc
     _secret: bytes = field(default=b"", init=False, repr=False, compare=False)
-    _ca: bytes = field(default=b"", init=False, repr=False, compare=False)
-    _cert: bytes = field(default=b"", init=False, repr=False, compare=False)
-    _key: bytes = field(default=b"", init=False, repr=False, compare=False)
+    _files: CertFiles | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.insecure:
@@ -84,10 +87,14 @@ class SecurityConfig:
                                 f"or set {TLS_DIR_ENV}) or run in plain text with --insecure")
         d = resolve_cert_dir(self.cert_dir, self.role)
         try:
-            for name, attr in ((CA_CERT, "_ca"), (TLS_CERT, "_cert"), (TLS_KEY, "_key")):
-                object.__setattr__(self, attr, (d / name).read_bytes())
-        except OSError as exc:
-            raise SecurityError(f"cannot read credentials in {d}: {exc}") from None
+            files = CertFiles(d)
+        except CertFileError as exc:
+            raise SecurityError(str(exc)) from None
+        left = files.current()[0].not_after - dt.datetime.now(dt.UTC)
+        if left < WARN_LEFT:
+            log.warning("SECURITY: the certificate in %s expires in %s: run `kvserve certs "
+                        "rotate`", d, str(left).split(".")[0])
+        object.__setattr__(self, "_files", files)
         self._load_secret(d)
 
     def _load_secret(self, identity_dir: Path | None) -> None:
@@ -140,16 +147,25 @@ class SecurityConfig:
     # -- pieces ------------------------------------------------------------------------------
     @property
     def ca_pem(self) -> bytes:
-        return self._ca
+        return self._files.current()[0].ca if self._files is not None else b""
+
+    @property
+    def identity_dir(self) -> Path | None:
+        """The directory whose tls.crt / tls.key this process presents."""
+        return self._files.directory if self._files is not None else None
+
+    def _cert_files(self) -> CertFiles:
+        if self._files is None:
+            raise SecurityError("plain-text mode (--insecure) has no certificates")
+        return self._files
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        # require_client_auth: the TLS handshake itself refuses a caller without a
-        # certificate of this deployment's CA, before any handler runs.
-        return grpc.ssl_server_credentials([(self._key, self._cert)], root_certificates=self._ca,
-                                           require_client_auth=True)
+        """mTLS (client certificate required) that follows certificate rotations."""
+        return self._cert_files().server_credentials()
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(self._ca, self._key, self._cert)
+        """The identity as on disk now (a rotated certificate serves new channels)."""
+        return self._cert_files().channel_credentials()
 
     # -- servers and channels ----------------------------------------------------------------
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
@@ -173,9 +189,11 @@ class SecurityConfig:
                     options: list[tuple[str, object]] | tuple[tuple[str, object], ...] = (),
                     ) -> grpc.aio.Channel:
         opts = _with_defaults(options, self.channel_options(peer_role))
+        hooks = client_interceptors()     # trace context out (none while tracing is off)
         if self.insecure:
-            return grpc.aio.insecure_channel(address, options=opts)
-        return grpc.aio.secure_channel(address, self.channel_credentials(), options=opts)
+            return grpc.aio.insecure_channel(address, options=opts, interceptors=hooks)
+        return grpc.aio.secure_channel(address, self.channel_credentials(), options=opts,
+                                       interceptors=hooks)
 
     def sync_channel(self, address: str, peer_role: str,
                      options: list[tuple[str, object]] | tuple[tuple[str, object], ...] = (),
@@ -185,25 +203,25 @@ class SecurityConfig:
             return grpc.insecure_channel(address, options=opts)
         return grpc.secure_channel(address, self.channel_credentials(), options=opts)
 
-    def cli_args(self) -> list[str]:
-        """Flags that hand this config to a child ``kvserve ... serve``."""
-        extra = ["--secret-file", self.secret_file] if self.secret_file else []
-        if self.insecure:
-            return ["--insecure", *extra]
-        return ["--tls-dir", self.cert_dir, *extra]
-
 
 def read_secret(path: Path) -> bytes:
-    """A deployment secret file: hex text of 16-64 bytes."""
+    """A deployment secret file: hex text of 16-64 random bytes, not
+    world-readable (security.secret_files)."""
     try:
-        text = path.read_text().strip()
+        text = read_secret_text(path, "the deployment secret")
         secret = bytes.fromhex(text)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         raise SecurityError(f"deployment secret {path}: {exc} (want hex text of "
                             f"{MIN_SECRET_BYTES}-{MAX_SECRET_BYTES} bytes)") from None
     if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         raise SecurityError(f"deployment secret {path} holds {len(secret)} bytes; want "
                             f"{MIN_SECRET_BYTES}-{MAX_SECRET_BYTES}")
+    if len(set(secret)) < 4:
+        # 00..00, ff..ff, a repeated byte pair: a placeholder, not random bytes.
+        raise SecurityError(f"deployment secret {path} is a placeholder, not random bytes: "
+                            "make one with `kvserve certs init` (32 random bytes)")
+    register_secret(secret)
+    register_secret(text)
     return secret
 
 

@@ -11,13 +11,19 @@ Server certificates also carry ``<role>.kvserve.internal`` as a DNS name;
 clients verify that name (``grpc.ssl_target_name_override``) whatever address
 they dial, so a decode certificate cannot pose as a kvstore server. Files use
 cert-manager's names (``ca.crt``, ``tls.crt``, ``tls.key``); keys are 0600.
+
+Leaf certificates are short-lived (``DEFAULT_DAYS``): ``rotate_deployment``
+(``kvserve certs rotate``) re-issues every identity of a deployment directory
+with the same names and a fresh key, in place; servers pick the new files up
+on their next handshake (security.certfiles). Only the CA lives for years, and
+its key stays with ``kvserve certs`` / the operator: ``kvserve up`` hands each
+child a directory with its own certificate, key and ``ca.crt`` alone.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 import secrets
 import socket
 from dataclasses import dataclass, field
@@ -28,14 +34,24 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from security.identity import ROLES, SERVICE_ROLES, role_uri, tenant_uri, validate_identity
+from security.identity import (
+    ROLES,
+    SERVICE_ROLES,
+    identity_from_uris,
+    role_uri,
+    tenant_uri,
+    validate_identity,
+)
+from security.secret_files import write_private
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
 TLS_CERT = "tls.crt"
 TLS_KEY = "tls.key"
 INTERNAL_DOMAIN = "kvserve.internal"
-DEFAULT_DAYS = 825
+DEFAULT_DAYS = 14               # leaf certificates: rotate weekly (docs/security.md)
+MAX_DAYS = 397                  # the CA/Browser Forum's ceiling; never 825 again
+CA_DAYS = 3650
 SECRET_FILE = "secret"     # the deployment secret (security.config reads it)
 
 
@@ -53,12 +69,9 @@ def _now() -> dt.datetime:
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
-    # Created with the final mode (no window where a key is world-readable).
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(path, mode)
+    # Created with the final mode (no window where a key is world-readable) and
+    # renamed into place (a reader sees the old file or the new, never half).
+    write_private(path, data, mode=mode)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -78,8 +91,9 @@ class CertRequest:
 
     def __post_init__(self) -> None:
         validate_identity(self.role, self.tenant)
-        if self.days < 1:
-            raise PKIError(f"days must be >= 1, got {self.days}")
+        if not 1 <= self.days <= MAX_DAYS:
+            raise PKIError(f"days must be in 1..{MAX_DAYS}, got {self.days} (leaf certificates "
+                           "are short-lived; rotate them with `kvserve certs rotate`)")
 
     @property
     def is_server(self) -> bool:
@@ -94,7 +108,7 @@ class CertAuthority:
     key: ec.EllipticCurvePrivateKey
 
     @classmethod
-    def create(cls, name: str = "kvserve deployment CA", days: int = 3650) -> CertAuthority:
+    def create(cls, name: str = "kvserve deployment CA", days: int = CA_DAYS) -> CertAuthority:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
@@ -128,7 +142,9 @@ class CertAuthority:
         _write(d / CA_CERT, self.cert_pem, 0o600)
         _write(d / CA_KEY, _key_pem(self.key), 0o600)
 
-    def issue(self, req: CertRequest) -> IssuedCert:
+    def issue(self, req: CertRequest, *, now: dt.datetime | None = None) -> IssuedCert:
+        """A leaf valid from ``now`` (default: the clock) for ``req.days``."""
+        now = now or _now()
         key = ec.generate_private_key(ec.SECP256R1())
         cn = req.name or (f"{req.role}:{req.tenant}" if req.tenant else req.role)
         sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(role_uri(req.role))]
@@ -146,8 +162,8 @@ class CertAuthority:
                                                             req.role)]))
                 .issuer_name(self.cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
-                .not_valid_before(_now() - dt.timedelta(minutes=5))
-                .not_valid_after(_now() + dt.timedelta(days=req.days))
+                .not_valid_before(now - dt.timedelta(minutes=5))
+                .not_valid_after(now + dt.timedelta(days=req.days))
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.SubjectAlternativeName(sans), critical=False)
                 .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
@@ -174,9 +190,9 @@ class IssuedCert:
     def save(self, directory: str | Path) -> Path:
         """Writes tls.crt, tls.key (0600) and ca.crt: a cert-manager Secret's layout."""
         d = Path(directory)
-        _write(d / TLS_CERT, self.cert_pem, 0o600)
-        _write(d / TLS_KEY, self.key_pem, 0o600)
         _write(d / CA_CERT, self.ca_pem, 0o600)
+        _write(d / TLS_KEY, self.key_pem, 0o600)
+        _write(d / TLS_CERT, self.cert_pem, 0o600)
         return d
 
 
@@ -198,14 +214,78 @@ def ensure_deployment(directory: str | Path, *,
     wanted = identities or tuple(CertRequest(r) for r in ROLES if r != "tenant")
     for req in wanted:
         d = root / identity_dir_name(req.role, req.tenant)
-        if not (d / TLS_KEY).exists():
+        if not (d / TLS_KEY).exists() or _expiring(d / TLS_CERT, req.days / 2):
             ca.issue(req).save(d)
     return root
+
+
+def _expiring(cert_path: Path, days: float) -> bool:
+    """Whether the certificate is unreadable or has less than ``days`` left."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    except (OSError, ValueError):
+        return True
+    return cert.not_valid_after_utc - _now() < dt.timedelta(days=days)
 
 
 def identity_dir_name(role: str, tenant: str = "") -> str:
     return f"{role}-{tenant}" if tenant else role
 
 
-__all__ = ["CA_CERT", "CA_KEY", "TLS_CERT", "TLS_KEY", "CertAuthority", "CertRequest",
-           "IssuedCert", "PKIError", "ensure_deployment", "identity_dir_name", "server_name"]
+def request_of(cert_pem: bytes, days: int = DEFAULT_DAYS) -> CertRequest:
+    """The request that reproduces ``cert_pem``'s identity and names."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    ident = identity_from_uris(cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.UniformResourceIdentifier))
+    if ident is None:
+        raise PKIError("the certificate names no kvserve identity")
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    hosts = [*san.get_values_for_type(x509.DNSName),
+             *(str(ip) for ip in san.get_values_for_type(x509.IPAddress))]
+    cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    name = str(cn[0].value) if cn else ""
+    default_cn = f"{ident.role}:{ident.tenant}" if ident.tenant else ident.role
+    return CertRequest(ident.role, name="" if name == default_cn else name, tenant=ident.tenant,
+                       hosts=tuple(h for h in hosts if h != server_name(ident.role)), days=days)
+
+
+@dataclass(frozen=True, slots=True)
+class Rotated:
+    directory: Path
+    request: CertRequest
+    not_after: dt.datetime
+
+
+def identity_dirs(directory: str | Path) -> list[Path]:
+    """Every identity directory of a deployment (those holding a tls.crt), CA excluded."""
+    root = Path(directory)
+    return sorted(p.parent for p in root.glob(f"*/{TLS_CERT}") if p.parent.name != "ca")
+
+
+def rotate_deployment(directory: str | Path, *, days: int = DEFAULT_DAYS,
+                      only: tuple[str, ...] = ()) -> list[Rotated]:
+    """Re-issue every identity under ``directory`` (or the directory names in
+    ``only``) from its CA: same role, tenant, names; a fresh key; ``days`` of
+    validity. The key is written before the certificate, and readers accept a
+    pair only when they match (security.certfiles)."""
+    root = Path(directory)
+    ca = CertAuthority.load(root / "ca")
+    done: list[Rotated] = []
+    for d in identity_dirs(root):
+        if only and d.name not in only:
+            continue
+        req = request_of((d / TLS_CERT).read_bytes(), days)
+        issued = ca.issue(req)
+        issued.save(d)
+        cert = x509.load_pem_x509_certificate(issued.cert_pem)
+        done.append(Rotated(d, req, cert.not_valid_after_utc))
+    if only and len(done) != len(set(only)):
+        missing = sorted(set(only) - {r.directory.name for r in done})
+        raise PKIError(f"no identity directory {missing} under {root}")
+    return done
+
+
+__all__ = ["CA_CERT", "CA_KEY", "DEFAULT_DAYS", "MAX_DAYS", "TLS_CERT", "TLS_KEY",
+           "CertAuthority", "CertRequest", "IssuedCert", "PKIError", "Rotated",
+           "ensure_deployment", "identity_dir_name", "identity_dirs", "request_of",
+           "rotate_deployment", "server_name"]

@@ -54,6 +54,9 @@ class EngineSpec:
             raise ConfigError(f"engine.kernels must be one of {KERNEL_NAMES}, got {self.kernels!r}")
         if self.threads < 0 or self.prefill_chunk < 0:
             raise ConfigError("engine.threads and engine.prefill_chunk must be >= 0")
+        if self.prefill_chunk % self.block_tokens:
+            raise ConfigError(f"engine.prefill_chunk ({self.prefill_chunk}) must be a multiple "
+                              f"of the block ({self.block_tokens} tokens)")
 
     def engine_config(self) -> Any:
         from engine import EngineConfig
@@ -165,8 +168,37 @@ class WriterConfig:
 
 
 def engine_spec_from(cfg: KVServeConfig) -> EngineSpec:
-    return EngineSpec(model=cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device,
-                      block_tokens=cfg.blocks.block_tokens)
+    spec = EngineSpec(model=cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device,
+                      block_tokens=cfg.blocks.block_tokens, threads=cfg.engine.threads,
+                      kernels=cfg.engine.kernels, prefill_chunk=cfg.engine.prefill_chunk)
+    if cfg.engine.g1_bytes:
+        spec = replace(spec, num_blocks=num_blocks_for(cfg.engine.g1_bytes, spec))
+    return spec
+
+
+def block_nbytes_for(spec: EngineSpec) -> int:
+    """Bytes of one KV block of ``spec``'s model (reads its config, not its weights)."""
+    from engine.config import ModelConfig, named_configs
+    from engine.kv_pool import KVLayout
+
+    if spec.model in named_configs():
+        mc = ModelConfig.from_name(spec.model)
+    else:
+        from pathlib import Path
+
+        from engine.fetch import KNOWN_MODELS, fetch_model
+        from engine.loader import read_config
+
+        mc = read_config(fetch_model(spec.model) if spec.model in KNOWN_MODELS
+                         else Path(spec.model).expanduser())
+    return KVLayout(mc.num_layers, mc.num_kv_heads, spec.block_tokens, mc.head_dim,
+                    spec.dtype).block_nbytes
+
+
+def num_blocks_for(g1_bytes: int, spec: EngineSpec) -> int:
+    """The G1 budget as whole blocks of ``spec``'s layout (the budget is a cap:
+    rounded down, but never below one block)."""
+    return max(1, g1_bytes // block_nbytes_for(spec))
 
 
 def endpoint_from(cfg: KVServeConfig, port: int) -> Endpoint:

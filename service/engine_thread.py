@@ -24,6 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Concatenate, ParamSpec, TypeVar
 
+from service.aio import shielded
+
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
@@ -68,9 +70,10 @@ class EngineThread:
 
     async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn`` on the engine thread. If the caller is cancelled the job
-        still completes (the engine's state stays consistent)."""
+        still completes (the engine's state stays consistent) and its outcome
+        is read then (service/aio.py: never an unretrieved exception)."""
         fut = self.submit(fn, *args, **kwargs)
-        return await asyncio.shield(asyncio.wrap_future(fut))
+        return await shielded(asyncio.wrap_future(fut))
 
     async def call_stoppable(self, fn: Callable[Concatenate[Stop, P], T], *args: P.args,
                              **kwargs: P.kwargs) -> T:
@@ -79,7 +82,7 @@ class EngineThread:
         stop = Stop()
         fut = self.submit(fn, stop, *args, **kwargs)
         try:
-            return await asyncio.shield(asyncio.wrap_future(fut))
+            return await shielded(asyncio.wrap_future(fut))
         except asyncio.CancelledError:
             stop.set()
             self.stopped_total += 1

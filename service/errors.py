@@ -16,6 +16,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
+from security.redact import redact
+
 log = logging.getLogger(__name__)
 
 
@@ -37,16 +39,36 @@ class HandleExpired(PreconditionFailed):
 
 
 class Overloaded(ServiceError):
-    """No room right now (host buffer full, too many sequences)."""
+    """No room right now (a full queue): raised *before* any work is done, so
+    the caller may take the request elsewhere. ``retry_after_s`` is this
+    instance's estimate of when it has room; it goes out as the trailing
+    metadata ``retry-after-ms`` (the busy-instance contract the router reads)."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(0.0, retry_after_s)
+
+
+class Busy(Overloaded):
+    """A bounded queue is full: ``Overloaded`` with the estimate in milliseconds,
+    as the schedulers compute it."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message, retry_after_s=max(1, int(retry_after_ms)) / 1000)
+        self.retry_after_ms = max(1, int(retry_after_ms))
 
 
 class UpstreamUnavailable(ServiceError):
     """A service this one depends on did not answer."""
 
 
+RETRY_AFTER_KEY = "retry-after-ms"       # trailing metadata of RESOURCE_EXHAUSTED
+
+
 class Status(NamedTuple):
     code: grpc.StatusCode
     message: str
+    retry_after_ms: int | None = None    # busy: when to try this instance again
 
 
 # Most specific class first: the first isinstance match wins.
@@ -100,6 +122,9 @@ def status_for(exc: BaseException) -> Status:
         code = exc.code()
         mapped = code if code in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
         return Status(mapped, f"upstream call failed: {code.name}: {exc.details()}")
+    if isinstance(exc, Overloaded):
+        return Status(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "overloaded",
+                      max(1, round(exc.retry_after_s * 1000)))
     for exc_type, code in _CODES:
         if isinstance(exc, exc_type):
             return Status(code, str(exc) or exc_type.__name__)
@@ -108,10 +133,14 @@ def status_for(exc: BaseException) -> Status:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, where: str) -> None:
     status = status_for(exc)
+    # Status text reaches the caller: never a secret in it (security.redact).
+    status = Status(status.code, redact(status.message))
     if status.code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", where, exc_info=exc)
     else:
         log.info("%s -> %s: %s", where, status.code.name, status.message)
+    if status.retry_after_ms is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(status.retry_after_ms)),))
     await context.abort(status.code, status.message)
 
 

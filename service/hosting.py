@@ -20,14 +20,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import exit_watchdog
 from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
-from security.authz import Access, AuthInterceptor
+from security.authz import AuthInterceptor
 from security.grpc_input import InputGuard
 from security.health_port import start_health_port
 from service.config import Endpoint, EngineSpec
 from service.metrics import Source, serve_metrics
+from telemetry import tracing
+from telemetry.grpc_hooks import server_interceptors
 
 log = logging.getLogger(__name__)
+# Calls a server runs at once; beyond it gRPC answers RESOURCE_EXHAUSTED before any
+# handler runs, so a flood of calls cannot exhaust the process (the services' own
+# bounded queues answer "busy" well before this: contracts, "Busy instance").
+MAX_CONCURRENT_RPCS = 1024
 
 
 def server_options(endpoint: Endpoint) -> list[tuple[str, int]]:
@@ -111,8 +118,10 @@ async def start_server(endpoint: Endpoint, spec: ServiceSpec
                        ) -> tuple[HostedServer, EngineService, str]:
     """Bind, build the servicer with its dial address, start, mark SERVING."""
     security = endpoint.security_for(spec.role)
+    tracing.setup(spec.role, instance=endpoint.instance_id)   # before any channel is made
     server = grpc.aio.server(options=server_options(endpoint), interceptors=[
-        AuthInterceptor({}, default=Access.SERVICE, insecure=security.insecure), InputGuard()])
+        *server_interceptors(), AuthInterceptor(insecure=security.insecure), InputGuard()],
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     port = security.add_port(server, f"{endpoint.host}:{endpoint.port}")
     if port == 0:
         raise OSError(f"cannot bind {endpoint.host}:{endpoint.port}")
@@ -160,6 +169,7 @@ async def run_service(endpoint: Endpoint, spec: ServiceSpec, *,
         await stop.wait()
         log.info("%s draining (grace %.1fs)", spec.role, endpoint.drain_grace_s)
     finally:
+        exit_watchdog.arm(spec.role, endpoint.drain_grace_s)
         await drain(hosted, heartbeat, endpoint.drain_grace_s)
         await service.close()
 

@@ -1,23 +1,32 @@
-"""Per-request host buffer of a prompt's KV, served to decode by PullKV.
+"""Per-request host buffer of a prompt's KV, served to decode by PullKV, and
+decode's side that places and verifies the pieces.
 
 After prefill the whole prompt's KV (the partial last block included) is
 copied out of the engine once and kept here until decode pulls and releases
-it, or until it expires. The wire format of a piece is the raw bytes of
+it. The wire format of a piece is the raw bytes of
 ``[layers, 2, kv_heads, token_count, head_dim]`` in the engine dtype
 (docs/engine.md): pieces are cut along the token axis so a reader can place
 them into one preallocated tensor.
 
+Lifetime: there is no expiry clock, since a backlogged decode is no reason to
+throw finished work away. The buffer is bounded by bytes instead: a put that
+needs room drops the oldest entries, and an entry nobody pulled for
+``abandon_s`` (its router went away) is swept. Dropping is always safe
+because decode can rebuild any prompt's KV (restore what the warehouse holds,
+recompute the rest); a pull of a dropped handle says so and decode rebuilds.
+
 Same-host pulls skip the byte stream: the buffer writes the tensor once into
-a file under ``/dev/shm`` (tmpfs, so page cache only) and the reader copies it
-out with one read; the file goes away on release or expiry.
+a private file under ``/dev/shm`` (service.kv_shm: 0600, exclusive create, an
+unguessable name) and the reader copies it out with one read. Every piece,
+file or bytes, carries a checksum prefill took from its own memory, seeded
+with the handle's secret ``kv_seed``; the assembler verifies it before the KV
+goes anywhere, and a mismatch is a ``KVIntegrityError`` (decode recomputes).
 """
 
 from __future__ import annotations
 
-import itertools
-import mmap
 import os
-import re
+import secrets
 import threading
 import time
 import warnings
@@ -28,14 +37,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from service.errors import HandleExpired, InvalidRequest, Overloaded
+from service import kv_shm
+from service.errors import HandleExpired, InvalidRequest
 
-_SHM_NAME = re.compile(r"^kvserve-kv-[0-9]+-[0-9]+$")
-_counter = itertools.count()
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)     # Linux; elsewhere pages fault in on use
-# Expired entries are remembered (without their tensors) for a while so that a
-# late pull says "expired" rather than "unknown".
+# Dropped entries are remembered (without their tensors) for a while so that a
+# late pull says why the KV is gone rather than "unknown".
 _TOMBSTONE_S = 600.0
+_MAX_TOMBSTONES = 65_536
+
+
+class KVIntegrityError(ValueError):
+    """A hand-off piece does not match the checksum prefill sent for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +78,8 @@ class KVShape:
 @dataclass(frozen=True, slots=True)
 class KVPiece:
     """Tokens [start_token, start_token + token_count) either as bytes or as a
-    region of a shared-memory file (``shm_name`` set, ``data`` empty)."""
+    region of a shared-memory file (``shm_name`` set, ``data`` empty), with
+    the checksum of those bytes."""
 
     start_token: int
     token_count: int
@@ -74,14 +87,17 @@ class KVPiece:
     shm_name: str = ""
     shm_offset: int = 0
     size: int = 0
+    checksum: bytes = b""
 
 
 @dataclass(slots=True)
 class BufferEntry:
     request_id: str
     kv: torch.Tensor                # [layers, 2, kv_heads, n_tokens, head_dim], host, contiguous
-    expires_at: float               # unix seconds (it travels in the handle)
+    seed: int                       # the handle's kv_seed: keys the pieces' checksums
+    put_at: float                   # buffer clock
     shm_name: str = ""
+    shm_checksum: bytes = b""
 
     @property
     def n_tokens(self) -> int:
@@ -96,8 +112,10 @@ class BufferEntry:
 class BufferStats:
     entries: int
     bytes: int
-    expired: int
     released: int
+    evicted: int                    # dropped to make room (decode rebuilds them)
+    abandoned: int                  # never pulled within abandon_s
+    unbuffered: int                 # larger than the whole buffer: never held
     shm_files: int
 
 
@@ -107,20 +125,23 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 
 
 class KVBuffer:
-    def __init__(self, *, ttl_s: float, max_bytes: int, chunk_bytes: int, shm_dir: str = "",
-                 clock: Callable[[], float] = time.time) -> None:
-        self._ttl_s = ttl_s
+    def __init__(self, *, max_bytes: int, chunk_bytes: int, shm_dir: str = "",
+                 abandon_s: float = 3600.0, clock: Callable[[], float] = time.monotonic,
+                 names: Callable[[], str] = kv_shm.new_name) -> None:
+        if abandon_s <= 0:
+            raise ValueError(f"abandon_s must be > 0, got {abandon_s}")
         self._max_bytes = max_bytes
         self._chunk_bytes = chunk_bytes
+        self._abandon_s = abandon_s
         usable = bool(shm_dir) and os.path.isdir(shm_dir) and os.access(shm_dir, os.W_OK)
         self._shm_dir = Path(shm_dir) if usable else None
         self._clock = clock
-        self._entries: dict[str, BufferEntry] = {}
+        self._names = names
+        self._entries: dict[str, BufferEntry] = {}       # oldest first (insertion order)
         self._shm_lock = threading.Lock()
-        self._gone: dict[str, tuple[float, str]] = {}   # request id -> (when, "expired"/"released")
+        self._gone: dict[str, tuple[float, str]] = {}    # request id -> (when, why)
         self._bytes = 0
-        self._expired = 0
-        self._released = 0
+        self._counts = {"released": 0, "evicted": 0, "abandoned": 0, "unbuffered": 0}
 
     @property
     def shm_capable(self) -> bool:
@@ -130,31 +151,28 @@ class KVBuffer:
     def bytes(self) -> int:
         return self._bytes
 
-    def expiry(self) -> float:
-        """When an entry put now expires (unix seconds)."""
-        return self._clock() + self._ttl_s
+    @staticmethod
+    def new_seed() -> int:
+        """A handle's secret ``kv_seed`` (it goes out in the handle before the put)."""
+        return secrets.randbits(64)
 
-    def check_room(self, nbytes: int) -> None:
-        """Raise Overloaded unless ``nbytes`` more would fit now (asked before
-        the handle goes out, while the caller can still be told to retry)."""
-        if self._bytes + nbytes > self._max_bytes:
-            raise Overloaded(
-                f"KV host buffer full: {self._bytes} of {self._max_bytes} bytes held, "
-                f"request needs {nbytes}; retry after decode pulls pending handles")
-
-    def put(self, request_id: str, kv: torch.Tensor, *,
-            expires_at: float | None = None) -> BufferEntry:
-        """Keep ``kv`` (moved to host if needed) for ``request_id``; replaces an
-        entry of the same id. Raises Overloaded when the buffer is full.
-        ``expires_at``: the expiry already promised in the handle."""
+    def put(self, request_id: str, kv: torch.Tensor, *, seed: int) -> BufferEntry | None:
+        """Keep ``kv`` (moved to host if needed) for ``request_id``, dropping the
+        oldest entries if it needs room; replaces an entry of the same id. None
+        when it is larger than the whole buffer: decode then rebuilds it."""
         self.sweep()
         kv = kv.detach().to("cpu").contiguous()
         KVShape.of(kv)
         nbytes = kv.numel() * kv.element_size()
         if request_id in self._entries:
             self._drop(request_id, "released")
-        self.check_room(nbytes)
-        entry = BufferEntry(request_id, kv, self.expiry() if expires_at is None else expires_at)
+        if nbytes > self._max_bytes:
+            self._counts["unbuffered"] += 1
+            self._remember(request_id, "larger than the whole buffer")
+            return None
+        while self._bytes + nbytes > self._max_bytes:
+            self._drop(next(iter(self._entries)), "evicted")
+        entry = BufferEntry(request_id, kv, seed, self._clock())
         self._entries[request_id] = entry
         self._gone.pop(request_id, None)
         self._bytes += nbytes
@@ -162,10 +180,6 @@ class KVBuffer:
 
     def get(self, request_id: str) -> BufferEntry:
         entry = self._entries.get(request_id)
-        now = self._clock()
-        if entry is not None and entry.expires_at <= now:
-            self._drop(request_id, "expired")
-            entry = None
         if entry is None:
             gone = self._gone.get(request_id)
             if gone is not None:
@@ -180,52 +194,47 @@ class KVBuffer:
         step = max(1, self._chunk_bytes // KVShape.of(entry.kv).token_nbytes)
         for start in range(0, entry.n_tokens, step):
             end = min(entry.n_tokens, start + step)
-            part = entry.kv[:, :, :, start:end, :].contiguous()
-            yield KVPiece(start, end - start, data=_raw(part).tobytes())
+            data = _raw(entry.kv[:, :, :, start:end, :].contiguous()).tobytes()
+            yield KVPiece(start, end - start, data=data,
+                          checksum=kv_shm.piece_checksum(data, entry.seed))
 
     def shm_piece(self, entry: BufferEntry) -> KVPiece:
-        """The whole entry as one shared-memory region (written on first use).
-        Safe to call from a worker thread (the write is long: the event loop
-        need not wait on it)."""
+        """The whole entry as one private shared-memory file (written on first
+        use; its checksum taken from memory, never from the file). Safe to call
+        from a worker thread (the write is long: the event loop need not wait)."""
         if self._shm_dir is None:
             raise InvalidRequest("this prefill instance offers no shared-memory pulls")
         with self._shm_lock:
             if not entry.shm_name:
-                name = f"kvserve-kv-{os.getpid()}-{next(_counter)}"
-                path = self._shm_dir / name
-                try:
-                    with open(path, "wb") as f:
-                        f.write(_raw(entry.kv).data)
-                except OSError:
-                    path.unlink(missing_ok=True)     # never leave a torn file behind
-                    raise
+                raw = _raw(entry.kv)
+                entry.shm_checksum = kv_shm.piece_checksum(raw, entry.seed)
+                name = kv_shm.create_private(self._shm_dir, memoryview(raw), self._names)
                 # Name first, then look: a drop after this line unlinks the file
                 # itself, one before it is seen here.
                 entry.shm_name = name
                 if self._entries.get(entry.request_id) is not entry:
-                    path.unlink(missing_ok=True)     # released or expired meanwhile
+                    (self._shm_dir / name).unlink(missing_ok=True)
                     raise HandleExpired(f"KV handle of request {entry.request_id!r} was "
                                         "released while it was being pulled")
-        return KVPiece(0, entry.n_tokens, shm_name=entry.shm_name, size=entry.nbytes)
+        return KVPiece(0, entry.n_tokens, shm_name=entry.shm_name, size=entry.nbytes,
+                       checksum=entry.shm_checksum)
 
     def release(self, request_id: str) -> bool:
-        """Free a handle's KV; False when it was not held (or had expired)."""
-        entry = self._entries.get(request_id)
-        if entry is None:
+        """Free a handle's KV; False when it was not held (released or dropped before)."""
+        if request_id not in self._entries:
             return False
-        expired = entry.expires_at <= self._clock()
-        self._drop(request_id, "expired" if expired else "released")
-        return not expired
+        self._drop(request_id, "released")
+        return True
 
     def sweep(self) -> int:
-        """Drop expired entries; returns how many."""
+        """Drop entries nobody pulled within ``abandon_s``; returns how many."""
         now = self._clock()
-        expired = [rid for rid, e in self._entries.items() if e.expires_at <= now]
-        for rid in expired:
-            self._drop(rid, "expired")
+        old = [rid for rid, e in self._entries.items() if now - e.put_at > self._abandon_s]
+        for rid in old:
+            self._drop(rid, "abandoned")
         for rid in [rid for rid, (t, _) in self._gone.items() if now - t > _TOMBSTONE_S]:
             del self._gone[rid]
-        return len(expired)
+        return len(old)
 
     def close(self) -> None:
         for rid in list(self._entries):
@@ -233,31 +242,39 @@ class KVBuffer:
 
     def stats(self) -> BufferStats:
         shm = sum(1 for e in self._entries.values() if e.shm_name)
-        return BufferStats(len(self._entries), self._bytes, self._expired, self._released, shm)
+        c = self._counts
+        return BufferStats(len(self._entries), self._bytes, c["released"], c["evicted"],
+                           c["abandoned"], c["unbuffered"], shm)
 
     def _drop(self, request_id: str, why: str) -> None:
         entry = self._entries.pop(request_id)
         self._bytes -= entry.nbytes
-        if why == "expired":
-            self._expired += 1
-        else:
-            self._released += 1
-        self._gone[request_id] = (self._clock(), why)
+        self._counts[why] += 1
+        self._remember(request_id, {"evicted": "dropped for room; rebuild it",
+                                    "abandoned": "never pulled; rebuild it"}.get(why, why))
         if entry.shm_name and self._shm_dir is not None:
             (self._shm_dir / entry.shm_name).unlink(missing_ok=True)
 
+    def _remember(self, request_id: str, why: str) -> None:
+        if len(self._gone) >= _MAX_TOMBSTONES:
+            del self._gone[next(iter(self._gone))]
+        self._gone[request_id] = (self._clock(), why)
+
 
 class KVAssembler:
-    """Decode side: places pieces into one ``[layers, 2, kv_heads, n, head_dim]`` tensor.
+    """Decode side: verifies each piece against its checksum and places it into
+    one ``[layers, 2, kv_heads, n, head_dim]`` tensor.
 
-    A shared-memory piece that holds the whole prompt is not copied at all:
-    ``kv`` is then a private mapping of the file, read once by whoever
-    consumes it (``Engine.adopt`` copies it into the KV cache). The mapping
-    outlives the file's removal on Release."""
+    Shared-memory bytes are copied into this process before they are checked,
+    so what was verified is what is adopted (a mapping of the file could still
+    change under the reader). A whole-prompt file is read straight into the
+    result tensor: one copy, as the byte stream makes."""
 
-    def __init__(self, shape: KVShape, n_tokens: int, *, shm_dir: str = "/dev/shm") -> None:
+    def __init__(self, shape: KVShape, n_tokens: int, *, seed: int,
+                 shm_dir: str = "/dev/shm") -> None:
         self._shape = shape
         self._n = n_tokens
+        self._seed = seed
         self._shm_dir = Path(shm_dir)
         self._kv: torch.Tensor | None = None
         self._filled = 0
@@ -274,57 +291,41 @@ class KVAssembler:
             raise ValueError(f"KV piece [{start}, {start + count}) out of order or out of range "
                              f"(have {self._filled} of {self._n} tokens)")
         want = count * self._shape.token_nbytes
-        if piece.shm_name and start == 0 and count == self._n:
-            raw = self._map_shm(piece, want)
-            self._kv = raw.view(self._shape.dtype).view(self._shape.dims(count))
-            self._filled = count
-            return
         if piece.shm_name:
-            raw = self._read_shm(piece, want)
-        else:
-            if len(piece.data) != want:
-                raise ValueError(f"KV piece of {count} tokens has {len(piece.data)} bytes, "
-                                 f"expected {want}")
-            with warnings.catch_warnings():
-                # a read-only bytes object: we only copy out of it
-                warnings.simplefilter("ignore", UserWarning)
-                raw = torch.frombuffer(piece.data, dtype=torch.uint8)
-        part = raw.view(self._shape.dtype).view(self._shape.dims(count))
-        self.kv[:, :, :, start:start + count, :].copy_(part)
+            if piece.size != want:
+                raise ValueError(f"shared-memory region of {piece.size} bytes, expected {want}")
+            whole = start == 0 and count == self._n
+            dest = self.kv if whole else torch.empty(self._shape.dims(count),
+                                                     dtype=self._shape.dtype)
+            raw = _raw(dest)
+            kv_shm.read_private(self._shm_dir, piece.shm_name, piece.shm_offset,
+                                memoryview(raw))
+            self._verify(raw, piece)
+            if not whole:
+                self.kv[:, :, :, start:start + count, :].copy_(dest)
+            self._filled += count
+            return
+        if len(piece.data) != want:
+            raise ValueError(f"KV piece of {count} tokens has {len(piece.data)} bytes, "
+                             f"expected {want}")
+        self._verify(piece.data, piece)
+        with warnings.catch_warnings():
+            # a read-only bytes object: we only copy out of it
+            warnings.simplefilter("ignore", UserWarning)
+            part = torch.frombuffer(piece.data, dtype=torch.uint8)
+        self.kv[:, :, :, start:start + count, :].copy_(
+            part.view(self._shape.dtype).view(self._shape.dims(count)))
         self._filled += count
 
-    def _shm_path(self, piece: KVPiece, want: int) -> Path:
-        if not _SHM_NAME.match(piece.shm_name):
-            raise ValueError(f"bad shared-memory name {piece.shm_name!r}")
-        if piece.size != want:
-            raise ValueError(f"shared-memory region of {piece.size} bytes, expected {want}")
-        if piece.shm_offset < 0:
-            raise ValueError(f"shared-memory offset {piece.shm_offset} is negative")
-        return self._shm_dir / piece.shm_name
+    def _verify(self, data: object, piece: KVPiece) -> None:
+        if not piece.checksum or kv_shm.piece_checksum(data, self._seed) != piece.checksum:
+            where = f"file {piece.shm_name}" if piece.shm_name else "stream"
+            raise KVIntegrityError(
+                f"KV piece [{piece.start_token}, {piece.start_token + piece.token_count}) from "
+                f"the {where} does not match its checksum")
 
-    def _map_shm(self, piece: KVPiece, want: int) -> torch.Tensor:
-        """The region as a copy-on-write mapping, its pages populated up front
-        (one call instead of a fault per page on first read)."""
-        path = self._shm_path(piece, want)
-        end = piece.shm_offset + want
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < end:
-                raise ValueError(f"shared-memory file {path} is short: {size} of {end} bytes")
-            mm = mmap.mmap(f.fileno(), end, flags=mmap.MAP_PRIVATE | _MAP_POPULATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        # frombuffer keeps ``mm`` alive as long as the tensor (and its views) are.
-        return torch.frombuffer(mm, dtype=torch.uint8, count=want, offset=piece.shm_offset)
-
-    def _read_shm(self, piece: KVPiece, want: int) -> torch.Tensor:
-        path = self._shm_path(piece, want)
-        arr = np.fromfile(path, dtype=np.uint8, count=want, offset=piece.shm_offset)
-        if arr.size != want:
-            raise ValueError(f"shared-memory file {path} is short: {arr.size} of {want} bytes")
-        return torch.from_numpy(arr)
-
-    def shm_visible(self, name: str) -> bool:
-        return bool(_SHM_NAME.match(name)) and (self._shm_dir / name).exists()
+    def shm_usable(self, name: str) -> bool:
+        return kv_shm.usable(self._shm_dir, name)
 
     def done(self) -> torch.Tensor:
         if self._filled != self._n:

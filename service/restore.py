@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ from common.config import HitRule
 from kvstore.types import RequestCtx
 from service.cost import CostModel, FetchPlan, tier_counts
 from service.store_link import StoreLink
+from telemetry import tracing
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,15 @@ class Restore:
         return self.plan.decision
 
 
+@dataclass(slots=True)
+class RestoreStats:
+    """Restore bandwidth = rate(bytes_total) / rate(seconds_total) (docs/operators.md)."""
+
+    blocks_total: dict[str, int] = field(default_factory=dict)     # by source tier
+    bytes_total: dict[str, int] = field(default_factory=dict)      # by source tier
+    seconds_total: float = 0.0                                     # fetch time, all tiers
+
+
 class Restorer:
     def __init__(self, store: StoreLink, cost: CostModel, hit_rule: HitRule, layout: object,
                  *, pin: bool = False) -> None:
@@ -60,12 +70,27 @@ class Restorer:
         self._hit_rule = hit_rule
         self._layout = layout
         self._pin = pin
+        self.stats = RestoreStats()
 
     async def restore(self, keys: Sequence[bytes], *, prompt_tokens: int, g1_blocks: int,
                       ctx: RequestCtx) -> Restore:
+        with tracing.span("restore", prompt_tokens=prompt_tokens, g1_blocks=g1_blocks,
+                          traffic_class=ctx.traffic_class) as s:
+            r = await self._restore(keys, prompt_tokens=prompt_tokens, g1_blocks=g1_blocks,
+                                    ctx=ctx)
+            s.set(restored_blocks=r.n_blocks, usable_tokens=r.usable_tokens,
+                  stored_blocks=-1 if r.stored_blocks is None else r.stored_blocks,
+                  decision=r.decision, short_blocks=r.short_blocks)
+            return r
+
+    async def _restore(self, keys: Sequence[bytes], *, prompt_tokens: int, g1_blocks: int,
+                       ctx: RequestCtx) -> Restore:
         B = self._hit_rule.block_tokens
         t0 = time.perf_counter()
-        lookup = await self._store.lookup(keys, prompt_tokens=prompt_tokens, ctx=ctx)
+        with tracing.span("lookup", blocks=len(keys)) as s:
+            lookup = await self._store.lookup(keys, prompt_tokens=prompt_tokens, ctx=ctx)
+            if lookup is not None:
+                s.set(matched_blocks=lookup.matched_blocks, usable_tokens=lookup.usable_tokens)
         lookup_s = time.perf_counter() - t0
         stored = None if lookup is None else lookup.matched_blocks
         matched = max(g1_blocks, stored or 0)
@@ -83,14 +108,27 @@ class Restorer:
         out = torch.empty((len(want), *layout.block_shape),  # type: ignore[attr-defined]
                           dtype=layout.torch_dtype, pin_memory=self._pin)  # type: ignore[attr-defined]
         t1 = time.perf_counter()
-        got = await self._store.get(want, ctx=ctx, out=out)
-        fetch_s = time.perf_counter() - t1
-        if got is None:
-            return Restore(None, g1_blocks, None, usable, plan, lookup_s, fetch_s, len(want))
-        n = got.hit_prefix
-        blocks = out[:n] if n else None
-        fetched_tiers = plan.tier_blocks if n == len(want) else tier_counts(
-            lookup.block_tiers[g1_blocks:g1_blocks + n])
-        self._cost.observe_fetch(fetched_tiers, n * self._layout.block_nbytes, fetch_s)  # type: ignore[attr-defined]
+        with tracing.span("fetch", blocks=len(want)) as s:
+            got = await self._store.get(want, ctx=ctx, out=out)
+            fetch_s = time.perf_counter() - t1
+            if got is None:
+                s.fail("StoreUnavailable")
+                return Restore(None, g1_blocks, None, usable, plan, lookup_s, fetch_s, len(want))
+            n = got.hit_prefix
+            blocks = out[:n] if n else None
+            fetched_tiers = plan.tier_blocks if n == len(want) else tier_counts(
+                lookup.block_tiers[g1_blocks:g1_blocks + n])
+            nbytes = n * self._layout.block_nbytes  # type: ignore[attr-defined]
+            s.set(fetched_blocks=n, bytes=nbytes,
+                  **{f"tier.{t}": c for t, c in fetched_tiers.items()})
+        self._cost.observe_fetch(fetched_tiers, nbytes, fetch_s)
+        self._count(fetched_tiers, fetch_s)
         return Restore(blocks, g1_blocks, stored, usable, plan, lookup_s, fetch_s, len(want) - n)
+
+    def _count(self, tiers: dict[str, int], fetch_s: float) -> None:
+        st, block = self.stats, self._layout.block_nbytes  # type: ignore[attr-defined]
+        for tier, n in tiers.items():
+            st.blocks_total[tier] = st.blocks_total.get(tier, 0) + n
+            st.bytes_total[tier] = st.bytes_total.get(tier, 0) + n * block
+        st.seconds_total += fetch_s
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from kvstore.errors import ResourceExhausted
 from kvstore.types import GetResult, LookupResult, PutResult, RequestCtx
 from security.config import SecurityConfig
 
@@ -59,6 +60,8 @@ class StoreLink:
 
     async def _degraded(self, op: str, exc: BaseException) -> None:
         self.stats.degraded_total[op] = self.stats.degraded_total.get(op, 0) + 1
+        if isinstance(exc, ResourceExhausted):
+            return      # the store is busy, not gone: this call recomputes, the channel stays
         if self.stats.available:
             log.warning("warehouse %s unavailable (%s: %s); recomputing until it returns",
                         self.address, op, exc)

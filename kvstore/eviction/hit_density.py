@@ -19,7 +19,7 @@ evicts.
 
 Replays run a C mirror of this class (native/replaycore.c, ``hd_*``), step for
 step and float for float; a change here needs the same change there
-(tests/kvstore/test_sim.py compares the two).
+(tests/studies/test_sim.py compares the two).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class-aware hit density over blocks.
 
 Replays run a C mirror of this class (native/replaycore.c, ``sd_*``), step for
 step and float for float; a change here needs the same change there
-(tests/kvstore/test_sim.py compares the two).
+(tests/studies/test_sim.py compares the two).
 """
 
 from __future__ import annotations

@@ -1,13 +1,19 @@
 """The tier interface, its typed results, and the registry that picks a tier by URL.
 
 A tier stores verified blocks under their 16-byte keys with a byte capacity;
-eviction order is an ``kvstore.eviction`` policy driven through
-``CapacityCache`` (the same accounting the simulator replays). Invariants every
-tier keeps:
+eviction order is an ``kvstore.eviction`` policy, one instance per tenant,
+driven through ``TenantCache`` (per-tenant quotas and max-min fair eviction,
+kvstore/eviction/tenants.py; with one tenant the same accounting the
+simulator replays). Invariants every tier keeps:
 
 - ``get`` never returns bytes whose xxh3-128 differs from the checksum taken at
   ``put``; a bad block is deleted, counted in ``checksum_failures`` and reported
   as a miss (``None``).
+- G3 files and G4 objects carry a header MAC keyed by the deployment's block
+  MAC key (``mac``, kvstore.integrity); a block whose MAC does not verify is
+  treated exactly like a corrupt one, and is never scanned into the index.
+- A tenant over its quota in a tier evicts only its own blocks; see
+  ``TenantCache`` for whose block a full tier gives up.
 - Keys are content addresses (a key names its tokens, tenant and model), so a
   second ``put`` of a present key stores nothing and reports ``existed``.
 - All state is guarded by one lock per tier: the gRPC service calls tiers from
@@ -23,12 +29,13 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Self
 
 from kvstore.blockfile import KEY_BYTES, BlockMeta
-from kvstore.eviction import CapacityCache, make_policy
+from kvstore.eviction.tenants import TenantCache, TenantUsage
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 BLOCK_SUFFIX = ".kvb"
@@ -118,7 +125,7 @@ class Tier(ABC):
         self.lz4 = lz4
         self.on_evict = on_evict
         self._lock = threading.RLock()
-        self._cache = CapacityCache(capacity_bytes, make_policy(policy))
+        self._cache = TenantCache(capacity_bytes, policy)
         self._hits = 0
         self._misses = 0
         self._checksum_failures = 0
@@ -162,6 +169,23 @@ class Tier(ABC):
             return TierStats(self.name, self.capacity_bytes, self._cache.used_bytes,
                              len(self._cache), self._hits, self._misses,
                              self._cache.evictions, self._checksum_failures, self.level)
+
+    def set_quotas(self, quotas: Mapping[str, int | None],
+                   default: int | None) -> list[BlockMeta]:
+        """Per-tenant byte quotas in this tier (``default`` for unlisted tenants, None
+        = no limit). A tenant now over its quota loses its own blocks at once; their
+        metas are returned so the caller can clear their index bits."""
+        with self._lock:   # rare (an operator's change): the frees run under the lock too,
+            keys = self._cache.set_quotas(quotas, default)   # so no put can race them
+            return self._release_evicted(keys) if keys else []
+
+    def tenant_usage(self) -> list[TenantUsage]:
+        with self._lock:
+            return self._cache.usage()
+
+    def _release_evicted(self, keys: list[bytes]) -> list[BlockMeta]:
+        """Free the storage of blocks the accounting already evicted (lock held)."""
+        raise NotImplementedError(f"tier {self.name} cannot take quotas")
 
     def close(self) -> None:  # noqa: B027 - tiers without resources need nothing
         """Release resources (shared memory, file handles)."""
@@ -227,9 +251,9 @@ def _load_all() -> None:
     global _LOADED
     if _LOADED:
         return
-    import kvstore.tiers as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
+    # This file's own folder: importing the package here would make it and this
+    # module import each other (tests/layers forbids the circle).
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.name not in ("base", "arena", "shm"):
             importlib.import_module(f"kvstore.tiers.{info.name}")
     _LOADED = True

@@ -19,7 +19,15 @@ are only an LRU hint.
 
 On open the byte accounting is rebuilt from the files (oldest mtime first, so
 LRU order survives restarts; a hit refreshes the mtime) and leftover temp
-files from interrupted writes are removed.
+files from interrupted writes are removed. Each file's header is read and
+its MAC verified there (one small read per file, on the writer pool): the
+per-tenant accounting needs each block's owner, and a file that is forged,
+damaged or of an older format is removed before anyone can look it up.
+
+Private: the directory and every directory under it are 0700, every file
+0600 (created so; looser ones left by an older version are tightened at
+open). A directory owned by another user is refused: whoever controls it
+could swap blocks in (the MAC would catch them, but not the deletions).
 """
 
 from __future__ import annotations
@@ -35,17 +43,14 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
-from urllib.parse import unquote, urlparse
-
-import numpy as np
 
 from kvstore.blockfile import (
+    UNKEYED,
     BlockCorruptError,
+    BlockMac,
     BlockMeta,
     decode_block,
     encode_parts,
-    header_length,
-    parse_header,
 )
 from kvstore.tiers.base import (
     EvictCallback,
@@ -58,10 +63,23 @@ from kvstore.tiers.base import (
     key_relpath,
     register_tier,
 )
+from kvstore.tiers.files import (
+    DIR_MODE,
+    FILE_MODE,
+    HEAD_READ,
+    Found,
+    dir_from_url,
+    fsync_dir,
+    mkdir_private,
+    private_root,
+    read_file,
+    read_header,
+    tighten,
+    write_all,
+)
 
 log = logging.getLogger(__name__)
 TMP_SUFFIX = ".tmp"
-_HEAD_READ = 4096   # one read gets the whole header of any normal block
 # Writer threads per tier: enough to keep a device queue busy (measured on ext4:
 # 16 parallel write+fdatasync streams commit a batch 2-3x faster than one).
 DEFAULT_WRITERS = 16
@@ -69,35 +87,6 @@ _fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 FULL_WARN_INTERVAL_S = 60.0   # at most one disk-full warning per minute per tier
 REGROW_CHECK_S = 5.0          # how often a shrunk tier looks for returned space
-
-
-def _dir_from_url(url: str) -> Path:
-    if "://" not in url:
-        return Path(url).expanduser()
-    parsed = urlparse(url)
-    if parsed.netloc not in ("", "localhost"):
-        raise TierError(f"file URL {url!r} names host {parsed.netloc!r}; use file:///abs/path")
-    return Path(unquote(parsed.path))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, parts: list[memoryview]) -> None:
-    while parts:
-        n = os.writev(fd, parts)
-        while parts and n >= parts[0].nbytes:
-            n -= parts[0].nbytes
-            parts.pop(0)
-        if parts and n:
-            parts[0] = parts[0][n:]
-
-
 class _Staged(NamedTuple):
     """One block of a batch in its synced temp file, not yet visible.
     ``tmp`` is None when the block is larger than the tier (nothing written)."""
@@ -105,38 +94,11 @@ class _Staged(NamedTuple):
     index: int
     key: bytes
     traffic_class: str
+    tenant: str
     nbytes: int
     final: Path
     tmp: Path | None
     new_dirs: list[Path]
-
-
-def _read_file(path: Path) -> memoryview:
-    """The whole file in a fresh, uninitialised buffer. ``bytearray(n)`` would
-    zero-fill first, a full extra pass over the bytes (measured ~9% of a 2 MiB
-    block read on cpu-2c); the read overwrites every byte that is returned."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        view = memoryview(np.empty(size, dtype=np.uint8))
-        got = 0
-        while got < size:
-            n = os.readv(fd, [view[got:]])
-            if not n:
-                break
-            got += n
-    finally:
-        os.close(fd)
-    return view[:got]
-
-
-def _read_header(path: Path) -> BlockMeta:
-    with open(path, "rb", buffering=0) as f:
-        head = f.read(_HEAD_READ)
-        need = header_length(head)
-        if need > len(head):
-            head += f.read(need - len(head))
-    return parse_header(head).meta
 
 
 @register_tier("file", "")
@@ -146,13 +108,16 @@ class DiskTier(Tier):
     def __init__(self, url: str, *, name: str, capacity_bytes: int, policy: str = "lru",
                  lz4: bool = False, on_evict: EvictCallback | None = None,
                  fsync: bool = True, writers: int = DEFAULT_WRITERS,
-                 temp_grace_s: float = 0.0) -> None:
+                 temp_grace_s: float = 0.0, mac: BlockMac = UNKEYED) -> None:
         super().__init__(name=name, capacity_bytes=capacity_bytes, policy=policy, lz4=lz4,
                          on_evict=on_evict)
         if not isinstance(writers, int) or writers < 1:
             raise TierError(f"tier {name}: writers must be an int >= 1, got {writers!r}")
-        self.root = _dir_from_url(url)
+        self.root = dir_from_url(url)
         self.fsync = fsync
+        self.mac = mac
+        self.rejected_at_open = 0      # files that failed their header MAC at open (removed)
+        self.tightened_at_open = 0     # files/dirs whose mode was looser than private
         # Full disk (see put_many): the capacity asked for, the current target may be less.
         self.configured_bytes = capacity_bytes
         self.disk_full_events = 0
@@ -170,7 +135,7 @@ class DiskTier(Tier):
         # any other also fsyncs the two directories above it, so a block never sits
         # in a directory that a crash could lose, whichever thread created it.
         self._durable_dirs: set[Path] = set()
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_root(self.root)
         self._rebuild()
 
     def path(self, key: bytes) -> Path:
@@ -178,13 +143,17 @@ class DiskTier(Tier):
 
     # -- open ------------------------------------------------------------------
     def _rebuild(self) -> None:
-        found: list[tuple[float, bytes, int]] = []
+        found: list[Found] = []
         for level1 in os.scandir(self.root):
             if not level1.is_dir(follow_symlinks=False) or len(level1.name) != 2:
                 continue
+            self.tightened_at_open += tighten(level1.path, level1.stat(follow_symlinks=False),
+                                               DIR_MODE)
             for level2 in os.scandir(level1.path):
                 if not level2.is_dir(follow_symlinks=False):
                     continue
+                self.tightened_at_open += tighten(
+                    level2.path, level2.stat(follow_symlinks=False), DIR_MODE)
                 self._durable_dirs.add(Path(level2.path))
                 for entry in os.scandir(level2.path):
                     if entry.name.endswith(TMP_SUFFIX):
@@ -199,16 +168,69 @@ class DiskTier(Tier):
                     key = key_from_filename(entry.name)
                     if key is None:
                         continue
+                    if not entry.is_file(follow_symlinks=False):   # a link: never followed
+                        if self.owns_files:
+                            os.unlink(entry.path)
+                        self.rejected_at_open += 1
+                        continue
                     st = entry.stat(follow_symlinks=False)
-                    found.append((st.st_mtime, key, st.st_size))
+                    self.tightened_at_open += tighten(entry.path, st, FILE_MODE)
+                    found.append(Found(st.st_mtime, key, st.st_size, entry.path))
         found.sort()
-        for mtime, key, size in found:
-            adm = self._cache.put(key, size, mtime)
+        owners = self._owners(found)
+        for f, tenant in zip(found, owners, strict=True):
+            if tenant is None:
+                continue
+            adm = self._cache.put(f.key, f.size, f.mtime, tenant=tenant)
             for victim in adm.evicted:  # capacity shrank since the files were written
                 self.path(victim).unlink(missing_ok=True)
             if not adm.stored:
-                self.path(key).unlink(missing_ok=True)
+                self.path(f.key).unlink(missing_ok=True)
         self._cache.evictions = 0
+        if self.rejected_at_open:
+            log.warning("G3 %s: %d block files at %s failed verification at open (an older "
+                        "format, written under another deployment secret, forged or damaged)"
+                        " and were %s; those blocks are recomputed when next needed",
+                        self.name, self.rejected_at_open, self.root,
+                        "removed" if self.owns_files else "skipped")
+        if self.tightened_at_open:
+            log.warning("G3 %s: tightened the mode of %d files/directories under %s to "
+                        "private (0600/0700)", self.name, self.tightened_at_open, self.root)
+
+    @property
+    def owns_files(self) -> bool:
+        """The serving store owns the directory and removes bad files; a tool opened
+        beside it (``temp_grace_s`` > 0, e.g. a reindex, perhaps with the wrong key)
+        only skips them."""
+        return self.temp_grace_s <= 0
+
+    def _owners(self, found: list[Found]) -> list[str | None]:
+        """Each file's tenant from its verified header (None: gone, or bad and not
+        accounted). One small read per file; the writer pool keeps many in flight
+        on a cold disk."""
+        bad: list[str] = []     # list.append is atomic: the pool's threads share it
+
+        def owner(f: Found) -> str | None:
+            try:
+                meta = read_header(f.path, self.mac)
+                if meta.key != f.key:
+                    raise BlockCorruptError(f"file {f.path} holds key {meta.key_hex}")
+                return meta.tenant
+            except FileNotFoundError:
+                return None
+            except (OSError, BlockCorruptError):
+                bad.append(f.path)
+                if self.owns_files:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f.path)
+                return None
+
+        if len(found) < 64 or self.writers == 1:
+            owners = [owner(f) for f in found]
+        else:
+            owners = list(self._writer_pool().map(owner, found, chunksize=64))
+        self.rejected_at_open += len(bad)
+        return owners
 
     # -- write -----------------------------------------------------------------
     def put(self, key: bytes, payload: bytes | bytearray | memoryview,
@@ -227,7 +249,7 @@ class DiskTier(Tier):
         configured capacity, when space returns."""
         batch = list(items)
         self._maybe_regrow()
-        need = sum(memoryview(p).nbytes + _HEAD_READ for _, p, _ in batch)
+        need = sum(memoryview(p).nbytes + HEAD_READ for _, p, _ in batch)
         early = self._make_room(need) if self.capacity_bytes < self.configured_bytes else []
         try:
             outs = self._put_many(batch)
@@ -300,9 +322,7 @@ class DiskTier(Tier):
         with self._lock:
             c = self._cache
             while c.used_bytes + need > c.capacity_bytes and len(c):
-                victim = c.policy.victim()
-                c.discard(victim)
-                c.evictions += 1
+                victim = c.evict_one()          # the largest tenant's next victim
                 victims.append((victim, self._set_aside(victim)))
         return self._finish_evictions(victims) if victims else []
 
@@ -368,7 +388,7 @@ class DiskTier(Tier):
         if self._cache.hit(s.key, self._now()):  # another thread stored it meanwhile
             s.tmp.unlink(missing_ok=True)
             return PutOutcome(True, existed=True), []
-        adm = self._cache.put(s.key, s.nbytes, self._now(), s.traffic_class)
+        adm = self._cache.put(s.key, s.nbytes, self._now(), s.traffic_class, s.tenant)
         # Move victims aside under the lock (a rename is fast), so a concurrent
         # re-put of a victim key can never lose its new file to our unlink.
         victims = [(v, self._set_aside(v)) for v in adm.evicted]
@@ -415,24 +435,26 @@ class DiskTier(Tier):
 
     def _stage_one(self, index: int, key: bytes, payload: bytes | bytearray | memoryview,
                    meta: BlockMeta) -> _Staged:
-        enc = encode_parts(payload, meta, self.lz4)
+        enc = encode_parts(payload, meta, self.lz4, mac=self.mac)
         final = self.path(key)
         if enc.nbytes > self.capacity_bytes:
-            return _Staged(index, key, meta.traffic_class, enc.nbytes, final, None, [])
+            return _Staged(index, key, meta.traffic_class, meta.tenant, enc.nbytes, final,
+                           None, [])
         leaf = final.parent
         new_dirs: list[Path] = []
         if leaf not in self._durable_dirs:
-            leaf.mkdir(parents=True, exist_ok=True)
+            mkdir_private(leaf)
             new_dirs = [leaf.parent.parent, leaf.parent]
         tmp = leaf / f".{final.stem}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, flags, FILE_MODE)
         except FileNotFoundError:  # the directory was removed behind our back
-            leaf.mkdir(parents=True, exist_ok=True)
+            mkdir_private(leaf)
             new_dirs = [leaf.parent.parent, leaf.parent]
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, flags, FILE_MODE)
         try:
-            _write_all(fd, [memoryview(enc.header), enc.body])
+            write_all(fd, [memoryview(enc.header), enc.body])
             if self.fsync:
                 _fdatasync(fd)
         except BaseException:
@@ -440,15 +462,16 @@ class DiskTier(Tier):
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        return _Staged(index, key, meta.traffic_class, enc.nbytes, final, tmp, new_dirs)
+        return _Staged(index, key, meta.traffic_class, meta.tenant, enc.nbytes, final, tmp,
+                       new_dirs)
 
     def _fsync_dirs(self, dirs: list[Path]) -> None:
         if len(dirs) == 1 or self.writers == 1:
             for d in dirs:
-                _fsync_dir(d)
+                fsync_dir(d)
         else:
             # Concurrent directory fsyncs share journal commits; list() re-raises errors.
-            list(self._writer_pool().map(_fsync_dir, dirs))
+            list(self._writer_pool().map(fsync_dir, dirs))
 
     def _writer_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -463,6 +486,9 @@ class DiskTier(Tier):
         if pool is not None:
             pool.shutdown(wait=True)
 
+    def _release_evicted(self, keys: list[bytes]) -> list[BlockMeta]:
+        return self._finish_evictions([(k, self._set_aside(k)) for k in keys])
+
     def _set_aside(self, key: bytes) -> Path:
         path = self.path(key)
         aside = path.parent / f".{path.stem}.evict-{secrets.token_hex(4)}{TMP_SUFFIX}"
@@ -476,11 +502,11 @@ class DiskTier(Tier):
             meta = BlockMeta(key, "", "", 0, "", 0.0)
             try:
                 if self.on_evict is not None:
-                    block = decode_block(_read_file(aside), expect_key=key)
+                    block = decode_block(read_file(aside), expect_key=key, mac=self.mac)
                     meta = block.meta
                     self.on_evict(meta, block.payload)
                 else:
-                    meta = _read_header(aside)
+                    meta = read_header(aside, self.mac)
             except (OSError, BlockCorruptError) as exc:
                 log.info("G3 %s: evicted block %s unreadable (%s)", self.name, key.hex(), exc)
             finally:
@@ -496,14 +522,17 @@ class DiskTier(Tier):
                 return None
         path = self.path(key)
         try:
-            data = _read_file(path)
+            data = read_file(path)
         except FileNotFoundError:  # removed behind our back
             with self._lock:
                 self._cache.discard(key)
                 self._misses += 1
             return None
+        except OSError as exc:     # e.g. a link planted in its place (ELOOP): never followed
+            self._drop_corrupt(key, path, exc)
+            return None
         try:
-            block = decode_block(data, expect_key=key)
+            block = decode_block(data, expect_key=key, mac=self.mac)
         except BlockCorruptError as exc:
             self._drop_corrupt(key, path, exc)
             return None
@@ -513,12 +542,13 @@ class DiskTier(Tier):
         return TierHit(block.meta, block.payload)
 
     def _drop_corrupt(self, key: bytes, path: Path, exc: Exception) -> None:
-        log.warning("G3 %s: %s; deleted", self.name, exc)
+        log.warning("G3 %s: %s; %s", self.name, exc, "deleted" if self.owns_files else "skipped")
         with self._lock:
             self._cache.discard(key)
             self._checksum_failures += 1
             self._misses += 1
-            path.unlink(missing_ok=True)
+            if self.owns_files:
+                path.unlink(missing_ok=True)
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
@@ -527,16 +557,17 @@ class DiskTier(Tier):
         return present
 
     def scan(self) -> Iterator[BlockMeta]:
-        """Headers only (one small read per file); a file with a bad header is dropped."""
+        """Headers only (one small read per file, MAC verified); a file whose header does
+        not verify is dropped, never yielded (so a reindex never indexes it)."""
         for key in self.keys():
             path = self.path(key)
             try:
-                meta = _read_header(path)
+                meta = read_header(path, self.mac)
                 if meta.key != key:
                     raise BlockCorruptError(f"file {path.name} holds key {meta.key_hex}")
             except FileNotFoundError:
                 continue
-            except BlockCorruptError as exc:
+            except (OSError, BlockCorruptError) as exc:
                 self._drop_corrupt(key, path, exc)
                 continue
             yield meta

@@ -14,7 +14,11 @@ verified against the checksum either way).
 
 Each block's xxh3-128 is kept in memory and verified on every ``get`` (any
 same-host process can write the segment; a scribbled block is dropped, never
-served). ``get`` returns a private copy: a view into the arena could change
+served). G2 needs no MAC, unlike G3/G4: the reference a copy is checked
+against (checksum, key, tenant) lives in this process's private memory, not
+in the shared segment, so changing it takes the store's own account (ptrace),
+which holds the MAC key anyway; a same-host reader gets the checksum over the
+authenticated gRPC channel. ``get`` returns a private copy: a view into the arena could change
 under the caller once the slot is evicted and reused.
 """
 
@@ -139,17 +143,16 @@ class HostTier(Tier):
                 return PutOutcome(True, existed=True)
             if need > self._arena.size:
                 return PutOutcome(False)
-            adm = self._cache.put(key, need, self._now(), meta.traffic_class)
+            adm = self._cache.put(key, need, self._now(), meta.traffic_class, meta.tenant)
             evicted.extend(self._release(k) for k in adm.evicted)
             if adm.stored:
                 offset = self._arena.alloc(view.nbytes, time.monotonic())
             # Byte accounting fits but the free space may be fragmented: evict more.
             while adm.stored and offset is None:
-                victim = self._cache.policy.victim()
-                self._cache.discard(victim)
+                victim = self._cache.evict_one(meta.tenant, view.nbytes)
                 if victim == key:
+                    self._cache.evictions -= 1   # not stored after all, not an eviction
                     break
-                self._cache.evictions += 1
                 evicted.append(self._release(victim))
                 offset = self._arena.alloc(view.nbytes, time.monotonic())
             if offset is not None:
@@ -170,6 +173,11 @@ class HostTier(Tier):
                 data = None
         self._arena.free(slot.offset - SEGMENT_HEADER, slot.size, time.monotonic())
         return slot.meta, data
+
+    def _release_evicted(self, keys: list[bytes]) -> list[BlockMeta]:
+        evicted = [self._release(k) for k in keys]
+        self._notify_evicted(evicted)
+        return [m for m, _ in evicted]
 
     def _drop(self, key: bytes) -> None:
         slot = self._slots.pop(key)

@@ -9,7 +9,17 @@ Keys are write-once: a block already present (``exists``) is not rewritten, so
 several nodes can share one bucket. Object stores whose single PUT is
 all-or-nothing (s3, gcs, azure, memory) are written directly; any other
 filesystem gets a temp name under ``.tmp/`` then a move. Reads verify the
-checksum; a bad object is deleted, counted and reported as a miss.
+header MAC (keyed, kvstore.integrity) and the checksum; a bad object — forged
+by someone holding a bucket credential but not the MAC key, damaged, or of an
+older format — is deleted, counted and reported as a miss, and ``scan`` never
+yields it (so a reindex never indexes it). On a local or mounted filesystem
+the tier's directories are 0700 and its objects 0600, as G3's; on object
+stores keep the bucket private and give each node its own credential
+(docs/security.md, "Integrity at rest and quotas").
+
+Per-tenant accounting: objects listed at open have no known owner until one
+is read (the listing gives sizes, not headers); they count toward capacity
+as "unattributed" (kvstore.eviction.tenants).
 
 Remote stores (S3 through s3fs, docs/warehouse-sizing.md):
 - Credentials and endpoint come from, in order: ``storage_options``, the JSON
@@ -36,13 +46,17 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 from kvstore.blockfile import (
+    UNKEYED,
     BlockCorruptError,
+    BlockMac,
     BlockMeta,
     decode_block,
     encode_block,
@@ -59,6 +73,7 @@ from kvstore.tiers.base import (
     key_relpath,
     register_tier,
 )
+from kvstore.tiers.files import FILE_MODE, mkdir_private, private_root, tighten_tree
 
 log = logging.getLogger(__name__)
 ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
@@ -109,12 +124,14 @@ class ObjectTier(Tier):
                  lz4: bool = False, on_evict: EvictCallback | None = None,
                  storage_options: dict[str, Any] | None = None,
                  multipart_bytes: int = MULTIPART_BYTES, retries: int = 3,
-                 backoff_s: float = 0.05, down_cooldown_s: float = 2.0) -> None:
+                 backoff_s: float = 0.05, down_cooldown_s: float = 2.0,
+                 mac: BlockMac = UNKEYED) -> None:
         super().__init__(name=name, capacity_bytes=capacity_bytes, policy=policy, lz4=lz4,
                          on_evict=on_evict)
         if multipart_bytes < 5 * 2**20 or retries < 1 or backoff_s < 0 or down_cooldown_s < 0:
             raise TierError("multipart_bytes >= 5 MiB, retries >= 1, backoff_s and "
                             "down_cooldown_s >= 0")
+        self.mac = mac
         self.multipart_bytes = multipart_bytes
         self.retries = retries
         self.backoff_s = backoff_s
@@ -136,9 +153,14 @@ class ObjectTier(Tier):
         self.url = url
         self.root = root.rstrip("/")
         self.atomic_put = bool(_protocols(self.fs) & ATOMIC_PUT_PROTOCOLS)
+        # A local or mounted directory: private modes, as G3 (object stores: bucket policy).
+        self.local = isinstance(self.fs, LocalFileSystem)
         if hasattr(self.fs, "retries"):
             self.fs.retries = 1  # s3fs's own retry loop: ours (``_call``) replaces it
-        self._call(self.fs.makedirs, self.root, exist_ok=True)
+        if self.local:
+            private_root(Path(self.root), "G4")
+        else:
+            self._call(self.fs.makedirs, self.root, exist_ok=True)
         self._call(self._rebuild)
 
     def path(self, key: bytes) -> str:
@@ -192,6 +214,8 @@ class ObjectTier(Tier):
         tmp_root = f"{self.root}/.tmp"
         if self.fs.exists(tmp_root):
             self.fs.rm(tmp_root, recursive=True)
+        if self.local:
+            tighten_tree(Path(self.root))
         found: list[tuple[float, bytes, int]] = []
         for path, info in self.fs.find(self.root, detail=True).items():
             key = key_from_filename(path.rsplit("/", 1)[-1])
@@ -210,35 +234,47 @@ class ObjectTier(Tier):
             if key in self._cache:
                 self._cache.hit(key, self._now())
                 return PutOutcome(True, existed=True)
-        data = encode_block(payload, meta, self.lz4)
+        data = encode_block(payload, meta, self.lz4, mac=self.mac)
         if len(data) > self.capacity_bytes:
             return PutOutcome(False)
         if self._call(self.fs.exists, path):  # written by another node: write-once
-            self._adopt(key, path, meta.traffic_class)
+            self._adopt(key, path, meta)
             return PutOutcome(True, existed=True)
         if self.atomic_put:
             self._call(self._write, path, data)
         else:
             tmp = f"{self.root}/.tmp/{key.hex()}.{secrets.token_hex(6)}"
-            self.fs.makedirs(f"{self.root}/.tmp", exist_ok=True)
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            self._makedirs(f"{self.root}/.tmp")
+            self._makedirs(path.rsplit("/", 1)[0])
             self._call(self._write, tmp, data)
+            if self.local:
+                os.chmod(tmp, FILE_MODE)   # before it gets its name; the root is 0700 anyway
             self.fs.mv(tmp, path)
         with self._lock:
-            adm = self._cache.put(key, len(data), self._now(), meta.traffic_class)
+            adm = self._cache.put(key, len(data), self._now(), meta.traffic_class, meta.tenant)
             victims = list(adm.evicted)
             if not adm.stored:
                 victims.append(key)
         return PutOutcome(adm.stored, self._remove(victims, skip=key))
 
-    def _adopt(self, key: bytes, path: str, cls: str) -> None:
+    def _makedirs(self, directory: str) -> None:
+        """``directory`` and its parent (private ones on a local filesystem)."""
+        if self.local:
+            mkdir_private(Path(directory))
+        else:
+            self.fs.makedirs(directory, exist_ok=True)
+
+    def _adopt(self, key: bytes, path: str, meta: BlockMeta) -> None:
         try:
             size = int(self.fs.size(path) or 0)
         except FileNotFoundError:
             return
         with self._lock:
-            adm = self._cache.put(key, size, self._now(), cls)
+            adm = self._cache.put(key, size, self._now(), meta.traffic_class, meta.tenant)
         self._remove(list(adm.evicted))
+
+    def _release_evicted(self, keys: list[bytes]) -> list[BlockMeta]:
+        return self._remove(keys)
 
     def _remove(self, keys: list[bytes], skip: bytes | None = None) -> list[BlockMeta]:
         metas: list[BlockMeta] = []
@@ -247,7 +283,7 @@ class ObjectTier(Tier):
             meta = BlockMeta(key, "", "", 0, "", 0.0)
             try:
                 if self.on_evict is not None and key != skip:
-                    block = decode_block(self.fs.cat_file(path), expect_key=key)
+                    block = decode_block(self.fs.cat_file(path), expect_key=key, mac=self.mac)
                     meta = block.meta
                     self.on_evict(meta, block.payload)
                 elif key != skip:
@@ -264,7 +300,7 @@ class ObjectTier(Tier):
         need = header_length(head)
         if need > len(head):
             head = self.fs.cat_file(path, start=0, end=need)
-        return parse_header(head).meta
+        return parse_header(head, mac=self.mac).meta
 
     def get(self, key: bytes) -> TierHit | None:
         path = self.path(key)
@@ -276,7 +312,7 @@ class ObjectTier(Tier):
                 self._misses += 1
             return None
         try:
-            block = decode_block(data, expect_key=key)
+            block = decode_block(data, expect_key=key, mac=self.mac)
         except BlockCorruptError as exc:
             log.warning("G4 %s: %s; deleted", self.name, exc)
             with self._lock:
@@ -288,8 +324,14 @@ class ObjectTier(Tier):
             return None
         with self._lock:
             self._hits += 1
-            if not self._cache.hit(key, self._now()):
-                self._cache.put(key, len(data), self._now(), block.meta.traffic_class)
+            now = self._now()
+            if self._cache.hit(key, now):
+                evicted = self._cache.attribute(key, block.meta.tenant, now)
+            else:
+                evicted = self._cache.put(key, len(data), now, block.meta.traffic_class,
+                                          block.meta.tenant).evicted
+        if evicted:
+            self._remove(evicted)
         return TierHit(block.meta, block.payload)
 
     def contains(self, key: bytes) -> bool:
@@ -311,6 +353,8 @@ class ObjectTier(Tier):
         return True
 
     def scan(self) -> Iterator[BlockMeta]:
+        """Headers of the objects this tier accounts for, MAC verified; one that does
+        not verify is never yielded (a reindex never indexes it)."""
         for key in self.keys():
             try:
                 yield self._header(self.path(key))

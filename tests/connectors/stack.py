@@ -21,6 +21,7 @@ import redis
 
 from connectors.vllm_presence import stats_key
 from kvstore.redis_server import free_port
+from tests.redis_args import redis_args
 
 BLOCK = 64
 
@@ -81,7 +82,7 @@ class Store:
     def start(self, timeout_s: float = 60.0) -> Store:
         tls, insecure = security()
         argv = [sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
-                "--port", str(self.port), "--metrics-port", "-1", "--redis-url", self.redis_url,
+                "--port", str(self.port), "--metrics-port", "-1", *redis_args(self.redis_url),
                 "--g2-bytes", "256MiB", "--g3-path", str(self.g3), "--no-prefault",
                 "--no-fsync", "--grace", "2", *(["--insecure"] if insecure else
                                                 ["--tls-dir", tls])]

@@ -15,6 +15,7 @@ from kvstore.registry import InstanceInfo
 from security.attest import AttestationError, SignedFields, sign, verify
 from security.config import SecurityConfig
 from security.pki import CertAuthority, CertRequest
+from security.secret_files import write_private
 from security.vllm_trust import (
     UNTRUSTED_TENANT,
     salt_scope,
@@ -111,7 +112,7 @@ def test_an_entry_verifies_only_for_the_identity_it_names(ca: CertAuthority, tmp
 def test_attested_signs_with_the_identity_directory(ca: CertAuthority, tmp_path) -> None:
     d = tmp_path / "vllm-0"
     ca.issue(CertRequest("engine", name="vllm-0")).save(d)
-    (tmp_path / "secret").write_text(SECRET.hex())
+    write_private(tmp_path / "secret", SECRET.hex())
     sec = SecurityConfig(cert_dir=str(d), role="engine", secret_file=str(tmp_path / "secret"))
     info = attested(_entry(), sec)
     assert verify(signed_fields(info), info.attestation, ca.cert_pem) == "vllm-0"

@@ -3,6 +3,7 @@ the G1 picture, the launch spec and the install fix-up's choices."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from connectors.vllm_config import ConnectorConfig
 from connectors.vllm_identity import IdentityError, fingerprint, traffic_class_of
 from connectors.vllm_presence import LocalBlocks
 from kvserve.launch_vllm import VLLMSpec
+from security.secret_files import write_private
 
 
 def test_config_rejects_unknown_keys_and_bad_values_with_the_field_named() -> None:
@@ -53,13 +55,13 @@ def test_local_blocks_announces_new_keys_once_and_evicts_least_recent() -> None:
 
 
 def test_spec_builds_the_connector_config_vllm_reads(tmp_path) -> None:
-    url = tmp_path / "redis-url"
-    url.write_text("redis://:pw@r:6379/0")
-    spec = VLLMSpec(model_dir="/m", port=8100, store="h:1", redis_url="redis://:pw@r:6379/0",
+    secret_url = "redis://engine:Zq8vT1pLw0x@r:6379/0"
+    url = write_private(tmp_path / "redis-url", secret_url + "\n")
+    spec = VLLMSpec(model_dir="/m", port=8100, store="h:1", redis_url="",
                     redis_url_file=str(url), instance_id="v1", insecure=True,
                     extra_config={"window": 4})
     argv = spec.argv()
-    assert not any("pw" in a for a in argv)                 # the password stays out of argv
+    assert not any("Zq8vT1pLw0x" in a for a in argv)        # the password stays out of argv
     ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert ktc["kv_connector_module_path"] == "connectors.vllm"
     assert ktc["kv_load_failure_policy"] == "recompute"
@@ -68,7 +70,9 @@ def test_spec_builds_the_connector_config_vllm_reads(tmp_path) -> None:
     assert (cfg.store, cfg.advertise, cfg.window, cfg.insecure) == ("h:1",
                                                                    "http://127.0.0.1:8100", 4,
                                                                    True)
-    assert cfg.redis_url == "redis://:pw@r:6379/0"
+    assert (cfg.redis_url, cfg.registry_url()) == ("", secret_url)
+    with pytest.raises(ValueError, match="password never goes on vLLM's command line"):
+        dataclasses.replace(spec, redis_url=secret_url, redis_url_file="").argv()
     assert "VLLM_SERVER_DEV_MODE" not in spec.env() and "VLLM_API_KEY" not in spec.env()
     with pytest.raises(ValueError, match="multiple of 32"):
         VLLMSpec(model_dir="/m", port=1, store="", redis_url="", instance_id="x",
@@ -116,8 +120,9 @@ def test_a_missing_setup_step_is_named_in_one_line_not_a_traceback(tmp_path) -> 
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.99\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    for argv in (["bench", "vllm", "--insecure"], ["up", "--engine", "vllm", "--insecure",
-                                                   "--state-dir", str(tmp_path / "st")]):
+    for argv in (["bench", "vllm", "--insecure"],
+                 ["bench", "vllm-trace", "--trace", str(tmp_path / "t.jsonl")],
+                 ["up", "--engine", "vllm", "--insecure", "--state-dir", str(tmp_path / "st")]):
         proc = subprocess.run([sys.executable, "-m", "kvserve.cli", *argv], env=env,
                               capture_output=True, text=True, timeout=600, check=False)
         assert proc.returncode == 2, proc.stderr[-2000:]

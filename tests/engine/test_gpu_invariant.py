@@ -22,27 +22,54 @@ def test_triton_bi_without_cuda_is_a_clear_config_error() -> None:
         make_engine("tiny-dense", kernels="triton_bi")
 
 
+def test_auto_takes_triton_bi_on_cuda_only_once_measured_within_ten_percent() -> None:
+    from engine.kernels import TRITON_BI_COST, cuda_auto
+
+    assert cuda_auto(None) == "triton"                 # not measured for this version
+    assert cuda_auto(0.10) == cuda_auto(0.03) == "triton_bi"
+    assert cuda_auto(0.11) == "triton"
+    assert cuda_auto() == cuda_auto(TRITON_BI_COST)
+
+
 # ------------------------------------------------------------------ (a) GEMM
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n", [200, 9_000, 20_000])       # one per block-N choice
+@pytest.mark.parametrize("n", [200, 9_000, 20_000])       # one per decode block-N choice
 def test_gemm_rows_do_not_depend_on_m(dtype: torch.dtype, n: int) -> None:
+    """Rows of M = 1..64 (the decode plan), 65, 512 (128 x 128 tiles), 513 and
+    2,048 (128 x 256 tiles) are the rows of one 2,048-row call, bit for bit."""
     from engine.triton_invariant import linear
 
     g = torch.Generator(device="cuda").manual_seed(n)
     k = 576
     w_t = torch.randn(n, k, device="cuda", generator=g, dtype=dtype).t()   # as weights.py
     bias = torch.randn(n, device="cuda", generator=g, dtype=dtype)
-    x = torch.randn(600, k, device="cuda", generator=g, dtype=dtype)
-    full = linear(x[:512], w_t, bias)
-    ref = x[:512].double() @ w_t.double() + bias.double()
+    x = torch.randn(2100, k, device="cuda", generator=g, dtype=dtype)
+    full = linear(x[:2048], w_t, bias)
+    ref = x[:2048].double() @ w_t.double() + bias.double()
     assert ((full.double() - ref).norm() / ref.norm()).item() < 1e-2
-    for m in range(1, 65):
+    for m in [*range(1, 66), 512, 513]:
         assert torch.equal(linear(x[:m], w_t, bias), full[:m]), m
-        lo = 512 - m                               # rows from another tile offset
-        assert torch.equal(linear(x[lo:512], w_t, bias), full[lo:512]), m
-    assert torch.equal(linear(x, w_t, bias)[:512], full)
+        lo = 2048 - m                              # rows from another tile offset
+        assert torch.equal(linear(x[lo:2048], w_t, bias), full[lo:2048]), m
+    assert torch.equal(linear(x, w_t, bias)[:2048], full)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (4096, 28672), (14336, 4096)])
+def test_gemm_rows_on_llama_8b_weights(k: int, n: int) -> None:
+    """The same across every plan on the real shapes (long K, wide N)."""
+    from engine.triton_invariant import linear
+
+    g = torch.Generator(device="cuda").manual_seed(k + n)
+    w_t = (torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02).t()
+    x = torch.randn(2048, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    full = linear(x, w_t)
+    for m in (1, 2, 8, 33, 64, 65, 200, 512, 513, 1000):
+        assert torch.equal(linear(x[:m], w_t), full[:m]), m
+        assert torch.equal(linear(x[2048 - m:], w_t), full[2048 - m:]), m
 
 
 # ------------------------------------------------------------- (b) attention
@@ -64,13 +91,16 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (32, 8, 128)])
-@pytest.mark.parametrize("window", [0, 100])
-def test_attention_row_is_the_same_in_any_chunk_and_as_decode(
+@pytest.mark.parametrize("window", [0, 100, 1500])
+def test_attention_row_is_the_same_in_any_chunk_batch_and_as_decode(
         heads: int, kv_heads: int, dim: int, window: int) -> None:
+    """2,600 tokens (three key splits of 1,024): one call, any chunking, several
+    sequences in one call (batched prefill), and one-token decode rows in calls of
+    1 to 64 rows whose splits are shared by 1, 4 or 32 programs: the same bits."""
     from engine.triton_invariant import AttnSegment, InvariantAttention
 
     g = torch.Generator(device="cuda").manual_seed(dim + window)
-    T, B, nb = 700, 16, 128
+    T, B, nb = 2600, 16, 256
     pool = torch.full((1, 2, kv_heads, nb, B, dim), float("nan"), device="cuda",
                       dtype=torch.bfloat16)                        # unwritten slots: NaN
     table = torch.randperm(nb, device="cuda", generator=g)[: -(-T // B)]
@@ -92,19 +122,34 @@ def test_attention_row_is_the_same_in_any_chunk_and_as_decode(
         assert s == T
         return out
 
-    whole = chunked([512, 188])
+    whole = chunked([T])
     ref = _reference(q, k, v, window)
     assert ((whole.double() - ref).norm() / ref.norm()).item() < 1e-2
-    for sizes in ([7] * 100, [1, 63, 64, 572], [T]):
+    for sizes in ([7] * 371 + [3], [1, 63, 64, 1000, 1472], [512] * 5 + [40], [2048, 552]):
         assert torch.equal(chunked(sizes), whole), sizes
-    # decode: one row per sequence, up to 64 sequences in one call, any positions
     rng = random.Random(window)
-    for n in (1, 5, 64):
+    # batched prefill: 2..6 sequences' chunks in one call, any order and lengths
+    for n in (2, 6):
+        cuts = sorted(rng.sample(range(1, T), n - 1))
+        spans = list(zip([0, *cuts], [*cuts, T], strict=True))
+        rng.shuffle(spans)
+        rows = torch.cat([torch.arange(a, b, device="cuda") for a, b in spans])
+        segs, r0 = [], 0
+        for a, b in spans:
+            segs.append(AttnSegment(r0, b - a, a, table))
+            r0 += b - a
+        out = torch.empty(T, heads * dim, device="cuda", dtype=torch.bfloat16)
+        InvariantAttention(pool, segs, heads)(0, q[rows], window, out)
+        assert torch.equal(out, whole[rows]), n
+    # decode: one row per sequence, up to 64 sequences in one call, any positions
+    for n, parts in ((1, 32), (1, 1), (5, 4), (64, 1), (64, 4)):
         at = rng.sample(range(T), n)
         out = torch.empty(n, heads * dim, device="cuda", dtype=torch.bfloat16)
+        acc = torch.full((n, parts, heads, dim), float("nan"), device="cuda")
+        ml = torch.full((n, parts, heads, 2), float("nan"), device="cuda")
         InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
-                           heads)(0, q[at], window, out)
-        assert torch.equal(out, whole[at]), n
+                           heads, parts=parts)(0, q[at], window, out, acc, ml)
+        assert torch.equal(out, whole[at]), (n, parts)
 
 
 # ------------------------------------------------- (c) the engine, end to end
@@ -159,3 +204,32 @@ def test_restores_at_any_block_and_decode_in_any_batch_match_cold_runs(
         a.prefill("k", toks)
         assert torch.equal(b.export_blocks(sid), a.export_blocks("k"))
         a.free("k")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_long_contexts_decoded_over_key_splits_match_cold_runs() -> None:
+    """Prompts of 1.1k-3k tokens (decode rows span up to three 1,024-key splits,
+    shared by up to 32 programs at batch 1): restored at any block boundary and
+    decoded in changing batches, the tokens of cold single runs."""
+    kw = {"device": "cuda", "dtype": "bfloat16", "kernels": "triton_bi",
+          "block_tokens": 16, "num_blocks": 4096}
+    a = make_engine("smollm2-shape", **kw)
+    b = make_engine("smollm2-shape", prefill_chunk=400, **kw)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = random_prompts(6, 1100, 3000, 49_152, seed=5)
+    cold = [a.generate(p, sp).tokens for p in prompts]
+    rng = random.Random(3)
+    ids = []
+    for i, p in enumerate(prompts):
+        a.prefill("x", p, sampling=sp)
+        blocks = a.export_blocks("x")
+        a.free("x")
+        b.prefill(f"s{i}", p, sampling=sp, restored=blocks[:rng.randint(0, blocks.shape[0])])
+        ids.append(f"s{i}")
+    live = list(ids)
+    while live:
+        step = rng.sample(live, rng.randint(1, len(live)))
+        b.decode_step(step)
+        live = [s for s in live if b.finish_reason(s) is None]
+    assert [b.seq_tokens(s)[len(p):] for s, p in zip(ids, prompts, strict=True)] == cold

@@ -26,6 +26,8 @@ TARGETS = (
     Target("gpu", "overlays/gpu"),
     Target("cpu-demo+prometheus+keda", "overlays/cpu-demo", ("prometheus", "keda")),
     Target("gpu+prometheus+keda", "overlays/gpu", ("prometheus", "keda")),
+    Target("cpu-demo+prometheus+observability", "overlays/cpu-demo",
+           ("prometheus", "observability")),
     Target("cpu-demo+external-redis", "overlays/cpu-demo", ("external-redis",)),
     Target("gpu+redis-cluster+s3-g4", "overlays/gpu", ("redis-cluster", "s3-g4")),
 )

@@ -25,8 +25,7 @@ from tests.k8s.manifests import (
 
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 # What the kubelet substitutes for $(VAR) at run time, in the shape the flag expects.
-SAMPLE_ENV = {"POD_IP": "10.1.2.3", "NODE_NAME": "node-a",
-              "REDIS_URL": "redis://kvserve-redis:6379/0"}
+SAMPLE_ENV = {"POD_IP": "10.1.2.3", "NODE_NAME": "node-a"}
 SERVE_COMMANDS = {"kvstore": ["store", "serve"], "prefill": ["prefill", "serve"],
                   "decode": ["decode", "serve"], "router": ["router", "serve"]}
 
@@ -107,7 +106,9 @@ def test_serve_args_match_ports_config_and_mounts(manifest: Manifest, component:
     port_of = {"kvstore": cfg.ports.kvstore, "prefill": cfg.ports.prefill,
                "decode": cfg.ports.decode, "router": cfg.ports.router_grpc}
     assert int(vars(ns)["port"]) == c.port("grpc") == port_of[component]
-    assert vars(ns)["redis_url"] == SAMPLE_ENV["REDIS_URL"]
+    # Redis credentials come from a mounted file (tests/k8s/test_secrets_wiring.py).
+    assert vars(ns)["redis_url"] is None
+    assert vars(ns)["redis_url_file"] == f"{c.mount('redis')}/url"
     assert vars(ns)["node"] == SAMPLE_ENV["NODE_NAME"]
     if component in ("prefill", "decode"):
         # Bind everywhere, publish the pod IP, dial the store on this node.
@@ -176,10 +177,7 @@ ENV_SOURCES = {"NODE_NAME": {"fieldRef": {"fieldPath": "spec.nodeName"}},
 def test_substituted_env_comes_from_the_right_place(manifest: Manifest) -> None:
     """The parse tests stand in sample values for $(VAR): check where VAR really
     comes from (the engines and their store must agree on the node name)."""
-    secret = manifest.named("Secret", "kvserve-redis")["metadata"]["name"]
     for c in kvserve_containers(manifest):
         for e in c.spec.get("env", ()):
             if e["name"] in ENV_SOURCES:
                 assert e["valueFrom"] == ENV_SOURCES[e["name"]], c.where
-            if e["name"] == "REDIS_URL":
-                assert e["valueFrom"] == {"secretKeyRef": {"name": secret, "key": "url"}}

@@ -72,6 +72,10 @@ def test_services_mount_their_mtls_identity_from_a_secret(manifest: Manifest,
         secret_file = args[args.index("--secret-file") + 1]
         assert vols["deployment-secret"]["secret"]["secretName"] == "kvserve-secret"
         assert secret_file == f"{c.mount('deployment-secret')}/secret"
+    else:                           # the store only tags and verifies blocks: the MAC key
+        assert "deployment-secret" not in vols and "--secret-file" not in args
+        assert vols["integrity"]["secret"]["secretName"] == "kvserve-integrity"
+        assert args[args.index("--integrity-key-file") + 1] == f"{c.mount('integrity')}/key"
 
 
 def test_router_probes_http(manifest: Manifest) -> None:

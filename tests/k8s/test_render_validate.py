@@ -14,7 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from cloudcoil.models.keda.v1alpha1 import ScaledObject
-from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
+from cloudcoil.models.prometheus_operator.v1 import PrometheusRule, ServiceMonitor
 from pydantic import BaseModel
 
 from tests.k8s.conftest import TARGETS
@@ -28,6 +28,7 @@ K8S_VERSION = kubernetes_validate.latest_version()
 CRD_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("keda.sh/v1alpha1", "ScaledObject"): ScaledObject,
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ServiceMonitor,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): PrometheusRule,
 }
 
 

@@ -254,10 +254,12 @@ def test_external_redis_component_removes_in_cluster_redis(rendered: dict[str, M
     assert "redis" not in m.components()
     assert not [o for o in m.objects if o["metadata"]["name"] == "kvserve-redis"]
     secret = m.named("Secret", "kvserve-redis")
-    for c in m.containers(init=False):
-        refs = [e["valueFrom"]["secretKeyRef"] for e in c.spec.get("env", ())
-                if e["name"] == "REDIS_URL"]
-        assert refs == [{"name": secret["metadata"]["name"], "key": "url"}], c.where
+    for role in ("kvstore", "prefill", "decode", "router"):
+        c = m.main_container(role)
+        vols = {v["name"]: v for v in c.workload["spec"]["template"]["spec"]["volumes"]}
+        assert vols["redis"]["secret"] == {"secretName": secret["metadata"]["name"],
+                                           "defaultMode": 0o440,
+                                           "items": [{"key": role, "path": "url"}]}, c.where
 
 
 @pytest.mark.parametrize("name", ["cpu-demo", "gpu"])

@@ -11,8 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-PACKAGES = ("connectors", "decode_svc", "engine", "kvserve", "kvstore", "native", "prefill_svc",
-            "proto", "router", "scripts", "security", "k8s", "tests")
+PACKAGES = ("benchmarks", "connectors", "decode_svc", "engine", "kvserve", "kvstore", "native",
+            "prefill_svc", "proto", "router", "scripts", "security", "studies", "telemetry",
+            "k8s", "tests")
 CODE = sorted(p for pkg in PACKAGES for ext in ("*.py", "*.proto", "*.c", "*.sh")
               for p in (ROOT / pkg).rglob(ext))
 

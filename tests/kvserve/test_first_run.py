@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.redis_server import free_port
+from tests.redis_args import redis_args
 
 CLI = [sys.executable, "-m", "kvserve.cli"]
 
@@ -80,7 +81,7 @@ def test_up_on_a_taken_http_port_fails_fast_naming_it(tmp_path: Path, taken_port
 
 def test_router_serve_on_a_taken_port_exits_and_signals_stop_it(redis_url: str,
                                                                 taken_port: int) -> None:
-    base = [*CLI, "router", "serve", "--model", "tiny-dense", "--redis-url", redis_url,
+    base = [*CLI, "router", "serve", "--model", "tiny-dense", *redis_args(redis_url),
             "--host", "127.0.0.1", "--port", "0"]
     res = subprocess.run([*base, "--http-port", str(taken_port)], capture_output=True,
                          text=True, timeout=60)
@@ -157,6 +158,7 @@ def test_up_second_up_metrics_keys_counters_and_kill9(tmp_path: Path) -> None:
     env = _env(tmp_path)
     keys = tmp_path / "keys.txt"
     keys.write_text("first-run-key-123 acme\n")
+    keys.chmod(0o600)                       # a key file readable by others is refused
     http_port = free_port()
     g3 = tmp_path / "g3"
     up, banner = _start_up(env, "--port", str(http_port), "--api-key-file", str(keys),
@@ -182,8 +184,8 @@ def test_up_second_up_metrics_keys_counters_and_kill9(tmp_path: Path) -> None:
         question = "Tell me about the warehouse tiers: G2, G3 and G4, and when each helps. " * 2
         for _ in range(2):
             chat = _kvserve("chat", "--prompt", question, "--max-tokens", "4", "--stats",
-                            "--api-key", "first-run-key-123", "--traffic-class", "agent",
-                            env=env)
+                            "--traffic-class", "agent",      # the key never in argv
+                            env={**env, "KVSERVE_API_KEY": "first-run-key-123"})
             assert chat.returncode == 0, chat.stderr
         snap = json.loads(_kvserve("status", "--json", env=env).stdout)
         c = snap["cached"]

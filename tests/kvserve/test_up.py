@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -63,7 +64,11 @@ def test_up_chat_status_and_clean_stop(tmp_path: Path) -> None:
         assert state["model"] == "tiny-dense" and state["redis_url"].startswith("redis://")
         for role in ("kvstore", "prefill", "decode"):
             assert f"  {role}" in banner
+        # The banner names Redis with its password masked (the password itself is
+        # only in the operator's 0600 file; tests/kvserve/test_up_secrets.py greps).
         assert state["redis_url"] in banner and "G2 host" in banner
+        password = urlsplit(Path(state["redis_url_file"]).read_text().strip()).password
+        assert password and password not in banner and ":***@" in state["redis_url"]
         # First start made the stack's own CA and certificates under its state dir,
         # every file 0600, and every child serves mTLS with them.
         tls = Path(state["tls_dir"])

@@ -17,6 +17,7 @@ import numpy as np
 
 from common.config import HitRule, TierConfig, TrafficClasses
 from kvstore.warehouse import WarehouseConfig
+from tests.redis_args import redis_args
 
 LAYOUT = "L2xH2xT4xD8:float32"          # 2*2*2*4*8*4 = 1,024 bytes per block
 BLOCK_BYTES = 1024
@@ -69,7 +70,7 @@ class StoreProc:
               g2_bytes: str = "4MiB", config: Path | None = None,
               extra: Sequence[str] = (), timeout_s: float = 30.0) -> StoreProc:
         args = [sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
-                "--port", "0", "--metrics-port", "-1", "--redis-url", redis_url, "--node", node,
+                "--port", "0", "--metrics-port", "-1", *redis_args(redis_url), "--node", node,
                 "--g2-bytes", g2_bytes, "--no-prefault", "--grace", "5", *extra]
         if g3 is not None:
             args += ["--g3-path", str(g3)]

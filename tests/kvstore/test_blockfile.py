@@ -12,8 +12,10 @@ from safetensors.numpy import load
 
 from kvstore.blockfile import (
     FORMAT,
+    UNKEYED,
     BlockCorruptError,
     BlockFormatError,
+    BlockMac,
     BlockMeta,
     checksum,
     decode_block,
@@ -143,3 +145,22 @@ def test_any_single_bit_flip_in_header_or_payload_is_caught() -> None:
         with pytest.raises(BlockCorruptError):
             decode_block(bytes(bad))
             pytest.fail(f"flip at byte {i} decoded")
+
+
+def test_the_header_mac_is_keyed_and_checked_before_parsing() -> None:
+    kv, meta = block(6)
+    key_a, key_b = BlockMac(bytes(range(32))), BlockMac(bytes(range(1, 33)))
+    data = encode_block(kv.tobytes(), meta, mac=key_a)
+    assert bytes(decode_block(data, meta.key, mac=key_a).payload) == kv.tobytes()
+    for wrong in (key_b, UNKEYED):                   # another deployment, or no key at all
+        with pytest.raises(BlockCorruptError, match="MAC mismatch"):
+            decode_block(data, mac=wrong)
+    # A header that only a parser would accept (valid JSON, right fields) but whose
+    # tag is not the key's is refused before it is parsed: same error, whatever it says.
+    hlen = 8 + struct.unpack("<Q", data[:8])[0]
+    forged = data[:hlen].replace(b'"tenant":"default"', b'"tenant":"victim!"')
+    assert len(forged) == hlen and forged != data[:hlen]
+    with pytest.raises(BlockCorruptError, match="MAC mismatch"):
+        parse_header(forged, mac=key_a)
+    with pytest.raises(BlockCorruptError, match="no MAC"):   # format v1 carried none
+        parse_header(data[:hlen].replace(b'"header_mac"', b'"header_chk"'), mac=key_a)

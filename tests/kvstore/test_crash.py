@@ -15,6 +15,7 @@ from kvstore.blockfile import decode_block
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
 from kvstore.index import IDS_HASH, IndexEntry
+from kvstore.integrity import block_mac
 from kvstore.tiers.base import key_relpath
 from kvstore.types import TIER_BITS, RequestCtx
 from tests.kvstore.storeproc import LAYOUT, StoreProc, blocks, keys, write_config
@@ -27,6 +28,7 @@ def audit(redis_url: str, g3_of_node: dict[str, Path]) -> int:
     """Every index entry names a tier holding a complete, verified block; returns
     the number of entries checked."""
     r = redis.Redis.from_url(redis_url)
+    mac = block_mac(None)              # the deployment's (KVSERVE_TLS_DIR), as the store's
     dirs = {int(r.hget(IDS_HASH, f"node:n:{node}") or -1): g3 for node, g3 in g3_of_node.items()}
     checked = 0
     for name in r.scan_iter(match=b"B*", count=1000):
@@ -44,7 +46,7 @@ def audit(redis_url: str, g3_of_node: dict[str, Path]) -> int:
         assert entry.tiers & TIER_BITS["G3"], f"{key.hex()}: no durable tier ({entry.tiers})"
         path = g3 / key_relpath(key)
         assert path.is_file(), f"{key.hex()}: index points at a missing file"
-        block = decode_block(path.read_bytes(), expect_key=key)   # raises on a torn file
+        block = decode_block(path.read_bytes(), key, mac=mac)   # raises on a torn file
         assert block.meta.size == 1024
         checked += 1
     r.close()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from common.traces import Trace, TraceRequest
 from kvstore.eviction import CapacityCache, make_policy, policy_names
-from kvstore.sim import Future, replay_cache
+from studies.sim import Future, replay_cache
 from tests.kvstore.simtrace import random_prefix_trace
 
 ONLINE = [p for p in policy_names() if p != "belady"]

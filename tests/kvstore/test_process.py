@@ -18,6 +18,7 @@ from kvstore.client import KVStoreClient
 from kvstore.keys import chain_keys
 from kvstore.types import RequestCtx
 from tests.kvstore.storeproc import LAYOUT, StoreProc, blocks, keys, write_config
+from tests.redis_args import redis_args
 
 CTX = RequestCtx(tenant="acme", traffic_class="agent")
 
@@ -75,7 +76,7 @@ def test_engine_blocks_survive_a_store_restart_token_identically(redis_url: str,
 
 def _reindex_cli(redis_url: str, g3: Path, node: str) -> dict[str, object]:
     out = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", "store", "reindex", "--redis-url", redis_url,
+        [sys.executable, "-m", "kvserve.cli", "store", "reindex", *redis_args(redis_url),
          "--g3-path", str(g3), "--node", node, "--json"],
         capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout)
@@ -136,7 +137,7 @@ def test_sigterm_drains_and_stats_cli(redis_url: str, tmp_path: Path) -> None:
     # The drain flushed the queued disk writes before exiting.
     assert len(list((tmp_path / "g3").rglob("*.kvb"))) == 5
     r = redis.Redis.from_url(redis_url)
-    assert r.smembers("kvserve:instances") == set()             # deregistered
+    assert r.smembers("kvserve:instances:kvstore") == set()             # deregistered
     r.close()
 
 

@@ -25,7 +25,7 @@ from kvstore.types import RequestCtx
 from kvstore.warehouse import Warehouse, WarehouseConfig
 from proto import common_pb2, kvstore_pb2
 from tests.kvstore.storeproc import LAYOUT, blocks, keys, wh_config
-from tests.tls import aio_channel
+from tests.tls import aio_channel, security
 
 CTX = RequestCtx(tenant="acme")
 
@@ -84,7 +84,8 @@ def test_round_trip_through_the_service(redis_url: str, tmp_path: Path, use_shm:
                 s.wh.tiers["G2"].delete(k)
             got = await c.get(ks, ctx=CTX)
             assert [bytes(p) for p in got.payloads] == [a.tobytes() for a in arr]  # type: ignore[arg-type]
-            assert await c.delete(ks[:5], ctx=CTX) == 5
+            async with KVStoreClient(s.address, security=security("operator")) as op:
+                assert await op.delete(ks[:5], ctx=CTX) == 5    # maintenance: operators only
             assert (await c.lookup(ks, prompt_tokens=161, ctx=CTX)).matched_blocks == 0
     run(body)
 

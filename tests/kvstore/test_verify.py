@@ -168,7 +168,7 @@ def test_the_client_puts_through_a_store_handed_segment(store: StoreProc) -> Non
 
 
 def test_staging_segments_are_fresh_owned_and_bounded() -> None:
-    from kvstore.errors import ShmUnavailable
+    from kvstore.errors import ResourceExhausted, ShmUnavailable
     from kvstore.segments import StagingSegments
 
     st = StagingSegments(max_bytes=6 << 20, min_bytes=1 << 20, per_owner=2)
@@ -182,12 +182,13 @@ def test_staging_segments_are_fresh_owned_and_bounded() -> None:
         with pytest.raises(ShmUnavailable):  # used goes (a1 was just used)
             st.resolve("peer-a", a2.name)
         assert st.resolve("peer-a", a3.name) is a3
-        b = st.open("peer-b", 5 << 20)     # byte cap: least recently used first out
-        assert st.resolve("peer-b", b.name) is b and len(st) == 2
-        with pytest.raises(ShmUnavailable):
-            st.resolve("peer-a", a1.name)  # 1 + 1 + 5 MiB > 6: a1 went, a3 stays
-        with pytest.raises(ShmUnavailable):
-            st.open("peer-b", 7 << 20)     # larger than all staging: the client streams
+        with pytest.raises(ResourceExhausted, match="staging pool is full"):
+            st.open("peer-b", 5 << 20)     # 1 + 1 + 5 MiB > 6: never by pushing out a's
+        assert st.resolve("peer-a", a1.name) is a1 and st.resolve("peer-a", a3.name) is a3
+        b = st.open("peer-b", 4 << 20)     # what fits beside them
+        assert st.resolve("peer-b", b.name) is b and len(st) == 3
+        with pytest.raises(ResourceExhausted, match="share"):
+            st.open("peer-b", 7 << 20)     # larger than a caller's share: the client streams
     finally:
         st.close()
     assert len(st) == 0

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvstore.sim import replay_cache
 from kvstore.whatif import WhatIfEstimator, fit_trace
 from kvstore.whatif_bins import FenwickTree, rt_bin, rt_position
+from studies.sim import replay_cache
 from tests.kvstore.simtrace import make_trace, random_prefix_trace
 
 TTLS = [5.0, 20.0, 60.0, 100.0, 1000.0, math.inf]

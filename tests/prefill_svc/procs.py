@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.redis_server import free_port
+from tests.redis_args import redis_args
 from tests.tls import channel
 
 BLOCK = 16
@@ -111,7 +112,7 @@ def _cli(*args: str) -> list[str]:
 def store(config: Path, redis_url: str, log_dir: Path, port: int = 0) -> Proc:
     port = port or free_port()
     argv = _cli("store", "serve", "--config", str(config), "--host", "127.0.0.1",
-                "--port", str(port), "--redis-url", redis_url, "--metrics-port", "-1",
+                "--port", str(port), *redis_args(redis_url), "--metrics-port", "-1",
                 "--grace", "1")
     return Proc("kvstore", argv, port, log_dir / f"kvstore-{port}.log")
 
@@ -120,7 +121,7 @@ def engine_service(role: str, config: Path, redis_url: str, log_dir: Path, *,
                    store_address: str = "", extra: tuple[str, ...] = ()) -> Proc:
     port, metrics = free_port(), free_port()
     argv = _cli("-v", role, "serve", "--config", str(config), "--host", "127.0.0.1",
-                "--port", str(port), "--redis-url", redis_url, "--store", store_address,
+                "--port", str(port), *redis_args(redis_url), "--store", store_address,
                 "--metrics-port", str(metrics), *extra)
     return Proc(role, argv, port, log_dir / f"{role}-{port}.log", metrics)
 

@@ -1,14 +1,21 @@
-"""The prompt KV host buffer: byte pieces, shared memory, expiry, limits."""
+"""The prompt KV host buffer: byte pieces, private shared memory, checksums,
+a lifetime bounded by memory rather than a clock."""
 
 from __future__ import annotations
 
 import os
+import stat
+from pathlib import Path
 
 import pytest
 import torch
 
-from service.errors import HandleExpired, Overloaded
-from service.kv_buffer import KVAssembler, KVBuffer, KVShape
+from service import kv_shm
+from service.errors import HandleExpired
+from service.kv_buffer import KVAssembler, KVBuffer, KVIntegrityError, KVPiece, KVShape
+
+SHM = "/dev/shm"
+needs_shm = pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm on this machine")
 
 
 class Clock:
@@ -24,16 +31,23 @@ def _kv(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.arange(3 * 2 * 2 * n * 8, dtype=torch.float32).reshape(3, 2, 2, n, 8).to(dtype)
 
 
+def _buf(max_bytes: int = 1 << 20, **kw: object) -> KVBuffer:
+    kw.setdefault("chunk_bytes", 1 << 20)
+    return KVBuffer(max_bytes=max_bytes, **kw)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pieces_reassemble_exactly(dtype: torch.dtype) -> None:
     kv = _kv(37, dtype)
     token_bytes = KVShape.of(kv).token_nbytes
-    buf = KVBuffer(ttl_s=10, max_bytes=1 << 20, chunk_bytes=64 * 1024, shm_dir="")
-    entry = buf.put("r1", kv)
+    buf = _buf(chunk_bytes=64 * 1024)
+    entry = buf.put("r1", kv, seed=7)
+    assert entry is not None
     pieces = list(buf.pieces(entry))
     assert sum(p.token_count for p in pieces) == 37
     assert all(len(p.data) == p.token_count * token_bytes for p in pieces)
-    asm = KVAssembler(KVShape.of(kv), 37)
+    assert all(p.checksum == kv_shm.piece_checksum(p.data, 7) for p in pieces)
+    asm = KVAssembler(KVShape.of(kv), 37, seed=7)
     for p in pieces:
         asm.add(p)
     assert torch.equal(asm.done(), kv)
@@ -41,114 +55,186 @@ def test_pieces_reassemble_exactly(dtype: torch.dtype) -> None:
 
 def test_small_chunks_split_along_tokens() -> None:
     kv = torch.randn(30, 2, 3, 100, 64)          # 46080 bytes per token
-    buf = KVBuffer(ttl_s=10, max_bytes=1 << 30, chunk_bytes=64 * 1024, shm_dir="")
-    pieces = list(buf.pieces(buf.put("r", kv)))
+    buf = _buf(1 << 30, chunk_bytes=64 * 1024)
+    entry = buf.put("r", kv, seed=1)
+    assert entry is not None
+    pieces = list(buf.pieces(entry))
     assert [p.token_count for p in pieces][:2] == [1, 1]
     assert len(pieces) == 100
-    asm = KVAssembler(KVShape.of(kv), 100)
+    asm = KVAssembler(KVShape.of(kv), 100, seed=1)
     for p in pieces:
         asm.add(p)
     assert torch.equal(asm.done(), kv)
 
 
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
-def test_shared_memory_piece_and_cleanup() -> None:
+def test_a_piece_that_does_not_match_its_checksum_is_refused() -> None:
+    """A flipped byte, a missing checksum, another handle's seed: each refused."""
+    kv = _kv(8)
+    buf = _buf()
+    entry = buf.put("r", kv, seed=11)
+    assert entry is not None
+    (piece,) = buf.pieces(entry)
+    flipped = bytearray(piece.data)
+    flipped[5] ^= 1
+    bad = [KVPiece(0, 8, bytes(flipped), checksum=piece.checksum),
+           KVPiece(0, 8, piece.data),
+           KVPiece(0, 8, piece.data, checksum=kv_shm.piece_checksum(piece.data, 12))]
+    for p in bad:
+        with pytest.raises(KVIntegrityError, match="checksum"):
+            KVAssembler(KVShape.of(kv), 8, seed=11).add(p)
+    asm = KVAssembler(KVShape.of(kv), 8, seed=11)
+    asm.add(piece)
+    assert torch.equal(asm.done(), kv)
+
+
+@needs_shm
+def test_shared_memory_file_is_private_and_verified_then_removed() -> None:
     kv = _kv(20)
-    buf = KVBuffer(ttl_s=10, max_bytes=1 << 20, chunk_bytes=1 << 20, shm_dir="/dev/shm")
-    entry = buf.put("r", kv)
+    buf = _buf(shm_dir=SHM)
+    entry = buf.put("r", kv, seed=3)
+    assert entry is not None
     piece = buf.shm_piece(entry)
     assert piece.data == b"" and piece.size == kv.numel() * 4
+    assert kv_shm.NAME.match(piece.shm_name)
+    path = Path(SHM, piece.shm_name)
+    st = path.lstat()
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_uid == os.getuid()
     assert buf.shm_piece(entry).shm_name == piece.shm_name      # written once
-    asm = KVAssembler(KVShape.of(kv), 20)
-    assert asm.shm_visible(piece.shm_name)
+    asm = KVAssembler(KVShape.of(kv), 20, seed=3)
+    assert asm.shm_usable(piece.shm_name)
     asm.add(piece)
     got = asm.done()
     assert torch.equal(got, kv)
     assert buf.release("r") is True
-    assert not os.path.exists(f"/dev/shm/{piece.shm_name}")
+    assert not path.exists()
     assert buf.stats().bytes == 0
-    # The whole-prompt piece is mapped, not copied: it stays readable after the
-    # file is gone, and writing to it never reaches another reader.
+    # Decode holds its own copy: it outlives the file and no other reader sees it.
     assert torch.equal(got, kv)
-    got.zero_()
-    assert torch.equal(got, torch.zeros_like(kv))
 
 
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
+@needs_shm
+def test_a_tampered_shared_memory_file_is_detected() -> None:
+    """The file's bytes are checked against the checksum taken from prefill's
+    memory, so an edit after the write never reaches the engine."""
+    kv = _kv(20)
+    buf = _buf(shm_dir=SHM)
+    entry = buf.put("r", kv, seed=99)
+    assert entry is not None
+    piece = buf.shm_piece(entry)
+    fd = os.open(Path(SHM, piece.shm_name), os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\x00\x00\x80\x7f", 64)         # one float becomes +inf
+    finally:
+        os.close(fd)
+    with pytest.raises(KVIntegrityError, match="does not match"):
+        KVAssembler(KVShape.of(kv), 20, seed=99).add(piece)
+    buf.close()
+
+
+@needs_shm
+def test_names_already_taken_are_never_opened(tmp_path: Path) -> None:
+    """A pre-created file and a symlink planted at the next names are left alone:
+    the buffer takes a fresh name (exclusive create, no link followed)."""
+    planted = iter(["kvserve-kv-" + "a" * 32, "kvserve-kv-" + "b" * 32, "kvserve-kv-" + "c" * 32])
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    Path(SHM, "kvserve-kv-" + "a" * 32).write_bytes(b"attacker")
+    Path(SHM, "kvserve-kv-" + "b" * 32).symlink_to(victim)
+    try:
+        buf = _buf(shm_dir=SHM, names=lambda: next(planted))
+        entry = buf.put("r", _kv(4), seed=1)
+        assert entry is not None
+        piece = buf.shm_piece(entry)
+        assert piece.shm_name == "kvserve-kv-" + "c" * 32
+        assert Path(SHM, "kvserve-kv-" + "a" * 32).read_bytes() == b"attacker"
+        assert victim.read_bytes() == b"keep"
+        # The reader refuses a link or a file it does not own privately.
+        asm = KVAssembler(KVShape.of(_kv(4)), 4, seed=1)
+        assert not asm.shm_usable("kvserve-kv-" + "b" * 32)
+        os.chmod(Path(SHM, "kvserve-kv-" + "a" * 32), 0o644)
+        assert not asm.shm_usable("kvserve-kv-" + "a" * 32)
+        buf.close()
+        with pytest.raises(FileExistsError):
+            _buf(shm_dir=SHM, names=lambda: "kvserve-kv-" + "a" * 32).shm_piece(
+                _buf().put("x", _kv(4), seed=1))  # type: ignore[arg-type]
+    finally:
+        for n in ("a", "b", "c"):
+            Path(SHM, "kvserve-kv-" + n * 32).unlink(missing_ok=True)
+
+
+@needs_shm
 def test_short_or_released_shared_memory_is_refused() -> None:
     kv = _kv(20)
-    buf = KVBuffer(ttl_s=10, max_bytes=1 << 20, chunk_bytes=1 << 20, shm_dir="/dev/shm")
-    piece = buf.shm_piece(buf.put("r", kv))
-    os.truncate(f"/dev/shm/{piece.shm_name}", piece.size // 2)
+    buf = _buf(shm_dir=SHM)
+    entry = buf.put("r", kv, seed=5)
+    assert entry is not None
+    piece = buf.shm_piece(entry)
+    os.truncate(Path(SHM, piece.shm_name), piece.size // 2)
     with pytest.raises(ValueError, match="short"):
-        KVAssembler(KVShape.of(kv), 20).add(piece)
+        KVAssembler(KVShape.of(kv), 20, seed=5).add(piece)
     buf.release("r")
-    gone = buf.put("g", kv)
+    gone = buf.put("g", kv, seed=5)
+    assert gone is not None
     buf.release("g")                    # released before its first pull
     with pytest.raises(HandleExpired, match="released"):
         buf.shm_piece(gone)
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvserve-kv-{os.getpid()}-")]
+    assert buf.stats().shm_files == 0
 
 
-def test_expiry_and_release_say_why() -> None:
+def test_no_clock_expiry_only_abandoned_entries_are_swept() -> None:
+    """A handle waits as long as decode is backlogged; only one nobody pulled
+    for ``abandon_s`` goes (decode would rebuild it), and each drop says why."""
     clock = Clock()
-    buf = KVBuffer(ttl_s=5, max_bytes=1 << 20, chunk_bytes=1 << 20, clock=clock)
-    buf.put("a", _kv(4))
-    buf.put("b", _kv(4))
-    clock.t += 6
-    with pytest.raises(HandleExpired, match="expired"):
+    buf = _buf(abandon_s=100, clock=clock)
+    buf.put("a", _kv(4), seed=1)
+    clock.t += 99
+    buf.put("b", _kv(4), seed=1)
+    assert buf.get("a").request_id == "a"
+    clock.t += 2
+    assert buf.sweep() == 1
+    with pytest.raises(HandleExpired, match="never pulled; rebuild"):
         buf.get("a")
-    assert buf.release("b") is False               # expired before decode let go
-    assert buf.sweep() == 0
+    assert buf.release("b") is True
+    with pytest.raises(HandleExpired, match="released"):
+        buf.get("b")
+    assert buf.release("b") is False
     with pytest.raises(HandleExpired, match="never prefilled"):
         buf.get("zzz")
-    buf.put("c", _kv(4))
-    assert buf.release("c") is True
-    with pytest.raises(HandleExpired, match="released"):
-        buf.get("c")
+    assert buf.stats().abandoned == 1 and buf.stats().released == 1
 
 
-def test_full_buffer_refuses_and_frees_on_expiry() -> None:
-    clock = Clock()
+def test_a_full_buffer_drops_the_oldest_for_the_newest() -> None:
+    """Bounded by bytes: a put that needs room evicts the oldest entries, which
+    decode then rebuilds; one larger than the whole buffer is not held at all."""
     one = _kv(16).numel() * 4
-    buf = KVBuffer(ttl_s=5, max_bytes=2 * one, chunk_bytes=1 << 20, clock=clock)
-    buf.put("a", _kv(16))
-    buf.put("b", _kv(16))
-    with pytest.raises(Overloaded, match="buffer full"):
-        buf.put("c", _kv(16))
-    clock.t += 6
-    buf.put("c", _kv(16))                          # expired entries made room
-    assert buf.stats().entries == 1 and buf.stats().expired == 2
-
-
-def test_room_is_checked_before_the_handle_and_its_expiry_is_kept() -> None:
-    """Prefill answers before the KV is buffered: the room check and the expiry
-    it promises in the handle must hold for the put that follows."""
-    clock = Clock()
-    one = _kv(16).numel() * 4
-    buf = KVBuffer(ttl_s=5, max_bytes=2 * one, chunk_bytes=1 << 20, clock=clock)
-    promised = buf.expiry()
-    buf.check_room(2 * one)
-    clock.t += 1                                   # the copy-out takes a while
-    assert buf.put("a", _kv(16), expires_at=promised).expires_at == promised == 1005.0
-    buf.put("b", _kv(16))
-    with pytest.raises(Overloaded, match="buffer full"):
-        buf.check_room(1)
-    clock.t += 4
-    with pytest.raises(HandleExpired, match="expired"):
-        buf.get("a")                               # at the promised time, not a second later
+    buf = _buf(2 * one)
+    buf.put("a", _kv(16), seed=1)
+    buf.put("b", _kv(16), seed=1)
+    buf.put("c", _kv(16), seed=1)
+    with pytest.raises(HandleExpired, match="dropped for room; rebuild"):
+        buf.get("a")
+    assert buf.get("b") and buf.get("c")
+    assert buf.stats().evicted == 1 and buf.bytes == 2 * one
+    assert buf.put("huge", _kv(48), seed=1) is None
+    with pytest.raises(HandleExpired, match="larger than the whole buffer"):
+        buf.get("huge")
+    assert buf.stats().unbuffered == 1 and buf.stats().entries == 2
 
 
 def test_assembler_rejects_bad_pieces() -> None:
     kv = _kv(8)
     shape = KVShape.of(kv)
-    buf = KVBuffer(ttl_s=5, max_bytes=1 << 20, chunk_bytes=1 << 20)
-    (piece,) = list(buf.pieces(buf.put("r", kv)))
-    asm = KVAssembler(shape, 9)
+    buf = _buf()
+    entry = buf.put("r", kv, seed=2)
+    assert entry is not None
+    (piece,) = list(buf.pieces(entry))
+    asm = KVAssembler(shape, 9, seed=2)
     asm.add(piece)
     with pytest.raises(ValueError, match="ended after 8 of 9"):
         asm.done()
     with pytest.raises(ValueError, match="bytes"):
-        KVAssembler(shape, 8).add(type(piece)(0, 8, piece.data[:-4]))
+        KVAssembler(shape, 8, seed=2).add(KVPiece(0, 8, piece.data[:-4]))
     with pytest.raises(ValueError, match="bad shared-memory name"):
-        KVAssembler(shape, 8).add(type(piece)(0, 8, shm_name="../etc/passwd", size=len(piece.data)))
+        KVAssembler(shape, 8, seed=2).add(KVPiece(0, 8, shm_name="../etc/passwd",
+                                                  size=len(piece.data)))

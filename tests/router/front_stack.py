@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvstore.redis_server import free_port
 from tests.prefill_svc.procs import Proc, healthy
+from tests.redis_args import redis_args
 
 
 @dataclass(slots=True)
@@ -128,7 +129,7 @@ def router_proc(config: Path, redis_url: str, log_dir: Path, *,
     port, http_port = free_port(), free_port()
     argv = [sys.executable, "-m", "kvserve.cli", "router", "serve", "--config", str(config),
             "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
-            "--redis-url", redis_url, *extra]
+            *redis_args(redis_url), *extra]
     return RouterProc(Proc("router", argv, port, log_dir / f"router-{port}.log"), http_port,
                       extra)
 

@@ -43,8 +43,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     d = tmp_path_factory.mktemp("cancel")
     config = write_config(d / "kvserve.toml", model=MODEL, block_tokens=BLOCK)
     with EmbeddedRedis() as redis:
+        # Prefill steps of one block (--step-tokens): one step = one chunk here.
         engines = [engine_service(role, config, redis.url, d, store_address="",
-                                  extra=("--num-blocks", "160"))
+                                  extra=("--num-blocks", "160", *(
+                                      ("--step-tokens", str(BLOCK)) if role == "prefill" else ())))
                    for role in ("prefill", "decode")]
         r = router_proc(config, redis.url, d)
         procs = [*engines, r.proc]

@@ -37,6 +37,7 @@ import pytest
 from kvstore.redis_server import EmbeddedRedis, free_port
 from proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.prefill_svc.procs import Proc, engine_service, start_all, write_config
+from tests.redis_args import redis_args
 from tests.router.front_stack import (
     RouterProc,
     http,
@@ -71,7 +72,7 @@ def _instance_id(p: Proc) -> str:
 def _store(config: Path, redis_url: str, log_dir: Path, node: str) -> Proc:
     port = free_port()
     argv = [sys.executable, "-m", "kvserve.cli", "store", "serve", "--config", str(config),
-            "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
+            "--host", "127.0.0.1", "--port", str(port), *redis_args(redis_url),
             "--metrics-port", "-1", "--grace", "1", "--node", node]
     return Proc("kvstore", argv, port, log_dir / f"kvstore-{node}.log")
 
@@ -197,7 +198,7 @@ def test_restarted_instance_rejoins(cluster: Cluster, tmp_path: Path) -> None:
     assert len(_live(cluster.decode)) == 1
     p = next(iter(cluster.prefill.values()))
     config = Path(p.argv[p.argv.index("--config") + 1])
-    redis_url = p.argv[p.argv.index("--redis-url") + 1]
+    redis_url = Path(p.argv[p.argv.index("--redis-url-file") + 1]).read_text().strip()
     store_address = p.argv[p.argv.index("--store") + 1]
     fresh = engine_service("decode", config, redis_url, tmp_path, store_address=store_address)
     start_all(fresh)

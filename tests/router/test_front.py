@@ -80,6 +80,7 @@ def keyed_router(stack: Stack, tmp_path_factory: pytest.TempPathFactory
     d = tmp_path_factory.mktemp("keyed")
     keys = d / "keys.txt"
     keys.write_text("# key tenant\nsk-alice-0123456789 alice\nsk-bob-0123456789 bob\n")
+    keys.chmod(0o600)                       # a key file readable by others is refused
     r = router_proc(stack.config, stack.redis_url, d, extra=("--api-key-file", str(keys)))
     r.proc.start().wait_ready(60)
     try:
@@ -405,6 +406,7 @@ def test_router_serve_rejects_bad_configuration(tmp_path: Path,
 
     keys = tmp_path / "keys.txt"
     keys.write_text("only-one-field\n")
+    keys.chmod(0o600)
     for extra, why in ((["--api-key-file", str(keys)], "want 'KEY TENANT'"),
                        (["--api-key-file", str(tmp_path / "missing")], "cannot read"),
                        (["--policy", "fastest"], "unknown router policy 'fastest'")):

@@ -7,7 +7,11 @@ with mTLS (the session deployment, tests/conftest.py), a real Redis.
   no handler ever runs (gRPC reports UNAVAILABLE: a status cannot be sent on a
   connection that was never authenticated; docs/security.md).
 - A certificate of this CA that names no kvserve identity: UNAUTHENTICATED.
-- An authenticated identity calling what its role may not: PERMISSION_DENIED.
+- An authenticated identity calling what its role may not: PERMISSION_DENIED,
+  for every (role, method) pair of the per-role table (security/methods.py):
+  a kvstore certificate cannot call Prefill, the router cannot Put or Delete,
+  operator-only methods (Delete, reflection, anything unlisted) refuse everyone
+  else, a tenant-scoped identity of any role gets only its tenant's calls.
 - Redis without the password: an authentication error (NOAUTH).
 """
 
@@ -29,8 +33,10 @@ from cryptography.x509.oid import NameOID
 
 from proto import kvstore_pb2, prefill_pb2
 from security.config import SecurityConfig
+from security.methods import may_call
 from security.pki import CertAuthority, CertRequest, IssuedCert, server_name
 from tests.prefill_svc.procs import Proc, engine_service, start_all, store, write_config
+from tests.redis_args import redis_args
 
 CALLS = {  # role -> (method, a valid request)
     "kvstore": ("/kvserve.v1.KVStore/Lookup",
@@ -75,6 +81,69 @@ def _call(channel: grpc.Channel, role: str) -> grpc.StatusCode:
     except grpc.RpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
+
+
+# Every method of the three engine-side servers, as (server, path, kind); payloads
+# are empty, so an allowed call fails later (INVALID_ARGUMENT and the like) and
+# does no work: only whether the interceptor let it through matters here.
+METHODS = [("kvstore", f"/kvserve.v1.KVStore/{m}", k) for m, k in (
+    ("Lookup", "uu"), ("Get", "us"), ("Put", "su"), ("Stage", "uu"), ("Stats", "uu"),
+    ("Delete", "uu"))] + [
+    ("prefill", "/kvserve.v1.Prefill/Prefill", "uu"),
+    ("prefill", "/kvserve.v1.Prefill/PullKV", "us"),
+    ("prefill", "/kvserve.v1.Prefill/Release", "uu"),
+    ("decode", "/kvserve.v1.Decode/Decode", "us"),
+    ("kvstore", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "ss"),
+]
+CALLERS = [("kvstore", ""), ("prefill", ""), ("decode", ""), ("router", ""), ("engine", ""),
+           ("operator", ""), ("tenant", "acme"), ("engine", "acme"), ("operator", "acme")]
+REFUSALS = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.UNAVAILABLE)
+
+
+def _invoke(ch: grpc.Channel, path: str, kind: str) -> grpc.StatusCode:
+    try:
+        if kind == "uu":
+            ch.unary_unary(path)(b"", timeout=10)
+        elif kind == "us":
+            for _ in ch.unary_stream(path)(b"", timeout=10):
+                pass
+        elif kind == "su":
+            ch.stream_unary(path)(iter([b""]), timeout=10)
+        else:
+            for _ in ch.stream_stream(path)(iter([b""]), timeout=10):
+                pass
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize(("role", "tenant"), CALLERS)
+def test_each_role_may_call_exactly_its_methods(stack: Stack, tls_dir: str, tmp_path: Path,
+                                                role: str, tenant: str) -> None:
+    ca = CertAuthority.load(Path(tls_dir) / "ca")
+    ca.issue(CertRequest(role, tenant=tenant)).save(tmp_path)
+    sec = SecurityConfig(str(tmp_path))
+    wrong = []
+    for server, path, kind in METHODS:
+        with sec.sync_channel(stack.procs[server].address, server) as ch:
+            code = _invoke(ch, path, kind)
+        allowed = may_call(role, path, scoped=bool(tenant))
+        if allowed != (code not in REFUSALS) or (not allowed and
+                                                 code != grpc.StatusCode.PERMISSION_DENIED):
+            wrong.append(f"{path}: {code.name} (allowed: {allowed})")
+    assert wrong == [], f"{role}{'/' + tenant if tenant else ''}"
+
+
+def test_the_table_says_what_the_issue_asks() -> None:
+    assert not may_call("kvstore", "/kvserve.v1.Prefill/Prefill", scoped=False)
+    for m in ("Put", "Delete", "Get", "Lookup"):
+        assert not may_call("router", f"/kvserve.v1.KVStore/{m}", scoped=False)
+    for role in ("kvstore", "prefill", "decode", "router", "engine", "tenant"):
+        assert not may_call(role, "/kvserve.v1.KVStore/Delete", scoped=False)
+        assert not may_call(role, "/kvserve.v1.KVStore/SomethingNew", scoped=False)
+    assert may_call("operator", "/kvserve.v1.KVStore/SomethingNew", scoped=False)
+    assert not may_call("operator", "/kvserve.v1.KVStore/Delete", scoped=True)
 
 
 def _stranger(ca: CertAuthority | None, uris: list[str]) -> IssuedCert:
@@ -163,11 +232,11 @@ def test_serve_refuses_plain_text_unless_told_insecure(tmp_path: Path,
                                                       redis_server: str) -> None:
     monkeypatch.delenv("KVSERVE_TLS_DIR")
     out = subprocess.run([sys.executable, "-m", "kvserve.cli", "store", "serve", "--port", "0",
-                          "--redis-url", redis_server], capture_output=True, text=True,
+                          *redis_args(redis_server)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode != 0 and "--insecure" in out.stderr
     p = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "store", "serve", "--port", "0",
-                          "--metrics-port", "-1", "--redis-url", redis_server, "--insecure",
+                          "--metrics-port", "-1", *redis_args(redis_server), "--insecure",
                           "--grace", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:

@@ -54,9 +54,14 @@ def test_secret_is_required_outside_insecure(tmp_path: Path,
     with pytest.raises(SecurityError, match="no deployment secret"):
         SecurityConfig(str(tmp_path / "id")).require_secret()
     (tmp_path / "short").write_text("abcd")
+    (tmp_path / "short").chmod(0o600)
     with pytest.raises(SecurityError, match="holds 2 bytes"):
         SecurityConfig(str(tmp_path / "id"), secret_file=str(tmp_path / "short"))
     (tmp_path / "good").write_text(os.urandom(32).hex())
+    (tmp_path / "good").chmod(0o644)        # readable by every local user: refused
+    with pytest.raises(SecurityError, match="readable by every local user"):
+        SecurityConfig(str(tmp_path / "id"), secret_file=str(tmp_path / "good"))
+    (tmp_path / "good").chmod(0o600)
     assert len(SecurityConfig(str(tmp_path / "id"),
                               secret_file=str(tmp_path / "good")).require_secret()) == 32
     assert SecurityConfig(insecure=True).require_secret() == b""

@@ -63,8 +63,8 @@ def tls_terminator(cert_dir: Path, backend: tuple[str, int]) -> Iterator[int]:
 def test_block_index_over_rediss(tls_dir: str) -> None:
     with EmbeddedRedis() as redis, \
             tls_terminator(Path(tls_dir) / "kvstore", (redis.host, redis.port)) as port:
-        password = urlsplit(redis.url).password
-        url = (f"rediss://:{password}@127.0.0.1:{port}/0"
+        auth = urlsplit(redis.url_for("kvstore")).netloc.rsplit("@", 1)[0]
+        url = (f"rediss://{auth}@127.0.0.1:{port}/0"
                f"?ssl_ca_certs={Path(tls_dir) / 'ca' / 'ca.crt'}")
         keys = [bytes([i]) * 16 for i in range(1, 5)]
 

@@ -1,0 +1,177 @@
+"""Micro-benchmark of the batch-invariant kernels (engine/bik.py): GEMM at the
+SmolLM2 prefill and decode shapes against torch.mm (MKL), attention at 1.5k
+keys, and optionally cold TTFT; with ``--against OLD.so`` every figure is also
+taken on another build of the kernels in the same process, the two timed in
+alternation (on a shared host the load moves between runs; alternating keeps
+the ratio fair). Timing is the best of several rounds.
+
+    python -m benchmarks.bik [--against /path/to/old/_bik.so] [--ttft] [--json]
+        [--threads 1]   # one thread, timed by its CPU time: steady on a loaded host
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmarks.harness import Chart, Report, Table, emit, interleaved, output_flags
+from engine import bik
+
+# (M, K, N): q/o (576 -> 576), k/v (576 -> 192), gate_up (576 -> 3072), down (1536 -> 576)
+PREFILL_SHAPES = ((512, 576, 576), (512, 576, 192), (512, 576, 3072), (512, 1536, 576))
+DECODE_SHAPES = tuple((m, k, n) for m in (1, 8) for k, n in ((576, 576), (576, 3072),
+                                                            (1536, 576)))
+HEADS, KV_HEADS, HEAD_DIM, KEYS = 9, 3, 64, 1493
+
+
+@dataclass(frozen=True, slots=True)
+class BenchBikOptions:
+    against: str = ""        # another build's .so, timed in alternation
+    rounds: int = 5
+    ttft: bool = False       # also cold TTFT of SmolLM2 at KEYS tokens (loads the model)
+    threads: int = 0         # 0 = torch's default
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError("rounds must be >= 1")
+        if self.against and not os.path.isfile(self.against):
+            raise ValueError(f"--against {self.against}: no such file")
+
+
+@dataclass(slots=True)
+class BenchBikResult:
+    machine: str
+    values: dict[str, float] = field(default_factory=dict)
+
+
+def _clock() -> Callable[[], float]:
+    """On one thread the calling thread does all the work: its CPU time leaves
+    out the slices other processes take on a shared host. Else wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def _best(fns: dict[str, Callable[[], object]], reps: int, rounds: int) -> dict[str, float]:
+    """Best seconds per call of each fn, the fns interleaved round by round."""
+    timings = interleaved({name: (lambda _r, fn=fn: fn()) for name, fn in fns.items()},
+                          rounds=rounds, warmup=True, calls=dict.fromkeys(fns, reps),
+                          clock=_clock())
+    return {name: tm.min for name, tm in timings.items()}
+
+
+Ctx = Callable[[], contextlib.AbstractContextManager[None]]
+
+
+def _builds(opts: BenchBikOptions) -> dict[str, Ctx]:
+    out: dict[str, Ctx] = {"bik": contextlib.nullcontext}
+    if opts.against:
+        out["other"] = lambda: bik.build(opts.against)
+    return out
+
+
+def _on(ctx: Ctx, fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with ctx():
+            return fn()
+    return run
+
+
+def _gemm(opts: BenchBikOptions, res: BenchBikResult) -> None:
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in PREFILL_SHAPES + DECODE_SHAPES:
+        x, w_t = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+        w = bik.pack(w_t)
+        fns = {name: _on(ctx, lambda x=x, w=w: bik.linear(x, w))
+               for name, ctx in _builds(opts).items()}
+        fns["mkl"] = lambda x=x, w_t=w_t: torch.mm(x, w_t)
+        reps = 3 if m > 8 else 50
+        for name, t in _best(fns, reps, opts.rounds).items():
+            res.values[f"gemm_{m}x{k}x{n}_{name}_gflops"] = 2 * m * k * n / t / 1e9
+        res.values[f"gemm_{m}x{k}x{n}_bik_vs_mkl"] = (res.values[f"gemm_{m}x{k}x{n}_bik_gflops"]
+                                                      / res.values[f"gemm_{m}x{k}x{n}_mkl_gflops"])
+
+
+def _attention(opts: BenchBikOptions, res: BenchBikResult) -> None:
+    g = torch.Generator().manual_seed(1)
+    cap = KEYS + 43
+    kv = torch.randn(2, KV_HEADS, cap, HEAD_DIM, generator=g)
+    rows, start = 512, KEYS - 512           # the last prefill chunk of a 1,493-token prompt
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=g)
+    out = torch.empty(rows, HEADS * HEAD_DIM)
+    pre = [bik.AttnSegment(0, rows, start, kv)]
+    qd = torch.randn(8, HEADS, HEAD_DIM, generator=g)
+    outd = torch.empty(8, HEADS * HEAD_DIM)
+    dec = [bik.AttnSegment(i, 1, KEYS - 1, kv) for i in range(8)]
+    pairs_pre = HEADS * sum(start + r + 1 for r in range(rows))
+    pairs_dec = HEADS * 8 * KEYS
+    for what, fn_q, segs, o, pairs, reps in (("prefill512", q, pre, out, pairs_pre, 2),
+                                             ("decode8", qd, dec, outd, pairs_dec, 20)):
+        fns = {name: _on(ctx, lambda q=fn_q, s=segs, o=o: bik.attend(q, s, KV_HEADS, 0, o))
+               for name, ctx in _builds(opts).items()}
+        for name, t in _best(fns, reps, opts.rounds).items():
+            res.values[f"attend_{what}_{name}_ns_per_row_head_key"] = t / pairs * 1e9
+
+
+def _ttft(opts: BenchBikOptions, res: BenchBikResult) -> None:
+    from engine.config import EngineConfig
+    from engine.runner import Engine
+
+    eng = Engine(EngineConfig(model="smollm2", block_tokens=64, num_blocks=512))
+    g = torch.Generator().manual_seed(7)
+    toks = torch.randint(0, eng.model_config.vocab_size, (KEYS,), generator=g).tolist()
+
+    def cold() -> None:
+        eng.prefill("c", toks)
+        eng.free("c")
+
+    fns = {name: _on(ctx, cold) for name, ctx in _builds(opts).items()}
+    for name, t in _best(fns, 1, opts.rounds).items():
+        res.values[f"ttft_cold_{KEYS}_{name}_s"] = t
+
+
+def run_bench_bik(opts: BenchBikOptions) -> BenchBikResult:
+    if not bik.available():
+        raise RuntimeError("native._bik is not built")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    bik.set_threads(torch.get_num_threads())
+    load = os.getloadavg()[0]
+    clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall time"
+    res = BenchBikResult(machine=f"cpu-{torch.get_num_threads()}t {bik.current_path()}, {clock}")
+    _gemm(opts, res)
+    _attention(opts, res)
+    if opts.ttft:
+        _ttft(opts, res)
+    res.values["load_average_start"] = load
+    res.values["load_average_end"] = os.getloadavg()[0]
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bik", description=__doc__)
+    ap.add_argument("--against", default="", help="another build's _bik .so, timed alongside")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ttft", action="store_true", help="also cold TTFT of SmolLM2 (loads it)")
+    ap.add_argument("--threads", type=int, default=0)
+    output_flags(ap)
+    a = ap.parse_args(argv)
+    res = run_bench_bik(BenchBikOptions(against=a.against, rounds=a.rounds, ttft=a.ttft,
+                                        threads=a.threads))
+    ratios = {k.removeprefix("gemm_").removesuffix("_bik_vs_mkl"): v
+              for k, v in res.values.items() if k.endswith("_bik_vs_mkl")}
+    emit(Report(f"bik kernels on {res.machine}", {"machine": res.machine, "values": res.values},
+                [Table(("metric", "value"), list(res.values.items()))],
+                chart=Chart("bik GEMM / torch.mm (MKL), same run", tuple(ratios),
+                            {"bik / MKL": list(ratios.values())}, kind="barh",
+                            xlabel="throughput ratio")),
+         as_json=a.json, png=a.png)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

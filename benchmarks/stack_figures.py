@@ -1,0 +1,94 @@
+"""The figures of ``kvserve bench stack``, from AIPerf's per-request records, the
+services' counters (deltas over a phase) and the limits of the same run.
+
+Effective prefill tokens/s: every prompt token served, cached ones included,
+over the time the phase took to give every request its first token (first
+request sent to last first token). Its limit is the same prompts on this device
+with nothing but the unavoidable work, done one after the other: the compute of
+each request's misses at the reference prefill's speed (``Limits.miss_time``:
+its prompt L with c tokens cached costs t(L) - t(c)) plus the tokens the prefill
+service restored from the warehouse (G2) at the pinned host -> device copy's
+speed. G1 hits (the engine's own pool) cost nothing in the limit.
+
+Decode tokens/s at the batch the SLO allows: the phase keeps ``batch`` requests
+in flight; the decode service's counters give the batch it ran (tokens per
+step), AIPerf the time between tokens (median over requests), so tokens/s =
+mean batch / inter-token time. The roofline is that batch reading every weight
+and its sequences' KV once per step at the device copy's bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from benchmarks.stack_aiperf import Record
+from benchmarks.stack_limits import Limits
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if len(xs) else 0.0
+
+
+def counter(delta: Mapping[str, float], suffix: str) -> float:
+    """The sum of the samples whose name ends with ``suffix`` (labels summed)."""
+    return sum(v for k, v in delta.items() if k.endswith(suffix))
+
+
+def latency(records: Sequence[Record]) -> dict[str, float]:
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft_s for r in ok]
+    itl = [r.itl_s for r in ok if r.output_tokens > 1]
+    return {"ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
+            "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50), "itl_p90_s": pct(itl, 90)}
+
+
+def prefill_figures(records: Sequence[Record], limits: Limits,
+                    prefill: Mapping[str, float], decode: Mapping[str, float]) -> dict[str, float]:
+    """``prefill`` / ``decode``: counter deltas of the services over the phase."""
+    ok = [r for r in records if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    span = (max(r.first_token_s for r in ok) - min(r.start_s for r in ok)) if ok else 0.0
+    warehouse = counter(prefill, "_warehouse_tokens_total")
+    compute_s = sum(limits.miss_time(r.prompt_tokens, r.cached_tokens) for r in ok)
+    pcie_s = warehouse * limits.kv_bytes_per_token / (limits.h2d_gbps * 1e9)
+    limit_s = compute_s + pcie_s
+    eff = prompt / span if span > 0 else 0.0
+    limit = prompt / limit_s if limit_s > 0 else 0.0
+    pull_s = counter(decode, "_pull_seconds_total")
+    return {"requests": float(len(records)), "errors": float(len(records) - len(ok)),
+            "prompt_tokens": float(prompt), "cached_tokens": float(cached),
+            "cached_fraction": cached / prompt if prompt else 0.0,
+            "g1_tokens": counter(prefill, "_g1_tokens_total"),
+            "warehouse_tokens": warehouse,
+            "computed_tokens": counter(prefill, "_computed_tokens_total"),
+            "span_s": span, "effective_prefill_tps": eff,
+            "limit_compute_s": compute_s, "limit_pcie_s": pcie_s, "limit_tps": limit,
+            "vs_limit": eff / limit if limit else 0.0,
+            # Where the rest goes: every prompt's whole KV crosses the host to decode.
+            "handoff_gb": prompt * limits.kv_bytes_per_token / 1e9,
+            "decode_pull_gbps": (counter(decode, "_pull_bytes_total") / pull_s / 1e9
+                                 if pull_s > 0 else 0.0),
+            "decode_rebuilds": counter(decode, "_rebuilds_total"),
+            **latency(records)}
+
+
+def decode_figures(records: Sequence[Record], limits: Limits, decode: Mapping[str, float], *,
+                   batch: int, context: int, tokens: int, slo_tpot_s: float) -> dict[str, float]:
+    ok = [r for r in records if r.ok]
+    lat = latency(records)
+    steps = counter(decode, "_batch_steps_total")
+    mean_batch = counter(decode, "_batch_tokens_total") / steps if steps else 0.0
+    itl = lat["itl_p50_s"]
+    tps = mean_batch / itl if itl > 0 else 0.0
+    roof = limits.decode_roofline(mean_batch, context + tokens / 2) if mean_batch else 0.0
+    span = (max(r.end_s for r in ok) - min(r.start_s for r in ok)) if ok else 0.0
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {"batch": float(batch), "requests": float(len(records)),
+            "errors": float(len(records) - len(ok)), "context": float(context),
+            "tokens": float(tokens), "steps": steps, "mean_batch": mean_batch,
+            "decode_tps": tps, "roofline_tps": roof, "vs_roofline": tps / roof if roof else 0.0,
+            "slo_tpot_s": slo_tpot_s, "tpot_met": float(0 < itl <= slo_tpot_s),
+            "wall_output_tps": out_tokens / span if span > 0 else 0.0, **lat}

@@ -1,0 +1,50 @@
+"""Input checks of the engine's entry points: a prompt's token ids and a
+block tensor's shape, each failing with an ``EngineInputError`` that names
+the problem (services map it to INVALID_ARGUMENT in one place)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import EngineInputError
+from engine.kv_pool import KVLayout
+from engine.layer_restore import HostRuns
+
+
+def check_prompt(tokens: Seq[int] | torch.Tensor, mc: ModelConfig) -> list[int]:
+    """The prompt as ints: non-empty, in the vocabulary, leaving room to generate."""
+    toks = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor)
+                             else tokens)]
+    if not toks:
+        raise EngineInputError("empty prompt: need at least one token")
+    vocab = mc.vocab_size
+    for i, t in enumerate(toks):
+        if not 0 <= t < vocab:
+            raise EngineInputError(f"token id {t} at position {i} is outside the "
+                                   f"vocabulary [0, {vocab})")
+    ctx = mc.max_position
+    if len(toks) >= ctx:
+        raise EngineInputError(f"prompt of {len(toks)} tokens is too long: the context "
+                               f"is {ctx} tokens (at most {ctx - 1} leave room to generate)")
+    return toks
+
+
+def check_blocks(blocks: torch.Tensor | HostRuns, layout: KVLayout, dtype: torch.dtype,
+                 what: str) -> int:
+    """Number of blocks in ``blocks`` ([n, *layout.block_shape], ``dtype``)."""
+    want = layout.block_shape
+    if isinstance(blocks, HostRuns):
+        if blocks.block_shape != want or blocks.dtype != dtype:
+            raise EngineInputError(f"{what} blocks are {blocks.block_shape} {blocks.dtype}; "
+                                   f"expected [n, {', '.join(map(str, want))}] {dtype}")
+        return blocks.n_blocks
+    if (not isinstance(blocks, torch.Tensor) or blocks.dim() != 6
+            or tuple(blocks.shape[1:]) != want or blocks.dtype != dtype):
+        got = (f"{tuple(blocks.shape)} {blocks.dtype}" if isinstance(blocks, torch.Tensor)
+               else type(blocks).__name__)
+        raise EngineInputError(f"{what} blocks are {got}; expected "
+                               f"[n, {', '.join(map(str, want))}] {dtype}")
+    return int(blocks.shape[0])

@@ -1,0 +1,311 @@
+"""Batch-invariant attention on the GPU (Triton): one arithmetic for prefill
+chunks, batched prefill (several sequences, any lengths) and decode rows, read
+from the paged pool through each sequence's block table.
+
+A row's result is defined by its keys alone, cut two ways at absolute
+positions (never relative to a chunk, a tile of rows or a batch):
+
+- key tiles of ``KEY_TILE`` keys: within a tile, one score per key (a dot over
+  the head dimension), then an online-softmax step (running max, rescale,
+  one matrix-unit accumulation of probabilities x values);
+- splits of ``KEY_SPLIT`` keys: each split's tiles run from a fresh state
+  (max -inf, sum 0, accumulator 0) and the split is then folded into the row's
+  total, splits in ascending order, with explicit FMAs (``_fold``).
+
+A prefill program (``PREFILL_ROWS`` rows: query tokens x the GQA group of one KV
+head, so K/V are never repeated) walks all its splits itself. A decode program
+(``DECODE_ROWS`` rows, one token) takes a contiguous share of its row's splits
+and folds them; a second kernel folds the shares in order (``_fold_parts``).
+Both give the prefill bits: folding into the fresh state is exact (0 x 0 + a x 1
+= a), so ((fresh + A) + B) + C, (fresh + (fresh + A) + B) + (fresh + C) and any
+other grouping of contiguous shares are the same numbers. So decode at batch 1
+spreads a 32k context over the whole GPU (flash-decoding) and still returns
+the bits a prefill of the same token would.
+
+Tiles or splits a row cannot see (past its position, before its sliding window,
+or beyond its own keys inside a shared tile) leave its state unchanged bit for
+bit: scores -inf give ``alpha = exp2(m - m) = 1`` and ``p = 0``; a row with no
+key yet subtracts 0 instead of -inf and stays at (-inf, 0, 0). The only trace
+is the sign of an exactly-zero accumulator, folded by the final ``+ 0.0``.
+
+Tiles every row of a program sees in full skip the mask (``MASK=False``): the
+same numbers, fewer instructions. Prefill programs run longest first. Both
+kernels compile with ``enable_fp_fusion=False``: with fusion on, the compiler
+contracts ``dot * scale - m`` into an FMA in the unmasked path but not through
+the masked path's ``where``, and which path a tile takes depends on the rows
+sharing its program (seen on the H200: chunked prefill and decode rows differed
+from a whole prefill). Every FMA that matters is written out (``tl.fma``).
+
+Only imported on CUDA (or under ``TRITON_INTERPRET=1`` for CPU checks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+KEY_TILE = 64                 # keys per tile
+KEY_SPLIT = 1024              # keys per split (a multiple of KEY_TILE)
+PREFILL_ROWS = 128            # rows per prefill program: 8 warps, 2 warpgroups along M
+DECODE_ROWS = 64              # rows per decode program: 4 warps, 1 warpgroup
+LOG2E = 1.4426950408889634
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _fold(m, lsum, acc, m2, l2, acc2):
+    """State (m, l, acc) followed by state (m2, l2, acc2), in the exp2 domain."""
+    m_new = tl.maximum(m, m2)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_sub)
+    beta = tl.exp2(m2 - m_sub)
+    lsum = tl.fma(lsum, alpha, l2 * beta)
+    acc = tl.fma(acc, alpha[:, None], acc2 * beta[:, None])
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _key_tile(q, m, lsum, acc, kb, vb, TBL, t_off, kt, q_pos, hi, window, qk_scale,
+              block_tokens, D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
+              PREC: tl.constexpr):
+    """One online-softmax step over key tile ``kt`` (keys kt*BN .. kt*BN+BN-1)."""
+    k_pos = kt * BN + tl.arange(0, BN)
+    d = tl.arange(0, D)
+    if MASK:
+        k_ok = k_pos <= hi
+        blk = tl.load(TBL + t_off + k_pos // block_tokens, mask=k_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(TBL + t_off + k_pos // block_tokens).to(tl.int64)
+    slot = blk * block_tokens + k_pos % block_tokens
+    if MASK:
+        k = tl.load(kb + slot[:, None] * D + d[None, :], mask=k_ok[:, None], other=0.0)
+    else:
+        k = tl.load(kb + slot[:, None] * D + d[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale        # [R, BN], log2 units
+    if MASK:
+        see = k_pos[None, :] <= q_pos[:, None]
+        if window > 0:
+            see &= k_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(see, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
+    lsum = tl.fma(lsum, alpha, tl.sum(p, 1))
+    if MASK:
+        v = tl.load(vb + slot[:, None] * D + d[None, :], mask=k_ok[:, None], other=0.0)
+    else:
+        v = tl.load(vb + slot[:, None] * D + d[None, :])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _tiles(q, m, lsum, acc, kb, vb, TBL, t_off, a, b, q_pos, hi, window, qk_scale,
+           block_tokens, D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
+           PREC: tl.constexpr):
+    for kt in range(a, b):
+        m, lsum, acc = _key_tile(q, m, lsum, acc, kb, vb, TBL, t_off, kt, q_pos, hi, window,
+                                 qk_scale, block_tokens, D, BN, MASK, PREC)
+    return m, lsum, acc
+
+
+@triton.jit
+def _attn_kernel(Q, KP, VP, TBL, SEG, TILE, OUT, ACC, ML,
+                 s_qm, s_qh, s_kh, s_om, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh,
+                 window, qk_scale, block_tokens,
+                 G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr,
+                 BN: tl.constexpr, TPS: tl.constexpr, PARTS: tl.constexpr,
+                 PREC: tl.constexpr):
+    """PARTS == 0: a prefill tile folds all its splits and stores the output.
+    PARTS >= 1: a decode row's share ``program_id(2)`` of its splits; with one
+    share the output, else the share's state for ``_fold_parts``."""
+    tile = tl.program_id(0)
+    hk = tl.program_id(1)
+    seg = tl.load(TILE + 2 * tile)
+    t0 = tl.load(TILE + 2 * tile + 1)                # first token of the tile in its segment
+    row0 = tl.load(SEG + 4 * seg)
+    rows = tl.load(SEG + 4 * seg + 1)
+    q_start = tl.load(SEG + 4 * seg + 2)
+    t_off = tl.load(SEG + 4 * seg + 3)               # its block table's offset in TBL
+    r = tl.arange(0, TQ * GP)
+    tok = t0 + r // GP
+    g = r % GP
+    row_ok = (tok < rows) & (g < G)
+    q_pos = q_start + tok                            # [R] absolute position of each row
+    d = tl.arange(0, D)
+    qrow = (row0 + tok).to(tl.int64)
+    q = tl.load(Q + qrow[:, None] * s_qm + (hk * G + g)[:, None] * s_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)     # [R, D]
+    p_first = q_start + t0                           # the tile's first and last positions
+    hi = q_start + tl.minimum(t0 + TQ, rows) - 1
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(p_first - window + 1, 0)
+    ta = lo // BN                                    # key tiles [ta, tb)
+    tb = hi // BN + 1
+    if PARTS > 0:                                    # this program's share of the splits
+        s0 = ta // TPS
+        per = tl.cdiv((tb - 1) // TPS + 1 - s0, PARTS)
+        sa = s0 + tl.program_id(2) * per
+        ta = tl.minimum(tl.maximum(ta, sa * TPS), tb)
+        tb = tl.maximum(tl.minimum(tb, (sa + per) * TPS), ta)
+    # tiles every row sees whole: past the window's start, not past the first row
+    fa = ta
+    if window > 0:
+        fa = tl.cdiv(tl.maximum(hi - window + 1, 0), BN)
+    fa = tl.minimum(tl.maximum(fa, ta), tb)
+    fb = tl.minimum(tl.maximum((p_first + 1) // BN, fa), tb)
+    kb = KP + hk * s_kh
+    vb = VP + hk * s_kh
+    zero_m = tl.full([TQ * GP], float("-inf"), tl.float32)
+    zero_l = tl.zeros([TQ * GP], tl.float32)
+    zero_acc = tl.zeros([TQ * GP, D], tl.float32)
+    m, lsum, acc = zero_m, zero_l, zero_acc          # the row's total
+    for sp in range(ta // TPS, tl.cdiv(tb, TPS)):
+        a = tl.maximum(ta, sp * TPS)
+        b = tl.minimum(tb, sp * TPS + TPS)
+        ms, ls, accs = zero_m, zero_l, zero_acc      # this split, from a fresh state
+        ms, ls, accs = _tiles(q, ms, ls, accs, kb, vb, TBL, t_off, a, tl.minimum(fa, b),
+                              q_pos, hi, window, qk_scale, block_tokens, D, BN, True, PREC)
+        ms, ls, accs = _tiles(q, ms, ls, accs, kb, vb, TBL, t_off, tl.maximum(fa, a),
+                              tl.minimum(fb, b), q_pos, hi, window, qk_scale, block_tokens,
+                              D, BN, False, PREC)
+        ms, ls, accs = _tiles(q, ms, ls, accs, kb, vb, TBL, t_off, tl.maximum(fb, a), b,
+                              q_pos, hi, window, qk_scale, block_tokens, D, BN, True, PREC)
+        m, lsum, acc = _fold(m, lsum, acc, ms, ls, accs)
+    heads = hk * G + g
+    if PARTS <= 1:
+        o = acc / tl.where(row_ok, lsum, 1.0)[:, None] + 0.0
+        tl.store(OUT + qrow[:, None] * s_om + heads[:, None] * D + d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = tl.program_id(2)
+        tl.store(ACC + qrow[:, None] * s_ab + part * s_ap + heads[:, None] * s_ah + d[None, :],
+                 acc, mask=row_ok[:, None])
+        tl.store(ML + qrow * s_mb + part * s_mp + heads * s_mh, m, mask=row_ok)
+        tl.store(ML + qrow * s_mb + part * s_mp + heads * s_mh + 1, lsum, mask=row_ok)
+
+
+@triton.jit
+def _fold_parts(ACC, ML, OUT, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh, s_om,
+                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
+    """Decode: row b's shares folded in order, normalised: the prefill's bits."""
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    ok = g < G
+    heads = hk * G + g
+    m = tl.full([GP], float("-inf"), tl.float32)
+    lsum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for part in range(PARTS):
+        acc2 = tl.load(ACC + b * s_ab + part * s_ap + heads[:, None] * s_ah + d[None, :],
+                       mask=ok[:, None], other=0.0)
+        m2 = tl.load(ML + b * s_mb + part * s_mp + heads * s_mh, mask=ok, other=0.0)
+        l2 = tl.load(ML + b * s_mb + part * s_mp + heads * s_mh + 1, mask=ok, other=0.0)
+        m, lsum, acc = _fold(m, lsum, acc, m2, l2, acc2)
+    o = acc / tl.where(ok, lsum, 1.0)[:, None] + 0.0
+    tl.store(OUT + b * s_om + heads[:, None] * D + d[None, :], o.to(OUT.dtype.element_ty),
+             mask=ok[:, None])
+
+
+def tile_tokens(group: int, rows: int) -> int:
+    """Query tokens per program: a function of the model (its GQA group) alone."""
+    gp = triton.next_power_of_2(group)
+    if gp > rows:
+        raise ValueError(f"a GQA group of {group} heads does not fit {rows} rows")
+    return rows // gp
+
+
+def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor,
+           seg_meta: torch.Tensor, tiles: torch.Tensor, n_tiles: int, group: int,
+           window: int, out: torch.Tensor, parts: int = 0,
+           acc: torch.Tensor | None = None, ml: torch.Tensor | None = None,
+           split: int = KEY_SPLIT) -> None:
+    """One launch for every tile of every segment of one layer. ``parts`` 0:
+    prefill tiles; >= 1: one-token decode rows (tile i = row i), each split over
+    ``parts`` programs whose states go to ``acc`` [rows, parts, H, D] and ``ml``
+    [rows, parts, H, 2] (fp32) and are folded here by a second kernel. ``split``
+    (keys, a multiple of KEY_TILE) is part of the arithmetic: other values are
+    for checks and timings only."""
+    if split % KEY_TILE:
+        raise ValueError(f"key split {split} is not a multiple of {KEY_TILE}")
+    _, _, kv_heads, _, block_tokens, dim = pool.shape
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    gp = triton.next_power_of_2(group)
+    decode = parts > 0
+    rows = DECODE_ROWS if decode else PREFILL_ROWS
+    kp, vp = pool[layer, 0], pool[layer, 1]                      # [Hkv, nb, B, D]
+    if parts > 1:
+        assert acc is not None and ml is not None
+        sa, sm = acc.stride(), ml.stride()
+    else:
+        acc = ml = out
+        sa = sm = (0, 0, 0, 0)
+    _attn_kernel[(n_tiles, kv_heads, max(parts, 1))](
+        q, kp, vp, tables, seg_meta, tiles, out, acc, ml,
+        q.stride(0), q.stride(1), kp.stride(0), out.stride(0), sa[0], sa[1], sa[2],
+        sm[0], sm[1], sm[2], window, LOG2E / dim ** 0.5, block_tokens,
+        G=group, GP=gp, TQ=tile_tokens(group, rows), D=dim, BN=KEY_TILE,
+        TPS=split // KEY_TILE, PARTS=parts, PREC=_prec(q.dtype),
+        num_warps=rows // 16, enable_fp_fusion=False)
+    if parts > 1:
+        _fold_parts[(n_tiles, kv_heads)](acc, ml, out, sa[0], sa[1], sa[2], sm[0], sm[1],
+                                         sm[2], out.stride(0), G=group, GP=gp, D=dim,
+                                         PARTS=parts, enable_fp_fusion=False)
+
+
+@dataclass(frozen=True, slots=True)
+class AttnSegment:
+    row0: int                  # first query row of this sequence in the call
+    rows: int
+    q_start: int               # absolute position of its first row
+    table: torch.Tensor        # its block ids (on the device)
+
+
+class InvariantAttention:
+    """The per-forward plan (segments, tiles, block tables on the device) and one
+    attention launch per layer; K/V come from the paged pool. Segments are the
+    sequences of a (batched) prefill, or one-token decode rows."""
+
+    def __init__(self, pool: torch.Tensor, segments: Seq[AttnSegment], num_heads: int,
+                 parts: int = 0, split: int = KEY_SPLIT) -> None:
+        # pool: [L, 2, Hkv, num_blocks, B, D] (engine.kv_pool.KVStorage.data)
+        self.pool, self.split = pool, split
+        self.group = num_heads // pool.shape[2]
+        self.parts = parts
+        tq = tile_tokens(self.group, DECODE_ROWS if parts else PREFILL_ROWS)
+        seg_meta: list[int] = []
+        work: list[tuple[int, int, int]] = []        # (-last key, segment, first token)
+        off = 0
+        for i, s in enumerate(segments):
+            seg_meta += [s.row0, s.rows, s.q_start, off]
+            off += int(s.table.numel())
+            for t0 in range(0, s.rows, tq):
+                work.append((-(s.q_start + min(t0 + tq, s.rows)), i, t0))
+        if not parts:
+            work.sort()               # longest first: the last programs are the short ones
+        tiles = [x for _, i, t0 in work for x in (i, t0)]
+        dev = pool.device
+        self.n_tiles = len(work)
+        self.tables = (torch.cat([s.table for s in segments]).to(torch.int32) if segments
+                       else torch.zeros(1, dtype=torch.int32, device=dev))
+        meta = torch.tensor(seg_meta + tiles, dtype=torch.int32).to(dev, non_blocking=True)
+        self.seg_meta, self.tiles = meta[:len(seg_meta)], meta[len(seg_meta):]
+
+    def __call__(self, layer: int, q: torch.Tensor, window: int, out: torch.Tensor,
+                 acc: torch.Tensor | None = None, ml: torch.Tensor | None = None) -> None:
+        # q: [M, H, D] (unit stride in D); out: [M, H * D]
+        if self.n_tiles:
+            attend(self.pool, layer, q, self.tables, self.seg_meta, self.tiles, self.n_tiles,
+                   self.group, window, out, self.parts, acc, ml, self.split)

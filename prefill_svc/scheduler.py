@@ -1,0 +1,161 @@
+"""The prefill service's scheduler: a bounded waiting queue and a plan per
+step (vLLM v1's scheduler is the model: one loop, a token budget per step,
+nothing fails that was admitted).
+
+Pure bookkeeping, no engine and no asyncio: ``prefill_svc/steps.py`` feeds it
+requests and step results and runs its plans on the engine thread.
+
+- A request is *waiting* from submission until it is admitted into the
+  engine, *running* until its prompt is computed. Waiting requests are bounded
+  by count (``max_waiting``) and by the tokens they still have to compute
+  (``max_waiting_tokens``); a request that does not fit is refused before any
+  work with an estimate of when there is room (``Busy.retry_after_ms``).
+- A waiting request becomes *ready* once its warehouse lookup and fetch are
+  done (they run while it waits); only ready ones are admitted.
+- Each step: running and ready requests in policy order (prefill_svc/policy.py)
+  take the step's token budget in turn, each up to what it has left, so a
+  long prompt goes in chunks and short ones finish beside it. A waiting
+  request is admitted only while fewer than ``max_running`` run and the KV
+  pool has its blocks; the first one that does not fit stops admissions for
+  this step (no small request overtakes it into the pool for ever).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from common.config import PrefillSection
+from prefill_svc.policy import PolicyContext, policy
+
+MIN_RETRY_MS = 10
+MAX_RETRY_MS = 60_000
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    request_id: str
+    prompt_tokens: int
+    arrival: float              # monotonic seconds
+    remaining: int              # tokens still to compute (an estimate until admitted)
+    blocks: int                 # KV blocks its admission takes (estimate)
+    payload: Any = None         # the service's request state
+    ready: bool = False         # warehouse lookup/fetch done: may be admitted
+    running: bool = False       # admitted into the engine
+    cancelled: bool = False     # its caller went away
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    admit: tuple[Entry, ...]            # admit into the engine first, in this order
+    budgets: dict[str, int]             # request id -> tokens to compute in this step
+    stop: tuple[Entry, ...]             # running but cancelled: free before the step
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    reason: str
+    retry_after_ms: int
+
+
+class Scheduler:
+    __slots__ = ("_key", "cfg", "running", "tokens_per_s", "waiting")
+
+    def __init__(self, cfg: PrefillSection, tokens_per_s: float) -> None:
+        self.cfg = cfg
+        self.tokens_per_s = tokens_per_s            # updated from measured steps
+        self.waiting: dict[str, Entry] = {}         # arrival order
+        self.running: dict[str, Entry] = {}
+        self._key = policy(cfg.policy)
+
+    # -- admission to the queue ---------------------------------------------
+
+    def check_count(self) -> Busy | None:
+        """Room for one more request? Checked before any work on it."""
+        if len(self.waiting) < self.cfg.max_waiting:
+            return None
+        # Room comes when a waiting request is admitted, i.e. about when the
+        # running prompt closest to its end completes.
+        head = min((e.remaining for e in self.running.values()), default=self.cfg.step_tokens)
+        return Busy(f"prefill queue full: {len(self.waiting)} requests waiting "
+                    f"(max_waiting {self.cfg.max_waiting})", self._ms(head))
+
+    def check_tokens(self, tokens: int) -> Busy | None:
+        """Room for a request with ``tokens`` to compute? (before any work on it)"""
+        queued = self.waiting_tokens
+        if queued + tokens <= self.cfg.max_waiting_tokens or not self.waiting:
+            return None     # an empty queue takes any prompt: it would never fit otherwise
+        return Busy(f"prefill queue full: {queued} tokens to compute waiting "
+                    f"(max_waiting_tokens {self.cfg.max_waiting_tokens})",
+                    self._ms(queued + tokens - self.cfg.max_waiting_tokens))
+
+    def add(self, e: Entry) -> None:
+        self.waiting[e.request_id] = e
+
+    def mark_ready(self, e: Entry, remaining: int, blocks: int) -> None:
+        e.remaining, e.blocks, e.ready = max(1, remaining), blocks, True
+
+    def drop(self, e: Entry) -> None:
+        """Out of the queue (finished, failed or cancelled)."""
+        self.waiting.pop(e.request_id, None)
+        self.running.pop(e.request_id, None)
+
+    # -- steps ------------------------------------------------------------------
+
+    def plan(self, free_blocks: int, now: float) -> StepPlan:
+        ctx = PolicyContext(now, self.cfg.max_delay_s)
+        stop = tuple(e for e in self.running.values() if e.cancelled)
+        cands = [e for e in self.running.values() if not e.cancelled]
+        cands += [e for e in self.waiting.values() if e.ready and not e.cancelled]
+        cands.sort(key=lambda e: self._key(e, ctx))
+        budget, n_running = self.cfg.step_tokens, len(cands) - sum(not e.running for e in cands)
+        admit: list[Entry] = []
+        budgets: dict[str, int] = {}
+        admitting = True
+        for e in cands:
+            if budget <= 0:
+                break
+            if not e.running:
+                if not admitting or n_running >= self.cfg.max_running:
+                    continue
+                if e.blocks > free_blocks:
+                    admitting = False        # the pool frees as running prompts finish
+                    continue
+                free_blocks -= e.blocks
+                n_running += 1
+                admit.append(e)
+            take = min(e.remaining, budget)
+            budgets[e.request_id] = take
+            budget -= take
+        return StepPlan(tuple(admit), budgets, stop)
+
+    def admitted(self, e: Entry, remaining: int) -> None:
+        self.waiting.pop(e.request_id, None)
+        e.running, e.remaining = True, remaining
+        self.running[e.request_id] = e
+
+    def progressed(self, e: Entry, remaining: int) -> None:
+        e.remaining = remaining
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or any(e.ready for e in self.waiting.values())
+
+    # -- load ---------------------------------------------------------------------
+
+    @property
+    def queue(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def waiting_tokens(self) -> int:
+        return sum(e.remaining for e in self.waiting.values())
+
+    @property
+    def tokens_in_flight(self) -> int:
+        """Tokens still to compute, queued and running, cached ones excluded."""
+        return self.waiting_tokens + sum(e.remaining for e in self.running.values())
+
+    def _ms(self, tokens: int) -> int:
+        ms = 1000.0 * max(0, tokens) / max(1e-9, self.tokens_per_s)
+        return int(min(MAX_RETRY_MS, max(MIN_RETRY_MS, ms)))

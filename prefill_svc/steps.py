@@ -1,0 +1,337 @@
+"""The prefill service's step loop: requests in, batched engine steps out.
+
+One asyncio task drives the engine (vLLM v1's shape): each iteration asks the
+scheduler (prefill_svc/scheduler.py) for a plan and runs it as ONE job on the
+engine thread — free the prompts whose callers left, admit new ones
+(``Engine.admit`` with their G1 hit and restored blocks), compute one step of
+every planned prompt (``Engine.prefill_step``: one forward with invariant
+kernels), tell the waiting handlers their first tokens at once, then copy
+the finished prompts' KV out for decode and free them (their blocks stay in
+G1). A request's warehouse lookup and fetch run while it waits, so a queued
+turn does not pay its restore after it is scheduled.
+
+Nothing admitted fails for want of room: a prompt the pool cannot hold yet
+waits until running ones finish. Every future a handler awaits is resolved
+exactly once or cancelled by its handler (service/aio.py), so no exception
+is left unretrieved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from common.config import PrefillSection
+from engine import EngineInputError, PoolExhaustedError, PrefillResult
+from kvstore.types import RequestCtx
+from prefill_svc.scheduler import Entry, Scheduler, StepPlan
+from service.aio import background, settle
+from service.engine_thread import EngineThread
+from service.errors import Busy, InvalidRequest, UpstreamUnavailable
+from service.restore import Restore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    result: PrefillResult
+    queue_s: float                  # submission to admission into the engine
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    kv: torch.Tensor | None         # [layers, 2, kv_heads, L, head_dim], host; None: caller gone
+    new_blocks: torch.Tensor | None  # [n, layers, 2, kv_heads, B, head_dim], blocks write_from..
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One Prefill request inside the service."""
+
+    ctx: RequestCtx
+    tokens: list[int]
+    sampling: Any                   # engine.SamplingParams
+    keys: list[bytes]               # chain keys of the prompt's full blocks
+    g1_keys: list[bytes] | None     # keys matched against / published into G1 (None: off)
+    write_from: int                 # first block to write through (set once restored)
+    first: asyncio.Future[Sampled]
+    buffered: asyncio.Future[None]  # resolved once its KV is in the host buffer (or never will be)
+    t_submit: float = field(default_factory=time.perf_counter)
+    restore: Restore | None = None
+    warming: asyncio.Task[None] | None = None   # its lookup and fetch, while it waits
+    queue_s: float = 0.0
+    kv_seed: int = 0                # keys the hand-off checksums (service.kv_buffer)
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What one engine-thread step did, applied on the loop afterwards."""
+
+    admitted: dict[str, int] = field(default_factory=dict)      # id -> tokens left after admit
+    deferred: list[Entry] = field(default_factory=list)         # pool full at admission
+    failed: list[tuple[Entry, BaseException]] = field(default_factory=list)
+    stopped: list[Entry] = field(default_factory=list)          # freed: caller gone
+    remaining: dict[str, int] = field(default_factory=dict)     # id -> tokens left after step
+    done: list[tuple[Entry, Computed | BaseException]] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+Ready = Callable[[Job, Computed], None]     # a finished prompt's KV: buffer it, write it through
+
+
+class StepLoop:
+    def __init__(self, engine: Any, thread: EngineThread, cfg: PrefillSection, stats: Any, *,
+                 tokens_per_s: float, on_computed: Ready,
+                 observe: Callable[[int, float], float]) -> None:
+        self._engine = engine
+        self._thread = thread
+        self.sched = Scheduler(cfg, tokens_per_s)
+        self._stats = stats
+        self._on_computed = on_computed
+        self._observe = observe         # (tokens, seconds) of a step -> measured tokens/s
+        self._block_tokens: int = engine.layout.block_tokens
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._warming: set[asyncio.Task[Any]] = set()
+        self.jobs: dict[str, Job] = {}      # request id -> job, until its KV is buffered
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._drive(), name="prefill-steps")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for t in list(self._warming):
+            t.cancel()
+        gone = UpstreamUnavailable("the prefill service is shutting down")
+        for e in [*self.sched.waiting.values(), *self.sched.running.values()]:
+            self._fail(e, gone)
+
+    # -- requests (event loop) ------------------------------------------------------
+
+    def check_count(self) -> None:
+        """Refuse before any work when the waiting queue is full."""
+        if (busy := self.sched.check_count()) is not None:
+            self._stats.refused_total += 1
+            raise Busy(busy.reason, busy.retry_after_ms)
+
+    def submit(self, job: Job, *, cached_tokens: int,
+               warm: Coroutine[Any, Any, Restore]) -> Entry:
+        """Queue ``job`` (``cached_tokens``: its G1 hit as far as known now) and
+        start ``warm`` (its warehouse lookup and fetch) while it waits."""
+        L, B = len(job.tokens), self._block_tokens
+        need, pool = -(-L // B), self._engine.blocks.num_blocks
+        if need > pool:
+            warm.close()
+            raise InvalidRequest(f"a prompt of {L} tokens needs {need} KV blocks; this "
+                                 f"instance's pool has {pool}")
+        if (busy := self.sched.check_tokens(L - cached_tokens)) is not None:
+            warm.close()
+            self._stats.refused_total += 1
+            raise Busy(busy.reason, busy.retry_after_ms)
+        rid = job.ctx.request_id
+        if rid in self.jobs:
+            warm.close()
+            raise EngineInputError(f"request id {rid!r} is already being prefilled")
+        e = Entry(rid, L, time.monotonic(), max(1, L - cached_tokens), -(-L // B), job)
+        self.sched.add(e)
+        self.jobs[rid] = job
+        job.warming = background(self._warm(e, warm), self._warming, f"warm-{rid}")
+        self._gauges()
+        return e
+
+    def cancel(self, e: Entry) -> None:
+        """The caller went away: out of the queue now, or freed before the next step."""
+        e.cancelled = True
+        job: Job = e.payload
+        job.first.cancel()
+        if not e.running:
+            self.sched.drop(e)
+            if job.warming is not None:
+                job.warming.cancel()
+            self._release(job)
+        self._stats.cancelled_total += 1
+        self._wake.set()
+        self._gauges()
+
+    async def _warm(self, e: Entry, warm: Coroutine[Any, Any, Restore]) -> None:
+        job: Job = e.payload
+        try:
+            restore = await warm
+        except Exception as exc:
+            if not e.cancelled:
+                self.sched.drop(e)
+                self._fail(e, exc)
+            return
+        if e.cancelled:
+            return
+        job.restore = restore
+        B = self._block_tokens
+        reuse = min(restore.usable_tokens, (restore.start_block + restore.n_blocks) * B)
+        self.sched.mark_ready(e, len(job.tokens) - reuse, -(-len(job.tokens) // B)
+                              - restore.start_block)
+        self._gauges()
+        self._wake.set()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        while True:
+            plan = (self.sched.plan(self._engine.free_blocks, time.monotonic())
+                    if self.sched.has_work else None)
+            if plan is None or not (plan.budgets or plan.stop):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            entries = {e.request_id: e for e in (*plan.admit, *self.sched.running.values())}
+            loop = asyncio.get_running_loop()
+            out = await self._thread.call(self._step, plan, entries, loop)
+            self._apply(out, entries)
+
+    def _apply(self, out: _Outcome, entries: dict[str, Entry]) -> None:
+        s = self.sched
+        for e in out.stopped:
+            s.drop(e)
+            self._stats.stopped_total += 1
+            self._release(e.payload)
+        for e, exc in out.failed:
+            s.drop(e)
+            self._fail(e, exc)
+        for rid, left in out.admitted.items():
+            s.admitted(entries[rid], left)
+            self._stats.admitted_total += 1
+            self._stats.queue_wait_s_total += entries[rid].payload.queue_s
+        for e in out.deferred:
+            if not s.running and not out.admitted:
+                s.drop(e)   # the whole pool is free and still too small: it never fits
+                self._fail(e, InvalidRequest(f"request {e.request_id!r} does not fit in this "
+                                             "instance's KV pool"))
+        for rid, left in out.remaining.items():
+            s.progressed(entries[rid], left)
+        for e, res in out.done:
+            s.drop(e)
+            if isinstance(res, Computed):
+                if res.kv is not None:
+                    try:
+                        self._on_computed(e.payload, res)
+                    except Exception as exc:  # the handle is out: its pull reports the loss
+                        log.warning("KV of prefilled request %s not buffered: %s",
+                                    e.request_id, exc)
+            else:
+                log.warning("KV of prefilled request %s not copied out: %s", e.request_id, res)
+            self._release(e.payload)
+        if out.tokens:
+            self._stats.steps_total += 1
+            self._stats.step_tokens_total += out.tokens
+            s.tokens_per_s = self._observe(out.tokens, out.seconds)
+        self._gauges()
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _step(self, plan: StepPlan, entries: dict[str, Entry],
+              loop: asyncio.AbstractEventLoop) -> _Outcome:
+        eng, out = self._engine, _Outcome()
+        for e in plan.stop:
+            self._free(e.request_id)
+            out.stopped.append(e)
+        for e in plan.admit:
+            if e.cancelled:
+                continue
+            job: Job = e.payload
+            r = job.restore
+            assert r is not None, "only warmed requests are admitted"
+            try:
+                adm = eng.admit(e.request_id, job.tokens, sampling=job.sampling,
+                                block_keys=job.g1_keys, restored=r.blocks,
+                                max_restore_tokens=r.usable_tokens,
+                                restored_start_block=r.start_block)
+            except PoolExhaustedError:
+                out.deferred.append(e)
+                continue
+            except Exception as exc:
+                out.failed.append((e, exc))
+                continue
+            job.queue_s = time.perf_counter() - job.t_submit
+            out.admitted[e.request_id] = adm.to_compute
+        live: dict[str, int] = {}
+        for rid, budget in plan.budgets.items():
+            e = entries[rid]
+            if not (e.running or rid in out.admitted):
+                continue                     # its admission was deferred or failed
+            if e.cancelled:
+                self._free(rid)
+                out.stopped.append(e)
+            else:
+                live[rid] = budget
+        before = {rid: eng.prefill_remaining(rid) for rid in live}
+        t0 = time.perf_counter()
+        try:
+            done = eng.prefill_step(live)
+        except Exception as exc:
+            log.exception("prefill step of %d prompts failed", len(live))
+            for rid in live:
+                self._free(rid)
+                out.failed.append((entries[rid], exc))
+            return out
+        out.seconds = time.perf_counter() - t0
+        self._stats.chunks_total += len(live)
+        for d in done:
+            job = entries[d.seq_id].payload
+            loop.call_soon_threadsafe(self._sampled, job, Sampled(d.result, job.queue_s))
+        finished = {d.seq_id for d in done}
+        for rid in live:
+            out.remaining[rid] = 0 if rid in finished else eng.prefill_remaining(rid)
+            out.tokens += before[rid] - out.remaining[rid]
+        for d in done:
+            out.done.append((entries[d.seq_id], self._copy_out(entries[d.seq_id])))
+        return out
+
+    def _copy_out(self, e: Entry) -> Computed | BaseException:
+        """The prompt's KV for decode and its new blocks for the warehouse, then
+        free it (its full blocks stay in G1 under their keys)."""
+        eng, job = self._engine, e.payload
+        L, B = len(job.tokens), self._block_tokens
+        try:
+            kv = None if e.cancelled else eng.export_tokens(e.request_id, 0, L)
+            n_full = L // B
+            new = (eng.export_blocks(e.request_id, job.write_from, n_full - job.write_from)
+                   if n_full > job.write_from else None)
+            return Computed(kv, new)
+        except Exception as exc:
+            return exc
+        finally:
+            self._free(e.request_id, job.g1_keys)
+
+    def _free(self, rid: str, keep: list[bytes] | None = None) -> None:
+        with contextlib.suppress(EngineInputError):
+            self._engine.free(rid, keep_keys=keep)
+
+    # -- futures (event loop) -----------------------------------------------------------------
+
+    def _sampled(self, job: Job, s: Sampled) -> None:
+        settle(job.first, s)
+
+    def _fail(self, e: Entry, exc: BaseException) -> None:
+        job: Job = e.payload
+        settle(job.first, exc=exc)
+        self._release(job)
+
+    def _release(self, job: Job) -> None:
+        settle(job.buffered, None)
+        self.jobs.pop(job.ctx.request_id, None)
+
+    def _gauges(self) -> None:
+        st, s = self._stats, self.sched
+        st.queue_waiting, st.running = s.queue, len(s.running)
+        st.in_flight_tokens = s.tokens_in_flight

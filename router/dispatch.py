@@ -1,0 +1,253 @@
+"""Running one admitted request on the instances: Prefill, then the Decode
+stream up to its first event, with retries, under one end-to-end budget.
+
+What an instance's answer means here (docs/services.md, "Busy"):
+
+* busy (RESOURCE_EXHAUSTED, refused before any work, ``retry-after-ms``):
+  try another instance of the role; when every one is busy, wait for the
+  earliest retry-after and try again. Before prefill this wait is bounded by
+  the admission wait (then 429, still before any work); once prefill has run
+  the request waits up to its deadline, since its work is done and its KV
+  stays in the prefill buffer until decode takes it;
+* failed (UNAVAILABLE, ...) before the first token: quarantine the instance
+  in the live view and try another, up to ``max_attempts`` failures. A
+  decode failure keeps the handle (another decode instance pulls it, or
+  rebuilds it); only a failure decode relays from the prefill instance sends
+  the request back to prefill;
+* the request's fault (INVALID_ARGUMENT, ...): answered at once.
+
+Every call carries what is left of the budget as its gRPC deadline; when it
+runs out the answer is a 504, whatever the instance was doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto import common_pb2, decode_pb2, prefill_pb2
+from router.admission_limits import retry_after_s
+from router.errors import (
+    DeadlineError,
+    NoInstanceError,
+    RateLimitedError,
+    RouterError,
+    UpstreamError,
+    upstream_error,
+)
+from router.live_view import Choice, LiveView
+from router.metrics import RouterMetrics
+from router.upstream import DecodeCall, Upstreams
+from telemetry import tracing
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """One request's end-to-end deadline (monotonic seconds)."""
+
+    deadline: float
+
+    @classmethod
+    def of(cls, seconds: float) -> Budget:
+        return cls(time.monotonic() + seconds)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def check(self, what: str) -> None:
+        if self.left() <= 0:
+            raise DeadlineError(f"the request's time budget ran out during {what}")
+
+
+@dataclass(slots=True)
+class Started:
+    handle: prefill_pb2.KVHandle
+    call: DecodeCall
+    first: decode_pb2.DecodeEvent
+    prefill: Choice
+    decode: Choice
+
+
+@dataclass(slots=True)
+class _Attempts:
+    """Instances abandoned so far in one request, and why."""
+
+    excluded: dict[str, set[str]] = field(
+        default_factory=lambda: {"prefill": set(), "decode": set()})
+    errors: list[str] = field(default_factory=list)
+    last: RouterError | None = None
+
+
+class Dispatcher:
+    def __init__(self, view: LiveView, upstreams: Upstreams, metrics: RouterMetrics, *,
+                 max_attempts: int) -> None:
+        self.view = view
+        self.upstreams = upstreams
+        self.metrics = metrics
+        self.max_attempts = max_attempts
+
+    async def start(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
+                    n_tokens: int, sampling: common_pb2.SamplingParams, budget: Budget, *,
+                    busy_until: float, prefilled: Callable[[], None], tenant: str = "",
+                    session: str = "") -> Started:
+        """Prefill, then open the Decode stream and read its first event.
+        ``busy_until``: until when (monotonic) a request nobody could prefill yet
+        may wait for busy instances; ``prefilled`` is told when prefill is done."""
+        tries = _Attempts()
+        while True:
+            pchoice, handle = await self._prefill(preq, keys, n_tokens, tries, budget,
+                                                  busy_until, tenant, session)
+            prefilled()
+            started = await self._decode(pchoice, handle, n_tokens, sampling, tries, budget)
+            if started is not None:
+                return started
+
+    async def _prefill(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
+                       n_tokens: int, tries: _Attempts, budget: Budget, busy_until: float,
+                       tenant: str, session: str) -> tuple[Choice, prefill_pb2.KVHandle]:
+        busy: dict[str, float] = {}
+        while True:
+            try:
+                choice = self.view.choose_prefill(
+                    keys, n_tokens, exclude=tries.excluded["prefill"] | busy.keys(),
+                    tenant=tenant, session=session)
+            except NoInstanceError:
+                if not busy:
+                    if tries.last is None:
+                        raise
+                    raise self._exhausted(tries) from None
+                await self._wait_busy(busy, "prefill", min(busy_until, budget.deadline),
+                                      before_work=True)
+                continue
+            self._count(choice, "prefill")
+            inst = choice.instance
+            try:
+                return choice, await self.upstreams.prefill(inst.address, preq,
+                                                            budget_s=budget.left())
+            except grpc.aio.AioRpcError as exc:
+                budget.check("prefill")
+                err = upstream_error(exc, role="prefill", instance=inst.instance_id)
+            if isinstance(err, UpstreamError) and err.busy_s is not None:
+                self._busy(busy, inst.instance_id, err.busy_s, "prefill")
+                continue
+            self._failed(err, "prefill", inst.instance_id, tries)
+
+    async def _decode(self, pchoice: Choice, handle: prefill_pb2.KVHandle, n_tokens: int,
+                      sampling: common_pb2.SamplingParams, tries: _Attempts,
+                      budget: Budget) -> Started | None:
+        """The decode stream's first event; None: prefill again (the handle's KV
+        was the problem). Any error raised here has released the handle."""
+        busy: dict[str, float] = {}
+        try:
+            while True:
+                try:
+                    dchoice = self.view.choose_decode(
+                        n_tokens, exclude=tries.excluded["decode"] | busy.keys())
+                except NoInstanceError:
+                    if not busy:
+                        if tries.last is None:
+                            raise
+                        raise self._exhausted(tries) from None
+                    # The work is done and its KV waits in the prefill buffer: hold on
+                    # for as long as the request's own budget allows.
+                    await self._wait_busy(busy, "decode", budget.deadline, before_work=False)
+                    continue
+                self._count(dchoice, "decode")
+                inst = dchoice.instance
+                call = self.upstreams.decode(inst.address, handle, sampling,
+                                             budget_s=budget.left())
+                try:
+                    first = await call.first()
+                except grpc.aio.AioRpcError as exc:
+                    call.cancel()
+                    budget.check("decode")
+                    err = upstream_error(exc, role="decode", instance=inst.instance_id)
+                except BaseException:
+                    call.cancel()         # cancelled meanwhile: do not leave decode running
+                    raise
+                else:
+                    if first is not None:
+                        return Started(handle, call, first, pchoice, dchoice)
+                    call.cancel()
+                    err = UpstreamError(f"decode instance {inst.instance_id} closed the stream "
+                                        "without a token", retryable=True,
+                                        instance=inst.instance_id)
+                if isinstance(err, UpstreamError) and err.busy_s is not None:
+                    self._busy(busy, inst.instance_id, err.busy_s, "decode")
+                    continue
+                if isinstance(err, UpstreamError) and err.relayed:
+                    # Decode could not use the prefill instance's KV: prefill again.
+                    self._failed(err, "prefill", pchoice.instance.instance_id, tries)
+                    await asyncio.shield(self.upstreams.release(handle))
+                    return None
+                self._failed(err, "decode", inst.instance_id, tries)
+        except BaseException:
+            await asyncio.shield(self.upstreams.release(handle))
+            raise
+
+    async def _wait_busy(self, busy: dict[str, float], role: str, until: float, *,
+                         before_work: bool) -> None:
+        """Every candidate of ``role`` is busy: sleep to the earliest retry-after,
+        then try them all again; past ``until``, give up."""
+        delay = min(busy.values())
+        now = time.monotonic()
+        if now + delay > until:
+            if before_work:
+                self.metrics.rejected.labels(reason="busy").inc()
+                raise RateLimitedError(f"every {role} instance is busy",
+                                       reason="instances_busy",
+                                       retry_after_s=retry_after_s(delay))
+            raise DeadlineError(f"every {role} instance stayed busy until the request's "
+                                "time budget ran out")
+        await asyncio.sleep(delay)
+        busy.clear()
+
+    def _busy(self, busy: dict[str, float], instance_id: str, seconds: float,
+              role: str) -> None:
+        log.debug("%s instance %s busy for %.3fs", role, instance_id, seconds)
+        self.metrics.retries.labels(role=role, reason="busy").inc()
+        busy[instance_id] = seconds
+
+    def _failed(self, err: RouterError, role: str, instance_id: str, tries: _Attempts) -> None:
+        """Note a failure before the first token; raise when retrying cannot help."""
+        if not (isinstance(err, UpstreamError) and err.retryable):
+            raise err
+        log.warning("%s instance %s failed before the first token, trying another: %s",
+                    role, instance_id, err.message)
+        self.metrics.retries.labels(role=role, reason=err.grpc_code.name.lower()).inc()
+        self.view.mark_failed(instance_id)
+        tries.excluded[role].add(instance_id)
+        tries.errors.append(err.message)
+        tries.last = err
+        if len(tries.errors) >= self.max_attempts:
+            raise self._exhausted(tries)
+
+    @staticmethod
+    def _exhausted(tries: _Attempts) -> RouterError:
+        last = tries.last
+        assert last is not None
+        summary = "; ".join(tries.errors)
+        if isinstance(last, UpstreamError):
+            return UpstreamError(f"every instance tried failed before the first token: {summary}",
+                                 retryable=False, instance=last.instance,
+                                 http_status=last.http_status, grpc_code=last.grpc_code)
+        return last
+
+    def _count(self, choice: Choice, role: str) -> None:
+        inst = choice.instance.instance_id
+        log.debug("place %s on %s: %s", role, inst, choice.detail or choice.reason)
+        self.metrics.placements.labels(role=role, policy=choice.policy, instance=inst,
+                                       reason=choice.reason).inc()
+        self.metrics.placement_score.labels(role=role, policy=choice.policy).observe(choice.score)
+        # A placement is a decision, not a wait: a span of no length carrying its why
+        # (instance ids and scores, nothing of the prompt).
+        t = tracing.now()
+        tracing.record("placement", t, t, role=role, instance=inst, policy=choice.policy,
+                       reason=choice.reason, score=float(choice.score))

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# AIPerf (PyPI `aiperf`) in a virtualenv of its own, so its pins never touch kvserve's.
+#
+#   scripts/install_aiperf.sh            # -> $AIPERF_HOME (default ~/.cache/kvserve/aiperf-<ver>)
+#   AIPERF_VERSION=0.13.0 scripts/install_aiperf.sh
+#
+# Prints the path of the `aiperf` executable on its last line. Idempotent and quick once
+# installed (the folder is kept between runs: CI and developers reuse it). The folder lives
+# outside the work tree (or in the ignored .cache/ of it when AIPERF_HOME points there).
+set -euo pipefail
+version="${AIPERF_VERSION:-0.13.0}"
+home="${AIPERF_HOME:-${KVSERVE_CACHE:-$HOME/.cache/kvserve}/aiperf-$version}"
+python="${PYTHON:-python3}"
+stamp="$home/.installed-$version"
+if [[ -x "$home/bin/aiperf" && -f "$stamp" ]]; then
+  echo "$home/bin/aiperf"
+  exit 0
+fi
+mkdir -p "$(dirname "$home")"
+umask 077
+rm -rf "$home"
+"$python" -m venv "$home"
+"$home/bin/pip" install --quiet --disable-pip-version-check --upgrade pip >&2
+"$home/bin/pip" install --quiet --disable-pip-version-check "aiperf==$version" >&2
+"$home/bin/aiperf" --version >&2 || "$home/bin/aiperf" --help >/dev/null
+touch "$stamp"
+echo "$home/bin/aiperf"

@@ -1,0 +1,117 @@
+"""Private shared-memory files for the prefill -> decode KV hand-off, and the
+checksum every hand-off piece carries.
+
+A file is created 0600 with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a name
+with 128 random bits: another local user can neither read it nor pre-create
+(or symlink) the name to catch or edit the write (``/dev/shm`` is a shared
+sticky directory, and ``fs.protected_regular`` may be 0). The reader opens it
+with ``O_NOFOLLOW`` and takes only a regular file owned by its own uid with no
+group or other permission bits.
+
+None of that makes the bytes trustworthy by itself (the same uid can still
+write them): decode verifies every piece against ``piece_checksum``, which
+prefill computes from its own memory and sends over the authenticated gRPC
+channel, seeded with a per-handle secret (``KVHandle.kv_seed``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import xxhash
+
+NAME = re.compile(r"^kvserve-kv-[0-9a-f]{32}$")
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_ATTEMPTS = 4                       # fresh names tried when one is taken
+
+
+class ShmRefused(OSError):
+    """The file is not one this process may trust to read (wrong owner, mode, type)."""
+
+
+def new_name() -> str:
+    return f"kvserve-kv-{secrets.token_hex(16)}"
+
+
+def piece_checksum(data: object, seed: int) -> bytes:
+    """16-byte xxh3-128 of a bytes-like ``data``, seeded with the handle's secret."""
+    return xxhash.xxh3_128_digest(data, seed=seed)  # type: ignore[arg-type]
+
+
+def create_private(directory: Path, data: memoryview,
+                   names: Callable[[], str] = new_name) -> str:
+    """Write ``data`` to a new 0600 file under a fresh name; returns the name.
+    A name that exists already (someone else's file or link) is never opened."""
+    for _ in range(_ATTEMPTS):
+        name = names()
+        path = directory / name
+        try:
+            fd = os.open(path, _CREATE, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            os.fchmod(fd, 0o600)            # whatever the umask did
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)    # never leave a torn file behind
+            raise
+        os.close(fd)
+        return name
+    raise FileExistsError(f"no free hand-off name in {directory} after {_ATTEMPTS} tries")
+
+
+def _open_checked(path: Path) -> int:
+    fd = os.open(path, _OPEN)
+    st = os.fstat(fd)
+    if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+            or st.st_mode & 0o077):
+        os.close(fd)
+        raise ShmRefused(f"hand-off file {path.name} is not a private file of this user "
+                         f"(mode {stat.filemode(st.st_mode)}, uid {st.st_uid})")
+    return fd
+
+
+def usable(directory: Path, name: str) -> bool:
+    """Whether ``name`` is a hand-off file this process may read here (same host,
+    same user); when not, the reader asks for a byte stream instead."""
+    if not NAME.match(name):
+        return False
+    try:
+        os.close(_open_checked(directory / name))
+    except OSError:
+        return False
+    return True
+
+
+def read_private(directory: Path, name: str, offset: int, out: memoryview) -> None:
+    """Fill ``out`` with the file's bytes from ``offset`` (a copy: what is
+    verified afterwards cannot change under the reader)."""
+    if not NAME.match(name):
+        raise ValueError(f"bad shared-memory name {name!r}")
+    if offset < 0:
+        raise ValueError(f"shared-memory offset {offset} is negative")
+    fd = _open_checked(directory / name)
+    try:
+        size = os.fstat(fd).st_size
+        want = len(out)
+        if size < offset + want:
+            raise ValueError(f"shared-memory file {name} is short: {size} of "
+                             f"{offset + want} bytes")
+        view = out.cast("B")
+        pos = offset
+        while view:
+            n = os.preadv(fd, [view], pos)
+            if n <= 0:
+                raise ValueError(f"shared-memory file {name} is short at byte {pos}")
+            view, pos = view[n:], pos + n
+    finally:
+        os.close(fd)

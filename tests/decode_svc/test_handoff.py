@@ -1,0 +1,205 @@
+"""The prefill -> decode KV hand-off against real processes: a private file
+that nobody else can read, every piece verified before adoption (a tampered
+one is recomputed, never served or stored), a handle that waits for its
+decode however late, and a decode queue that refuses up front when full."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from proto import decode_pb2, prefill_pb2
+from tests.decode_svc.stack import (
+    TIMEOUT,
+    Stack,
+    decode,
+    keys_of,
+    prefill,
+    prompt,
+    reference,
+    sampling,
+    wait_stored,
+)
+from tests.prefill_svc import procs
+
+SHM = Path("/dev/shm")
+HANDOFF = re.compile(r"^kvserve-kv-[0-9a-f]{32}$")
+# Hand-off files of builds before the private-file change (other checkouts on a
+# shared machine may still run them): not this build's files, so not checked here.
+LEGACY = re.compile(r"^kvserve-kv-[0-9]+-[0-9]+$")
+NOBODY = 65534
+
+
+def _metric(stack_proc: procs.Proc, name: str) -> float:
+    return stack_proc.metrics().get(name, 0.0)
+
+
+def _readable_by_nobody(path: Path) -> bool:
+    """Whether uid/gid 65534 can open ``path`` for reading (run as root: really
+    tried in a child that drops to that uid; otherwise read from the mode bits)."""
+    if os.getuid() != 0:
+        return bool(path.lstat().st_mode & 0o004)
+    code = (f"import os, sys; os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
+            "try:\n    os.close(os.open(sys.argv[1], os.O_RDONLY | os.O_NOFOLLOW))\n"
+            "except OSError:\n    sys.exit(1)\n")
+    return subprocess.run([sys.executable, "-c", code, str(path)], check=False).returncode == 0
+
+
+def private_tree_problems(root: Path, *, skip: re.Pattern[str] | None = None) -> list[str]:
+    """Entries under ``root`` owned by this uid that another uid could read or
+    write (files: group/other bits; directories: group/other write, or read
+    without being this process's own private directory)."""
+    bad = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*filenames, *dirnames]:
+            if skip is not None and skip.match(name):
+                continue
+            p = Path(dirpath, name)
+            try:
+                st = p.lstat()
+            except FileNotFoundError:            # removed while we walked
+                continue
+            if st.st_uid != os.getuid() or stat.S_ISLNK(st.st_mode):
+                continue
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                bad.append(f"{p} {stat.filemode(st.st_mode)}")
+    return bad
+
+
+def test_a_tampered_handoff_file_is_recomputed_never_served_nor_stored(stack: Stack) -> None:
+    p = prompt(61, 45)
+    want = reference(stack.ref, p, 8)
+    pre = stack.prefill_stub()
+    h = prefill(pre, p, max_tokens=8)
+    assert h.kv_seed and h.expires_at == 0
+    # Have prefill write the shared-memory file now (as decode's pull would), then
+    # edit it as a local attacker with write access would, before decode reads it.
+    (chunk,) = list(pre.PullKV(prefill_pb2.PullKVRequest(request_id=h.ctx.request_id,
+                                                         use_shm=True), timeout=TIMEOUT))
+    assert HANDOFF.match(chunk.shm_name) and len(chunk.checksum) == 16
+    path = SHM / chunk.shm_name
+    assert stat.S_IMODE(path.lstat().st_mode) == 0o600
+    assert not _readable_by_nobody(path)
+    with open(path, "r+b") as f:
+        f.seek(chunk.size // 3)
+        f.write(b"\x7f" * 256)
+    before = {k: _metric(stack.decode, k) for k in (
+        "kvserve_decode_decode_kv_integrity_failures_total",
+        "kvserve_decode_decode_rebuilds_total{kind=integrity}")}
+    out = decode(stack.decode_stub(), h, max_tokens=8)
+    assert out.tokens == want                      # recomputed: the clean run's tokens
+    for k, v in before.items():
+        assert _metric(stack.decode, k) == v + 1, k
+    # The file goes with the release; the warehouse got the recomputed blocks, not
+    # the tampered ones: the next turn restores them and still answers exactly.
+    deadline = time.monotonic() + 10
+    while path.exists():
+        assert time.monotonic() < deadline, "the tampered file outlived the request"
+        time.sleep(0.05)
+    nxt = p + out.tokens + prompt(62, 20)
+    wait_stored(stack.store.address, keys_of(stack.ref, nxt), len(p) // procs.BLOCK, len(nxt))
+    h2 = prefill(pre, nxt, max_tokens=6)
+    assert h2.cached_tokens >= (len(p) // procs.BLOCK) * procs.BLOCK
+    assert decode(stack.decode_stub(), h2, max_tokens=6).tokens == reference(stack.ref, nxt, 6)
+
+
+@pytest.fixture()
+def forgetful_prefill(stack: Stack) -> Iterator[procs.Proc]:
+    """A prefill that drops KV nobody pulled within 1 s (the old 30-s TTL, shortened)."""
+    p = procs.engine_service("prefill", stack.config, stack.redis_url, stack.log_dir,
+                             store_address=stack.store.address,
+                             extra=("--buffer-ttl", "1", "--no-local-prefix-cache"))
+    procs.start_all(p)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_a_late_decode_still_completes_exactly(stack: Stack,
+                                               forgetful_prefill: procs.Proc) -> None:
+    """Decode arriving after the KV was dropped, or with a handle whose time
+    has passed, rebuilds it and answers exactly as if it had been on time."""
+    p = prompt(63, 50)
+    h = prefill(stack.prefill_stub(forgetful_prefill.address), p, max_tokens=7)
+    time.sleep(2.5)                                # past the bound; swept every second
+    gone = "kvserve_decode_decode_rebuilds_total{kind=gone}"
+    before = _metric(stack.decode, gone)
+    assert decode(stack.decode_stub(), h, max_tokens=7).tokens == reference(stack.ref, p, 7)
+    assert _metric(stack.decode, gone) == before + 1
+
+    q = prompt(64, 40)
+    stale = prefill_pb2.KVHandle()
+    stale.CopyFrom(prefill(stack.prefill_stub(), q, max_tokens=7))
+    stale.expires_at = time.time() - 60            # a handle from before, past its time
+    stale_key = "kvserve_decode_decode_rebuilds_total{kind=stale_handle}"
+    before = _metric(stack.decode, stale_key)
+    assert decode(stack.decode_stub(), stale, max_tokens=7).tokens == reference(stack.ref, q, 7)
+    assert _metric(stack.decode, stale_key) == before + 1
+
+
+@pytest.fixture()
+def one_slot_decode(stack: Stack) -> Iterator[procs.Proc]:
+    p = procs.engine_service("decode", stack.config, stack.redis_url, stack.log_dir,
+                             store_address=stack.store.address,
+                             extra=("--max-seqs", "1", "--max-waiting", "0"))
+    procs.start_all(p)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_a_full_decode_queue_refuses_before_any_work(stack: Stack,
+                                                     one_slot_decode: procs.Proc) -> None:
+    dec = stack.decode_stub(one_slot_decode.address)
+    pre = stack.prefill_stub()
+    busy = dec.Decode(decode_pb2.DecodeRequest(handle=prefill(pre, prompt(65, 20)),
+                                               sampling=sampling(900, ignore_eos=True)),
+                      timeout=TIMEOUT)
+    next(busy)                                     # taken: it holds the only slot
+    q = prompt(66, 30)
+    h = prefill(pre, q, max_tokens=5)
+    with pytest.raises(grpc.RpcError) as info:
+        decode(dec, h, max_tokens=5)
+    err = info.value
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in err.details()
+    retry = dict(err.trailing_metadata() or ())["retry-after-ms"]
+    assert int(retry) >= 1
+    assert one_slot_decode.metrics()["kvserve_decode_decode_busy_rejections_total"] == 1
+    # Refused before any work: its KV is still where prefill left it.
+    kv = list(pre.PullKV(prefill_pb2.PullKVRequest(request_id=h.ctx.request_id),
+                         timeout=TIMEOUT))
+    assert sum(c.token_count for c in kv) == len(q)
+    busy.cancel()
+    deadline = time.monotonic() + 10
+    while True:                                    # the slot frees once the cancel lands
+        try:
+            out = decode(dec, h, max_tokens=5)
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() < deadline, "the cancelled sequence kept its slot"
+            time.sleep(0.05)
+    assert out.tokens == reference(stack.ref, q, 5)
+
+
+def test_no_file_in_shared_memory_is_readable_by_another_user(stack: Stack) -> None:
+    """After the runs above: nothing of ours in /dev/shm another uid could read,
+    and no hand-off file left behind once its request was served."""
+    h = prefill(stack.prefill_stub(), prompt(67, 33), max_tokens=3)
+    decode(stack.decode_stub(), h, max_tokens=3)
+    assert private_tree_problems(SHM, skip=LEGACY) == []
+    deadline = time.monotonic() + 10
+    while any(HANDOFF.match(n) for n in os.listdir(SHM)):
+        assert time.monotonic() < deadline, f"hand-off files left: {os.listdir(SHM)}"
+        time.sleep(0.05)

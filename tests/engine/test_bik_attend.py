@@ -1,0 +1,87 @@
+"""The batch-invariant attention kernel gives the same bits on every SIMD path
+of this CPU (scalar, AVX2, AVX-512 where present), for the shapes prefill
+and decode use: several segments, long key ranges with partial 16-key tails,
+sliding windows, and head sizes with and without a specialised kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import bik
+
+pytestmark = pytest.mark.skipif(not bik.available(), reason="native._bik not built")
+
+
+def _attend(q: torch.Tensor, segs: list[bik.AttnSegment], kv_heads: int,
+            window: int) -> torch.Tensor:
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
+    bik.attend(q, segs, kv_heads, window, out)
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
+@pytest.mark.parametrize("window", [0, 37])
+def test_every_simd_path_gives_the_same_bits(head_dim: int, window: int) -> None:
+    g = torch.Generator().manual_seed(head_dim + window)
+    heads, kv_heads = 6, 2
+    # (rows, first position): a prefill chunk deep in a long context, a decode
+    # row, a chunk from position 0, and one ending off a 16-key boundary.
+    shapes = [(21, 1472), (1, 300), (40, 0), (9, 71)]
+    rows = sum(r for r, _ in shapes)
+    q = torch.randn(rows, heads, head_dim, generator=g)
+    segs, r0 = [], 0
+    for r, start in shapes:
+        kv = torch.randn(2, kv_heads, start + r + 8, head_dim, generator=g)
+        segs.append(bik.AttnSegment(r0, r, start, kv))
+        r0 += r
+    before = bik.current_path()
+    results = {}
+    try:
+        for path in bik.paths():
+            bik.use_path(path)
+            results[path] = _attend(q, segs, kv_heads, window)
+            # A segment alone gives the same rows as in the batch (batch invariance).
+            one = _attend(q[21:22], [bik.AttnSegment(0, 1, 300, segs[1].kv)], kv_heads, window)
+            assert torch.equal(one, results[path][21:22]), path
+    finally:
+        bik.use_path(before)
+    first = results[bik.paths()[0]]
+    assert torch.isfinite(first).all()
+    for path, out in results.items():
+        assert torch.equal(out, first), f"{path} differs from {bik.paths()[0]}"
+
+
+@pytest.mark.parametrize("n", [16, 70, 576, 1536])
+def test_norm_and_swiglu_give_the_same_bits_on_every_path(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(37, n, generator=g) * 3
+    w = torch.randn(n, generator=g)
+    gu = torch.randn(37, 2 * n, generator=g) * 4
+    gu[0, :5], gu[1, :5], gu[2, :3], gu[3, :3] = 0.0, -0.0, 100.0, -100.0   # exp's edges
+    before = bik.current_path()
+    results = []
+    try:
+        for path in bik.paths():
+            bik.use_path(path)
+            results.append((bik.rms_norm(x, w, 1e-5), bik.silu_mul(gu)))
+    finally:
+        bik.use_path(before)
+    for norm, silu in results[1:]:
+        assert torch.equal(norm, results[0][0]) and torch.equal(silu, results[0][1])
+
+
+def test_rope_is_torch_rope_bit_for_bit() -> None:
+    """bik's one-pass rotary embedding (what BIKernels uses) gives the torch
+    version's bits on a strided q/k slice, so KV made before it stays valid."""
+    from engine.kernels import TorchKernels
+    from engine.model import RotaryTable
+
+    g = torch.Generator().manual_seed(4)
+    table = RotaryTable(64, 100_000.0, 4096, torch.device("cpu"), torch.float32)
+    qkv = torch.randn(300, 15, 64, generator=g) * 5
+    pos = torch.randint(0, 4096, (300,), generator=g)
+    want = TorchKernels().rope(qkv[:, :12], pos, table.cos, table.sin)
+    assert torch.equal(bik.rope(qkv[:, :12], pos, table.cos, table.sin), want)
+    with pytest.raises(ValueError, match="outside the table"):
+        bik.rope(qkv[:, :12], pos + 4096, table.cos, table.sin)

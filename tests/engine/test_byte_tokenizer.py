@@ -1,0 +1,28 @@
+"""The byte tokenizer of the random-weight configs: ids past ``BYTE_VOCAB`` (the
+shapes of real models, e.g. llama-8b-shape) decode to one visible letter each, so a
+stream of generated tokens reaches clients as text; the tiny configs' text is as
+before, and no text ever encodes to an id above the bytes."""
+
+from __future__ import annotations
+
+from engine.config import BYTE_VOCAB, ModelConfig
+from engine.tokenizer import ByteTokenizer
+
+
+def test_tiny_vocabulary_decodes_as_before() -> None:
+    t = ByteTokenizer(BYTE_VOCAB)
+    ids = [*"héllo".encode(), t.BOS, t.EOS, t.IM_START, 300, BYTE_VOCAB - 1]
+    assert t.decode(ids) == "héllo"
+
+
+def test_every_token_past_the_bytes_is_one_letter() -> None:
+    vocab = ModelConfig.from_name("llama-8b-shape").vocab_size
+    t = ByteTokenizer(vocab)
+    ids = list(range(BYTE_VOCAB, vocab, 977))
+    text = t.decode(ids)
+    assert len(text) == len(ids) and text.isascii() and text.isalpha()
+    # Incremental decoding (what decode streams) adds exactly one character a token.
+    assert all(len(t.decode(ids[:n + 1])) == n + 1 for n in range(len(ids)))
+    assert t.decode([104, 105, t.EOS, BYTE_VOCAB + 1]) == "hi" + t.decode([BYTE_VOCAB + 1])
+    # Text never becomes those ids (nor the markers): encoding stays bytes.
+    assert max(t.encode(text + "<|im_start|>")) < 256

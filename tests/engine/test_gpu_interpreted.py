@@ -1,0 +1,241 @@
+"""The batch-invariant GPU kernels' logic, checked on the CPU: Triton's
+interpreter (``TRITON_INTERPRET=1``) runs the same kernels on numpy, so their
+indexing, masks, key splits, the decode shares and their fold, and the GEMM
+plans are exercised without a GPU, on tiny shapes. Bit-identity here proves the
+algorithm (what each row computes does not depend on its neighbours); that the
+H200's matrix units agree across tile shapes is tests/engine/test_gpu_invariant.py's
+job, on the device (here ``tl.dot`` is modelled as one fixed-order chain per
+output, see ``_fixed_order_dot``). fp16 and fp32 only: the interpreter has no
+bf16 arithmetic.
+
+Each check runs in a child process, because the interpreter is chosen when a
+kernel module is first imported."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the device runs the real kernels"),
+    pytest.mark.skipif(__import__("importlib.util").util.find_spec("triton") is None,
+                       reason="needs Triton (its interpreter)"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(check: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, check], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith(f"{check} ok"), proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("check", ["gemm", "attention", "decode_graph_path", "paged_decode"])
+def test_kernel_logic_under_the_interpreter(check: str) -> None:
+    _run(check)
+
+
+# ----------------------------------------------------------- the checks
+def check_gemm() -> None:
+    from engine.triton_gemm import GemmPlan, linear
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float16, torch.float32):
+        for k, n in ((96, 40), (128, 200)):          # K off and on the K tile
+            w_t = torch.randn(n, k, generator=g).to(dtype).t()     # as weights.py
+            bias = torch.randn(n, generator=g).to(dtype)
+            x = torch.randn(600, k, generator=g).to(dtype)
+            full = linear(x, w_t, bias)
+            ref = x.double() @ w_t.double() + bias.double()
+            err = ((full.double() - ref).norm() / ref.norm()).item()
+            assert err < 2e-3, (dtype, k, n, err)
+            for m in (1, 2, 17, 64, 65, 130, 513):   # across the plan classes
+                assert torch.equal(linear(x[:m], w_t, bias), full[:m]), (dtype, m)
+                assert torch.equal(linear(x[600 - m:], w_t, bias), full[600 - m:]), (dtype, m)
+            plans = [GemmPlan(64, 32, 4, 2), GemmPlan(128, 64, 8, 2, group_m=2)]
+            if dtype != torch.float32:                  # the TMA candidate is 16-bit only
+                plans.append(GemmPlan(128, 256, 8, 3, persistent=True))
+            for plan in plans:
+                assert torch.equal(linear(x, w_t, bias, plan=plan), full), plan
+    print("gemm ok")
+
+
+def _pool_and_inputs(t: int, heads: int, kv_heads: int, dim: int, bt: int, nb: int,
+                     seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.full((1, 2, kv_heads, nb, bt, dim), float("nan"), dtype=torch.float16)
+    table = torch.randperm(nb, generator=g)[: -(-t // bt)]
+    k = torch.randn(t, kv_heads, dim, generator=g).half()
+    v = torch.randn(t, kv_heads, dim, generator=g).half()
+    pos = torch.arange(t)
+    slots = table[pos // bt] * bt + pos % bt
+    flat = pool.view(1, 2, kv_heads, nb * bt, dim)
+    flat[0, 0, :, slots] = k.transpose(0, 1)
+    flat[0, 1, :, slots] = v.transpose(0, 1)
+    q = torch.randn(t, heads, dim, generator=g).half()
+    return pool, table, q, k, v
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    t, h, d = q.shape
+    grp = h // k.shape[1]
+    kk = k.double().repeat_interleave(grp, 1).transpose(0, 1)
+    vv = v.double().repeat_interleave(grp, 1).transpose(0, 1)
+    s = q.double().transpose(0, 1) @ kk.transpose(1, 2) / d ** 0.5
+    i = torch.arange(t)
+    see = i[None, :] <= i[:, None]
+    if window:
+        see &= i[None, :] > i[:, None] - window
+    o = s.masked_fill(~see, float("-inf")).softmax(-1) @ vv
+    return o.transpose(0, 1).reshape(t, h * d)
+
+
+def check_attention() -> None:
+    from engine.triton_attention import AttnSegment, InvariantAttention
+
+    heads, kv_heads, dim, bt, split = 8, 2, 16, 16, 128      # splits of 2 key tiles
+    t = 300
+    for window in (0, 50):
+        pool, table, q, k, v = _pool_and_inputs(t, heads, kv_heads, dim, bt, 64, window)
+
+        def chunked(sizes: list[int], pool: torch.Tensor = pool, table: torch.Tensor = table,
+                    q: torch.Tensor = q, window: int = window) -> torch.Tensor:
+            out = torch.full((t, heads * dim), float("nan"), dtype=torch.float16)
+            s = 0
+            for c in sizes:
+                InvariantAttention(pool, [AttnSegment(0, c, s, table)], heads, split=split)(
+                    0, q[s:s + c], window, out[s:s + c])
+                s += c
+            assert s == t
+            return out
+
+        whole = chunked([t])
+        ref = _reference(q, k, v, window)
+        err = ((whole.double() - ref).norm() / ref.norm()).item()
+        assert err < 2e-3, (window, err)
+        for sizes in ([7] * 42 + [6], [1, 63, 64, 172], [129, 171]):
+            assert torch.equal(chunked(sizes), whole), (window, sizes)
+        # batched prefill: several sequences (segments) of one call, any lengths,
+        # in any order, each row as in its own call
+        rng = random.Random(window)
+        cuts = sorted(rng.sample(range(1, t), 3))
+        parts = list(zip([0, *cuts], [*cuts, t], strict=True))
+        rng.shuffle(parts)
+        out = torch.full((t, heads * dim), float("nan"), dtype=torch.float16)
+        rows = torch.cat([torch.arange(a, b) for a, b in parts])
+        segs, r0 = [], 0
+        for a, b in parts:
+            segs.append(AttnSegment(r0, b - a, a, table))
+            r0 += b - a
+        InvariantAttention(pool, segs, heads, split=split)(0, q[rows], window, out)
+        assert torch.equal(out, whole[rows]), window
+        # decode rows: one token each, its splits shared by 1..5 programs
+        at = [*rng.sample(range(t), 6), t - 1, 0]
+        for n_parts in (1, 2, 3, 5):
+            out = torch.full((len(at), heads * dim), float("nan"), dtype=torch.float16)
+            acc = torch.full((len(at), n_parts, heads, dim), float("nan"))
+            ml = torch.full((len(at), n_parts, heads, 2), float("nan"))
+            InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
+                               heads, parts=n_parts, split=split)(0, q[at], window, out, acc, ml)
+            assert torch.equal(out, whole[at]), (window, n_parts)
+    print("attention ok")
+
+
+def check_decode_graph_path() -> None:
+    """DecodeAttention over StepBuffers (what the CUDA graph replays): the fused
+    K/V write lands where KVStorage.write puts it, and rows equal a prefill's."""
+    from engine.kv_pool import KVLayout, KVStorage
+    from engine.paged_decode import StepBuffers
+    from engine.triton_attention import AttnSegment, InvariantAttention
+    from engine.triton_invariant import DecodeAttention
+
+    heads, kv_heads, dim, bt, t = 8, 2, 16, 16, 200
+    lay = KVLayout(1, kv_heads, bt, dim, "float16")
+    store, ref_store = KVStorage(lay, 32, torch.device("cpu")), KVStorage(lay, 32,
+                                                                          torch.device("cpu"))
+    pool, table, q, k, v = _pool_and_inputs(t, heads, kv_heads, dim, bt, 32, 5)
+    store.data.copy_(pool)
+    ref_store.data.copy_(pool)
+    whole = torch.empty(t, heads * dim, dtype=torch.float16)
+    InvariantAttention(pool, [AttnSegment(0, t, 0, table)], heads)(0, q, 0, whole)
+    at = [0, 17, 63, 64, 150, 199]
+    b, splits = 8, 3                                   # a bucket of 8: 2 padding rows
+    scratch = int(torch.tensor(sorted(set(range(32)) - set(table.tolist())))[0])
+    buf = StepBuffers(torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64),
+                      torch.full((b,), scratch * bt, dtype=torch.int64),
+                      torch.full((b, 16), scratch, dtype=torch.int32),
+                      torch.ones(b, dtype=torch.int32),
+                      torch.full((b, splits, heads, dim), float("nan")),
+                      torch.full((b, splits, heads, 2), float("nan")), splits)
+    for i, p in enumerate(at):
+        buf.slots[i] = table[p // bt] * bt + p % bt
+        buf.lens[i] = p + 1
+        buf.tables[i, :len(table)] = table.to(torch.int32)
+    kk = torch.zeros(b, kv_heads, dim, dtype=torch.float16)
+    vv = torch.zeros(b, kv_heads, dim, dtype=torch.float16)
+    kk[:len(at)], vv[:len(at)] = k[at], v[at]
+    qq = torch.zeros(b, heads, dim, dtype=torch.float16)
+    qq[:len(at)] = q[at]
+    out = DecodeAttention(store, (0,), heads, buf)(0, qq, kk, vv)
+    ref_store.write(0, buf.slots, kk, vv)
+    assert torch.equal(store.data.nan_to_num(7.0), ref_store.data.nan_to_num(7.0))
+    assert torch.equal(out[:len(at)], whole[at])
+    print("decode_graph_path ok")
+
+
+def _fixed_order_dot() -> None:
+    """The interpreter's ``tl.dot`` is numpy's matmul, and OpenBLAS picks its
+    kernel (and so its summation order) by shape: numpy is not batch-invariant
+    itself. Model the matrix unit as the kernels assume it: one fp32 chain per
+    output element over k = 0..K-1, added onto the accumulator in order."""
+    import numpy as np
+    from triton.runtime import interpreter as it
+
+    def create_dot(self: object, a: it.TensorHandle, b: it.TensorHandle,
+                   d: it.TensorHandle, input_precision: object,
+                   max_num_imprecise_acc: object) -> it.TensorHandle:
+        x, y = a.data.astype(np.float32), b.data.astype(np.float32)
+        out = d.data.astype(np.float32).copy()
+        for k in range(x.shape[-1]):
+            out = out + x[..., :, k:k + 1] * y[..., k:k + 1, :]
+        return it.TensorHandle(out.astype(d.data.dtype), d.dtype.scalar)
+
+    it.InterpreterBuilder.create_dot = create_dot  # type: ignore[method-assign]
+
+
+def check_paged_decode() -> None:
+    """The ``triton`` family's decode kernel with key splits merged by one kernel."""
+    from engine.paged_decode import paged_decode
+
+    heads, kv_heads, dim, bt, nb = 8, 2, 16, 16, 40
+    pool, table, q, k, v = _pool_and_inputs(nb * bt, heads, kv_heads, dim, bt, nb, 9)
+    lens = [1, 15, 16, 130, 300]
+    tables = torch.zeros(len(lens), 20, dtype=torch.int32)
+    tables[:] = table[:20].to(torch.int32)
+    for window in (0, 50):
+        want = torch.cat([_reference(q[:n], k[:n], v[:n], window)[n - 1:n] for n in lens])
+        for splits in (1, 4):
+            acc = torch.full((len(lens), splits, heads, dim), float("nan"))
+            ml = torch.full((len(lens), splits, heads, 2), float("nan"))
+            out = paged_decode(q[[n - 1 for n in lens]], pool[0, 0], pool[0, 1], tables,
+                               torch.tensor(lens, dtype=torch.int32), window, splits, acc, ml)
+            err = ((out.double() - want).norm() / want.norm()).item()
+            assert torch.isfinite(out).all() and err < 2e-3, (window, splits, err)
+    print("paged_decode ok")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _fixed_order_dot()
+    {"gemm": check_gemm, "attention": check_attention, "paged_decode": check_paged_decode,
+     "decode_graph_path": check_decode_graph_path}[sys.argv[1]]()

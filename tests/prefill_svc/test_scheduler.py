@@ -1,0 +1,91 @@
+"""The prefill scheduler's bookkeeping (prefill_svc/scheduler.py): budgets,
+ordering with aging, admission limits, and refusals with a retry estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import ConfigError, PrefillSection
+from prefill_svc.scheduler import Entry, Scheduler
+
+
+def sched(**kw: object) -> Scheduler:
+    return Scheduler(PrefillSection(**kw), tokens_per_s=1000.0)  # type: ignore[arg-type]
+
+
+def ready(s: Scheduler, rid: str, arrival: float, remaining: int, blocks: int = 1) -> Entry:
+    e = Entry(rid, remaining, arrival, remaining, blocks)
+    s.add(e)
+    s.mark_ready(e, remaining, blocks)
+    return e
+
+
+def test_fcfs_fills_the_budget_in_arrival_order_and_chunks_the_long_one() -> None:
+    s = sched(policy="fcfs", step_tokens=512)
+    ready(s, "long", 0.0, 6000)
+    ready(s, "short", 1.0, 40)
+    p = s.plan(free_blocks=1000, now=1.0)
+    assert [e.request_id for e in p.admit] == ["long"] and p.budgets == {"long": 512}
+
+
+def test_src_lets_a_warm_turn_pass_a_cold_prompt_until_the_aging_bound() -> None:
+    s = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    long = ready(s, "long", 0.0, 6000)
+    s.admitted(long, 6000)
+    ready(s, "cold", 0.5, 480)
+    ready(s, "warm", 1.0, 20)
+    p = s.plan(free_blocks=1000, now=1.0)
+    assert [e.request_id for e in p.admit] == ["warm", "cold"]
+    assert p.budgets == {"warm": 20, "cold": 480, "long": 12}
+    # Once a request has waited max_delay_s it goes first (in arrival order
+    # among such); the rest by remaining compute.
+    s.cfg = PrefillSection(policy="src", step_tokens=100_000, max_delay_s=4.0)
+    assert list(s.plan(free_blocks=1000, now=3.9).budgets) == ["warm", "cold", "long"]
+    assert list(s.plan(free_blocks=1000, now=4.2).budgets) == ["long", "warm", "cold"]
+    assert list(s.plan(free_blocks=1000, now=4.7).budgets) == ["long", "cold", "warm"]
+
+
+def test_admission_limits_running_prompts_and_waits_for_the_pool() -> None:
+    s = sched(policy="fcfs", step_tokens=10_000, max_running=2)
+    for i in range(4):
+        ready(s, f"r{i}", float(i), 100, blocks=5)
+    p = s.plan(free_blocks=1000, now=9.0)
+    assert [e.request_id for e in p.admit] == ["r0", "r1"]
+    # The first that does not fit stops admissions: no smaller one overtakes it.
+    s2 = sched(policy="fcfs", step_tokens=10_000)
+    ready(s2, "big", 0.0, 100, blocks=50)
+    ready(s2, "small", 1.0, 100, blocks=1)
+    assert s2.plan(free_blocks=10, now=2.0).admit == ()
+    # Only ready requests are admitted (the others are still fetching).
+    s3 = sched()
+    s3.add(Entry("fetching", 100, 0.0, 100, 2))
+    assert not s3.has_work and s3.plan(free_blocks=10, now=1.0).budgets == {}
+
+
+def test_cancelled_running_prompts_are_stopped_not_stepped() -> None:
+    s = sched(step_tokens=100)
+    a = ready(s, "a", 0.0, 500)
+    s.admitted(a, 500)
+    a.cancelled = True
+    p = s.plan(free_blocks=100, now=1.0)
+    assert p.stop == (a,) and p.budgets == {}
+
+
+def test_full_queue_refuses_with_a_retry_estimate() -> None:
+    s = sched(max_waiting=2, max_waiting_tokens=1000)
+    assert s.check_count() is None and s.check_tokens(5000) is None   # empty: any prompt
+    ready(s, "a", 0.0, 600)
+    busy = s.check_tokens(600)
+    assert busy is not None and "max_waiting_tokens 1000" in busy.reason
+    assert busy.retry_after_ms == 200          # 200 excess tokens at 1000 tokens/s
+    ready(s, "b", 0.0, 100)
+    busy = s.check_count()
+    assert busy is not None and "2 requests waiting" in busy.reason and busy.retry_after_ms >= 10
+    assert s.queue == 2 and s.tokens_in_flight == 700
+
+
+def test_prefill_section_validates() -> None:
+    with pytest.raises(ConfigError, match=r"one of \['fcfs', 'src'\]"):
+        PrefillSection(policy="lifo")
+    with pytest.raises(ConfigError, match="step_tokens"):
+        PrefillSection(step_tokens=0)
