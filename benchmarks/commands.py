@@ -1,7 +1,8 @@
 """Every ``kvserve bench …`` command: its flags, and a run on the harness
 (``benchmarks/harness.py``) that imports its benchmark only when it runs
 (importing torch would slow every kvserve command down). Each benchmark
-module ``benchmarks/<command>.py`` has ``report(args) -> Report``.
+module ``benchmarks/<command>.py`` (a hyphen read as an underscore:
+``vllm-trace`` is ``benchmarks/vllm_trace.py``) has ``report(args) -> Report``.
 
 ``kvserve/cli.py`` finds this module by name: the benchmarks stand above the
 CLI's package (they start stacks through its launcher), so it cannot import them.
@@ -187,6 +188,20 @@ def _vllm(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="prompts timed (medians over them)")
     p.add_argument("--tls-dir", default="", help="mTLS deployment directory for the kvstore")
     p.add_argument("--insecure", action="store_true", help="plain text to the kvstore")
+    p.add_argument("--load", choices=("async", "sync"), default="async",
+                   help="the connector's load path (vLLM's load_kv_async or in-step)")
+    output_flags(p)
+
+
+def _vllm_trace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True, help="timed_trace JSONL (vllm bench serve's format)")
+    p.add_argument("--mode", choices=("engines", "router"), default="engines",
+                   help="engines: vLLM alone vs vLLM + connector; router: kvserve's router "
+                   "over two vLLM servers, cache_aware vs round_robin")
+    p.add_argument("--chunk-hash-size", type=int, default=32, help="tokens per trace hash")
+    p.add_argument("--prompts", type=int, default=1000, help="requests replayed (at most)")
+    p.add_argument("--kv-cache-mib", type=int, default=256, help="each vLLM server's KV cache")
+    p.add_argument("--slo-ttft-ms", type=float, default=10_000.0, help="goodput's TTFT bound")
     output_flags(p)
 
 
@@ -196,7 +211,7 @@ def _serve(p: argparse.ArgumentParser) -> None:
     configure(p)
 
 
-# command -> (help, flags); the benchmark is benchmarks/<command>.py
+# command -> (help, flags); the benchmark is benchmarks/<command>.py ('-' read as '_')
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "engine": ("engine prefill/decode throughput and KV export/import", _engine),
     "front": ("router front overhead on TTFT, and its 400 path", _front),
@@ -212,14 +227,21 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
               "effective prefill and decode tok/s against same-run limits", _stack),
     "store": ("warehouse throughput and lookup latency against raw baselines", _store),
     "vllm": ("vLLM TTFT: cold, warm from the warehouse in a fresh process, warm from its own "
-             "cache", _vllm),
+             "cache, and the warm step's split", _vllm),
+    "vllm-trace": ("vllm bench serve on a timed trace: vLLM alone vs with kvserve's connector, "
+                   "or kvserve's router policies over vLLM", _vllm_trace),
 }
+
+
+def module_name(command: str) -> str:
+    """The module of ``kvserve bench <command>`` (``vllm-trace`` -> benchmarks.vllm_trace)."""
+    return f"benchmarks.{command.replace('-', '_')}"
 
 
 def _measure(command: str) -> Callable[[argparse.Namespace], Report]:
     def measure(args: argparse.Namespace) -> Report:
         report: Callable[[argparse.Namespace], Report] = importlib.import_module(
-            f"benchmarks.{command}").report
+            module_name(command)).report
         return report(args)
 
     return measure
@@ -231,4 +253,4 @@ def register(reg: CommandRegistry) -> None:
         reg.add(f"bench {command}", help=text, configure=flags, run=runner(_measure(command)))
 
 
-__all__ = ["COMMANDS", "register"]
+__all__ = ["COMMANDS", "module_name", "register"]

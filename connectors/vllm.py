@@ -30,13 +30,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
 from common.config import ConfigError
 from connectors.vllm_bridge import StoreBridge
 from connectors.vllm_config import ConnectorConfig
-from connectors.vllm_identity import fingerprint, model_weights_id
+from connectors.vllm_entry import attested, events_endpoint
+from connectors.vllm_identity import LAYOUT_TAG, fingerprint, model_weights_id
 from connectors.vllm_meta import KVServeMeta
 from connectors.vllm_presence import Presence
 from connectors.vllm_scheduler import SchedulerSide
@@ -47,7 +49,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-LAYOUT_TAG = "LBHNC"        # per-layer blocks [kv_heads, tokens, K|V]; part of the fingerprint
 
 
 def _client_takes_security() -> bool:
@@ -93,9 +94,10 @@ class KVServeConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
             blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 1)
+            groups = len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) or 1
             self.sched = SchedulerSide(self.cfg, self.fingerprint, self.bridge, self.presence,
                                        max_requests=max_seqs, local_blocks=blocks,
-                                       secret=self.security.require_secret())
+                                       secret=self.security.require_secret(), kv_groups=groups)
             if self.presence is not None:
                 self.presence.register(self._info(blocks), self.sched.load)
         else:
@@ -114,9 +116,12 @@ class KVServeConnector(KVConnectorBase_V1, SupportsHMA):
         # A consumer only decodes what a producer prefilled; kv_both does both and
         # is listed as prefill (the router's vLLM backend sends it whole requests).
         role = "decode" if self.kv_role == "kv_consumer" else "prefill"
-        return InstanceInfo(instance_id=self.instance_id, role=role,
-                            address=self.cfg.advertise, node=self.cfg.node,
-                            model_fingerprint=self.fingerprint.hex(), capacity=float(blocks))
+        events = events_endpoint(getattr(self._vllm_config, "kv_events_config", None),
+                                 self.cfg.advertise)
+        return attested(InstanceInfo(instance_id=self.instance_id, role=role,
+                                     address=self.cfg.advertise, node=self.cfg.node,
+                                     model_fingerprint=self.fingerprint.hex(),
+                                     capacity=float(blocks), kv_events=events), self.security)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -154,12 +159,22 @@ class KVServeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             return None, None
-        return self.worker.finished(finished_req_ids) or None, None
+        sending, recving, _failed = self.worker.finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self.worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.loads.close()
         if self.bridge is not None:
             self.bridge.close()
         if self.presence is not None:

@@ -23,7 +23,8 @@ _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 class ConnectorConfig:
     store: str = "127.0.0.1:50051"       # kvstore gRPC address
     redis_url: str = ""                  # registry + KV events; "" = no registration
-    redis_url_file: str = ""             # a 0600 file with the URL (and its password)
+    redis_url_file: str = ""             # ... or a 0600 file with it (and its password),
+                                         # which keeps the password out of vLLM's argv
     instance_id: str = ""                # "" = vllm-<host>-<vLLM engine id>
     advertise: str = ""                  # this vLLM's OpenAI base URL, for the router
     node: str = "node-0"                 # the node its kvstore serves (G2/G3 locality)
@@ -38,6 +39,7 @@ class ConnectorConfig:
     retry_after_s: float = 1.0           # after a store failure, skip it this long
     use_shm: bool = True                 # same-host shared-memory fast path
     load: bool = True                    # restore from the warehouse
+    load_async: bool = True              # vLLM's load_kv_async: others run while blocks move
     save: bool = True                    # write computed prompt blocks to it
     secret_file: str = ""                # deployment secret (keys tenant salts); see security/
     tls_dir: str = ""                    # mTLS identity (role "engine"); "" = KVSERVE_TLS_DIR
@@ -48,6 +50,8 @@ class ConnectorConfig:
     hit_rule: HitRule = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.redis_url and self.redis_url_file:
+            raise ConfigError("set redis_url or redis_url_file, not both")
         if self.block_tokens < 1:
             raise ConfigError(f"block_tokens must be >= 1, got {self.block_tokens}")
         object.__setattr__(self, "hit_rule", HitRule(

@@ -1,9 +1,11 @@
 """Who a vLLM request's KV belongs to: tenant, traffic class, model fingerprint.
 
-* Tenant: vLLM's ``cache_salt`` (the router sends the caller's tenant there).
-  A salt that is a valid kvserve tenant name is that tenant; any other salt
-  (free text from some other client) becomes ``salt-<BLAKE2b-128 hex>``, so two
-  salts never share a tenant and none is rejected. No salt: the default tenant.
+* Tenant: only what vLLM's ``cache_salt`` *proves* (``security.vllm_trust``):
+  kvserve's router sends a salt MAC'd under the deployment secret, and that
+  tenant is used. Any other salt (a tenant's bare name, free text, a forged
+  MAC, none) is the one untrusted namespace, with the salt folded into the
+  block identity (``KVIdentity.fingerprint``): untrusted salts never share a
+  block with each other nor with any real tenant, and none is rejected.
 * Traffic class: ``kv_transfer_params["kv_class"]`` (the router copies its
   ``X-KV-Class`` header there), else the configured default.
 * Fingerprint: BLAKE2b-128 of the weights' bytes, the dtype, the KV cache dtype,
@@ -15,29 +17,38 @@
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, TrafficClasses
-from kvstore.keys import DEFAULT_TENANT, TENANT_RULE
+from security.vllm_trust import salt_scope, untrusted_fingerprint
 
 LAYOUT_VERSION = 1          # bump when the bytes a block holds change meaning
+LAYOUT_TAG = "LBHNC"        # vLLM's per-layer blocks [kv_heads, tokens, K|V]
 CLASS_PARAM = "kv_class"
-_TENANT_RE = re.compile(rf"^{TENANT_RULE}\Z")
 
 
 class IdentityError(ValueError):
     """A request or model whose KV identity cannot be determined."""
 
 
-def tenant_of(cache_salt: str | None) -> str:
-    if not cache_salt:
-        return DEFAULT_TENANT
-    if _TENANT_RE.match(cache_salt):
-        return cache_salt
-    return "salt-" + hashlib.blake2b(cache_salt.encode(), digest_size=16).hexdigest()
+@dataclass(frozen=True, slots=True)
+class KVIdentity:
+    """The tenant a request acts for and the fingerprint its keys are chained with."""
+
+    tenant: str
+    fingerprint: bytes
+    trusted: bool
+
+
+def identity_of(cache_salt: str | None, fingerprint: bytes, secret: bytes) -> KVIdentity:
+    """The request's KV identity from the salt it carries (module doc)."""
+    scope = salt_scope(cache_salt, secret)
+    if scope.trusted:
+        return KVIdentity(scope.tenant, fingerprint, True)
+    return KVIdentity(scope.tenant, untrusted_fingerprint(fingerprint, scope.isolation), False)
 
 
 def traffic_class_of(params: Mapping[str, Any] | None, classes: TrafficClasses) -> str:
@@ -65,6 +76,14 @@ def fingerprint(weights_id: bytes, *, dtype: str, cache_dtype: str, layout: str,
     h.update(weights_id)
     h.update(f"|vllm-kv{LAYOUT_VERSION}|{dtype}|{cache_dtype}|{layout}|B{block_tokens}".encode())
     return h.digest()
+
+
+def vllm_fingerprint(model_dir: str | Path, *, dtype: str = "float32",
+                     cache_dtype: str = "auto", block_tokens: int = 64) -> bytes:
+    """What a connector serving ``model_dir`` computes (``kvserve vllm-attach`` uses it
+    for a plain vLLM server, so both kinds map prompts to the same keys)."""
+    return fingerprint(model_weights_id(model_dir), dtype=dtype, cache_dtype=cache_dtype,
+                       layout=LAYOUT_TAG, block_tokens=block_tokens)
 
 
 def model_weights_id(model_dir: str | Path) -> bytes:

@@ -32,5 +32,7 @@ class BlockTransfer:
 
 @dataclass(slots=True)
 class KVServeMeta(KVConnectorMetadata):
-    loads: list[BlockTransfer] = field(default_factory=list)
+    loads: list[BlockTransfer] = field(default_factory=list)        # this step's forward needs them
+    async_loads: list[BlockTransfer] = field(default_factory=list)  # done between steps
     saves: list[BlockTransfer] = field(default_factory=list)
+    new_requests: int = 0           # requests computing their first tokens this step (timing)

@@ -1,18 +1,26 @@
 """The scheduler half of ``KVServeConnector``: what to load, what to save.
 
-Per request it keeps the prompt's chain of 128-bit block keys (tenant from
-``cache_salt``, class from ``kv_transfer_params``), computed once.
+Per request it keeps the chain of 128-bit block keys of the request's tokens
+(tenant proven by ``cache_salt`` or the untrusted namespace:
+``connectors.vllm_identity``; class from ``kv_transfer_params``). The chain
+grows with the request: prompt blocks at admission, then every block the
+answer completes, so a returning session's next turn (prompt + previous answer
++ new text, the same token ids) hits both in any instance.
 
 * ``matched`` (vLLM's ``get_num_new_matched_tokens``): one warehouse Lookup of
-  the whole chain; the store applies the hit rule and this side applies its
+  the prompt's chain; the store applies the hit rule and this side applies its
   own reserve too (hybrid SWA models: window + backtrack), so the count vLLM
   gets is ``floor_to_block(min(matched, L - reserve))`` minus what vLLM's own
   prefix cache already holds. The answer is cached per request (vLLM may ask
-  twice and wants no side effects). A store that cannot answer is a miss.
+  twice and wants no side effects). A store that cannot answer is a miss. The
+  load is asynchronous (``load_async``: vLLM parks the request and keeps
+  running others while the blocks move) or synchronous (the step that computes
+  the request waits); hybrid models always load asynchronously (vLLM reports
+  their failures per request, not per block).
 * ``allocated``: remembers which vLLM blocks receive which warehouse blocks.
-* ``build_meta``: this step's loads, and saves of the prompt blocks that become
-  complete in this step (skipping those the warehouse already holds), plus G1
-  events for the router.
+* ``build_meta``: this step's loads, and saves of the blocks that become
+  complete in this step (prompt and generated; those the Lookup found are not
+  written again), plus G1 events for the router.
 * ``finished``: a request with saves keeps its blocks until the workers report
   the saves done (``get_finished``), since on GPU the copy out of the paged
   cache is still in flight when the step ends.
@@ -21,15 +29,15 @@ Per request it keeps the prompt's chain of 128-bit block keys (tenant from
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from connectors.vllm_bridge import StoreBridge
 from connectors.vllm_config import ConnectorConfig
-from connectors.vllm_identity import IdentityError, tenant_of, traffic_class_of
+from connectors.vllm_identity import IdentityError, identity_of, traffic_class_of
 from connectors.vllm_meta import BlockTransfer, KVServeMeta
 from connectors.vllm_presence import Load, LocalBlocks, Presence
-from kvstore.errors import KVStoreError
 from kvstore.keys import chain_keys
 from kvstore.types import RequestCtx
 
@@ -38,7 +46,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Req:
+    request: Any                         # vLLM's Request (its token list grows)
     ctx: RequestCtx
+    fingerprint: bytes                   # chain identity (untrusted salts folded in)
     keys: list[bytes]
     prompt_tokens: int
     local_tokens: int = 0                # vLLM's own prefix-cache hit, at lookup
@@ -48,20 +58,21 @@ class _Req:
     saved: int = 0                       # leading blocks saved or known stored
     any_save: bool = False
     load: BlockTransfer | None = None
+    load_async: bool = False
 
 
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, fingerprint: bytes, bridge: StoreBridge | None,
                  presence: Presence | None, *, max_requests: int, local_blocks: int,
-                 secret: bytes = b"") -> None:
+                 secret: bytes = b"", kv_groups: int = 1) -> None:
         self.cfg = cfg
         self.secret = secret
         self.fingerprint = fingerprint
-        self.fp_hex = fingerprint.hex()
         self.bridge = bridge
         self.presence = presence
         self.classes = cfg.traffic_classes()
         self.max_requests = max_requests
+        self.load_async = cfg.load_async or kv_groups > 1
         self.local = LocalBlocks(cfg.local_blocks or local_blocks)
         self._reqs: dict[str, _Req] = {}
         self._loads: list[BlockTransfer] = []
@@ -87,14 +98,31 @@ class SchedulerSide:
                         self.classes.default)
             self._count("bad_class")
             cls = self.classes.default
-        ctx = RequestCtx(request_id=request.request_id[:256], tenant=tenant_of(request.cache_salt),
-                         traffic_class=cls, model_fingerprint=self.fp_hex)
+        ident = identity_of(request.cache_salt, self.fingerprint, self.secret)
+        if not ident.trusted:
+            self._count("untrusted_salt")
+        ctx = RequestCtx(request_id=request.request_id[:256], tenant=ident.tenant,
+                         traffic_class=cls, model_fingerprint=ident.fingerprint.hex())
         prompt = list(request.prompt_token_ids or [])
-        keys = chain_keys(prompt, block_tokens=self.cfg.block_tokens, tenant=ctx.tenant,
-                          fingerprint=self.fingerprint, secret=self.secret)
-        st = _Req(ctx, keys, len(prompt))
+        st = _Req(request, ctx, ident.fingerprint, self._keys(prompt, ident.tenant,
+                                                              ident.fingerprint), len(prompt))
         self._reqs[request.request_id] = st
         return st
+
+    def _keys(self, tokens: list[int], tenant: str, fingerprint: bytes) -> list[bytes]:
+        return chain_keys(tokens, block_tokens=self.cfg.block_tokens, tenant=tenant,
+                          fingerprint=fingerprint, secret=self.secret)
+
+    def _extend(self, st: _Req, blocks: int) -> None:
+        """Keys for the request's first ``blocks`` blocks, from the tokens it holds
+        now (prompt + generated; a block whose tokens are not all known yet waits)."""
+        if blocks <= len(st.keys):
+            return
+        tokens = list(st.request.all_token_ids)
+        blocks = min(blocks, len(tokens) // self.cfg.block_tokens)
+        if blocks > len(st.keys):
+            st.keys = self._keys(tokens[:blocks * self.cfg.block_tokens], st.ctx.tenant,
+                                 st.fingerprint)
 
     # -- vLLM hooks --------------------------------------------------------------------
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -104,14 +132,18 @@ class SchedulerSide:
         st.local_tokens = num_computed_tokens
         if self.bridge is None or not self.cfg.load:
             return 0, False
-        n_keys = len(st.keys)
+        n_keys = min(len(st.keys), st.prompt_tokens // self.cfg.block_tokens)
+        t0 = time.perf_counter()
         try:
-            res = self.bridge.call(lambda c: c.lookup(st.keys, prompt_tokens=st.prompt_tokens,
+            res = self.bridge.call(lambda c: c.lookup(st.keys[:n_keys],
+                                                      prompt_tokens=st.prompt_tokens,
                                                       ctx=st.ctx), self.cfg.lookup_timeout_s)
-        except KVStoreError as exc:
+        except Exception as exc:           # a store that cannot answer is a miss
             self._count("lookup_failures")
             log.info("kvstore lookup failed (%s): recomputing %s", exc, request.request_id)
             return 0, False
+        finally:
+            self._count("us_lookup", int((time.perf_counter() - t0) * 1e6))
         st.store_blocks = min(res.matched_blocks, n_keys)
         st.saved = max(st.saved, st.store_blocks)
         own = self.cfg.hit_rule.usable_tokens(st.store_blocks * self.cfg.block_tokens,
@@ -119,7 +151,8 @@ class SchedulerSide:
         st.usable_tokens = min(res.usable_tokens, own)
         self._count("lookups")
         ext = max(0, st.usable_tokens - num_computed_tokens)
-        return ext, False
+        st.load_async = self.load_async and ext > 0
+        return ext, st.load_async
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(request)
@@ -136,11 +169,13 @@ class SchedulerSide:
         self._count("hit_tokens", num_external_tokens)
 
     def build_meta(self, so: Any) -> KVServeMeta:
-        meta = KVServeMeta(loads=self._loads)
-        self._loads = []
-        for t in meta.loads:               # consumed: a preempted request may load again
-            if (st := self._reqs.get(t.req_id)) is not None:
+        meta = KVServeMeta(new_requests=len(so.scheduled_new_reqs))
+        for t in self._loads:              # consumed: a preempted request may load again
+            st = self._reqs.get(t.req_id)
+            (meta.async_loads if st is not None and st.load_async else meta.loads).append(t)
+            if st is not None:
                 st.load = None
+        self._loads = []
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
@@ -164,7 +199,12 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, meta: KVServeMeta, req_id: str, st: _Req, computed: int) -> None:
-        full = min(len(st.keys), computed // self.cfg.block_tokens)
+        """Blocks whose every token has KV after this step: the prompt's, and the
+        answer's as decode completes them (the same bits vLLM's own prefix cache
+        would reuse for them)."""
+        self._extend(st, computed // self.cfg.block_tokens)
+        full = min(len(st.keys), computed // self.cfg.block_tokens,
+                   min((len(g) for g in st.block_ids), default=0))
         self._publish_g1(st.keys[:full])
         start = st.saved
         if full <= start:
@@ -175,6 +215,9 @@ class SchedulerSide:
         if self.bridge.degraded:
             self._count("saves_skipped", full - start)
             return
+        if full > st.prompt_tokens // self.cfg.block_tokens:
+            self._count("answer_blocks_planned", full - max(start, st.prompt_tokens
+                                                              // self.cfg.block_tokens))
         meta.saves.append(BlockTransfer(req_id, st.ctx, st.keys[start:full],
                                         [g[start:full] for g in st.block_ids], start))
         st.any_save = True

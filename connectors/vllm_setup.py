@@ -49,6 +49,21 @@ def _installed(dist: str) -> bool:
         return False
 
 
+def install_problem() -> str:
+    """"" when vLLM is installed and usable with this project, else the one line
+    that says which step is missing (every vLLM-facing command asks first)."""
+    import importlib.util
+
+    if not installed_build() or importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed: pip install -e '.[vllm]' && kvserve vllm-setup"
+    broken = [d for d in MEDIA_PACKAGES if _installed(d) and not _imports(d)]
+    if broken:
+        return (f"vLLM's install is not finished: {', '.join(broken)} fail to import beside "
+                "the CPU torch (e.g. 'operator torchvision::nms does not exist'); "
+                "run `kvserve vllm-setup`")
+    return ""
+
+
 def setup_vllm(*, dry_run: bool = False) -> SetupReport:
     build = installed_build()
     if not build:

@@ -23,7 +23,7 @@ from common.config import ConfigError, KVServeConfig
 from kvserve import launcher
 from kvserve.cli import UsageError
 from kvserve.credentials import hand_out
-from kvserve.launch_vllm import VLLMError, VLLMProcess, VLLMSpec
+from kvserve.launch_vllm import VLLMError, VLLMProcess, VLLMSpec, engine_identity
 from security.config import SecurityConfig
 from security.flags import redis_url_from
 from security.redact import redact_url
@@ -59,6 +59,11 @@ def _model_dir(name: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from kvstore.redis_server import EmbeddedRedis, free_port
 
+    if args.state_dir:            # as `kvserve up` does: a second stack beside the first
+        os.environ[launcher.STATE_ENV] = str(Path(args.state_dir).resolve() / "up.json")
+    launcher._refuse_second(launcher.state_path())
+    if args.api_key_file and not Path(args.api_key_file).is_file():
+        raise UsageError(f"--api-key-file {args.api_key_file}: no such file")
     try:
         cfg = KVServeConfig.load(args.config) if args.config else KVServeConfig()
         cfg = launcher.effective_config(cfg, args)
@@ -68,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--vllm-instances must be >= 1")
     run_dir = Path(args.run_dir) if args.run_dir else launcher.state_path().parent / "run-vllm"
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    run_dir.chmod(0o700)             # logs, the Redis URL files, the vLLM event sockets
     stop = launcher.stop_on_signals()
     try:
         external = redis_url_from(args, cfg.redis)
@@ -99,24 +105,33 @@ def run(args: argparse.Namespace) -> int:
                                        "--metrics-port", str(p.metrics),
                                        "--health-port", str(store_health)],
                            f"{host}:{store_health}", run_dir / "kvstore.log", security=plain)
+    keys = ["--api-key-file", str(Path(args.api_key_file).resolve())] if args.api_key_file \
+        else []
     router = launcher.Child("router", [*base, "router", "serve", *common,
                                        *creds["router"].argv(), "--backend", "vllm",
-                                       "--model", cfg.model.name,
+                                       "--model", cfg.model.name, *keys,
                                        "--health-port", str(router_health)],
                             f"{host}:{router_health}", run_dir / "router.log", security=plain)
     roles = ["kv_producer", "kv_consumer"] if args.pd else ["kv_both"] * args.vllm_instances
-    vllms = [VLLMProcess(VLLMSpec(
-        model_dir=model_dir, port=free_port(host), store=store_addr, redis_url="",
-        redis_url_file=str(creds["engine"].redis_url_file),
-        instance_id=f"vllm-{i}-{role.removeprefix('kv_')}", host=host, kv_role=role,
-        block_tokens=cfg.blocks.block_tokens, node=cfg.tiers.node,
-        kv_cache_mib=args.vllm_kv_cache_mib, insecure=insecure,
-        tls_dir="" if insecure else str(creds["engine"].directory),
-        secret_file="" if insecure else str(creds["engine"].directory / "secret"),
-        extra_config={"window": cfg.blocks.window, "backtrack": cfg.blocks.backtrack,
-                      "classes": sorted(cfg.classes.ttl_s),
-                      "default_class": cfg.classes.default}),
-        run_dir / f"vllm-{i}.log") for i, role in enumerate(roles)]
+    vllms = []
+    for i, role in enumerate(roles):
+        iid = f"vllm-{i}-{role.removeprefix('kv_')}"
+        # Each server its own engine identity (CN = its id: its registry entry is
+        # signed by it), made here, where the CA is; the child gets only its own
+        # certificate, the engine role's secret and Redis URL file.
+        ident = "" if insecure else str(engine_identity(tls_dir, iid, host))
+        vllms.append(VLLMProcess(VLLMSpec(
+            model_dir=model_dir, port=free_port(host), store=store_addr, redis_url="",
+            redis_url_file=str(creds["engine"].redis_url_file),
+            instance_id=iid, host=host, kv_role=role,
+            block_tokens=cfg.blocks.block_tokens, node=cfg.tiers.node,
+            kv_cache_mib=args.vllm_kv_cache_mib, tls_dir=ident, insecure=insecure,
+            secret_file="" if insecure else str(creds["engine"].directory / "secret"),
+            kv_events=f"ipc://{run_dir / f'vllm-{i}.events'}",
+            extra_config={"window": cfg.blocks.window, "backtrack": cfg.blocks.backtrack,
+                          "classes": sorted(cfg.classes.ttl_s),
+                          "default_class": cfg.classes.default}),
+            run_dir / f"vllm-{i}.log"))
     children = [store, router]
     try:
         launcher.start_children([store], args.ready_timeout, stop)

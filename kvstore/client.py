@@ -41,7 +41,7 @@ from kvstore.errors import (
     StoreUnavailable,
 )
 from kvstore.segments import SegmentCache, copy_verified
-from kvstore.tiers.shm import ShmSlot, attach_segment
+from kvstore.tiers.shm import ShmSlot, attach_segment, copy_verified_scatter
 from kvstore.types import (
     ClassSnapshot,
     ClearResult,
@@ -119,7 +119,10 @@ def as_byte_views(blocks: Any, n: int) -> list[memoryview]:
     """``n`` equal byte views of a block tensor [n, ...] (torch or numpy), or the
     given bytes-likes. No copies for contiguous CPU tensors."""
     if isinstance(blocks, list | tuple):
-        return [memoryview(b).cast("B") for b in blocks]
+        # An element that is itself a list is one block's destination in pieces
+        # (filled in order: e.g. a vLLM block's slot in each layer's paged cache).
+        return [[memoryview(p).cast("B") for p in b] if isinstance(b, list | tuple)  # type: ignore[misc]
+                else memoryview(b).cast("B") for b in blocks]
     if hasattr(blocks, "detach"):  # torch.Tensor; bfloat16 has no numpy dtype: go via uint8
         import torch
 
@@ -136,6 +139,26 @@ def as_byte_views(blocks: Any, n: int) -> list[memoryview]:
         raise InvalidRequest(f"{flat.nbytes} bytes of blocks do not split into {n} equal blocks")
     size = flat.nbytes // n
     return [flat[i * size:(i + 1) * size] for i in range(n)]
+
+
+def _nbytes(payload: Any) -> int:
+    return sum(v.nbytes for v in payload) if isinstance(payload, list) else payload.nbytes
+
+
+def _scatter(pieces: list[memoryview], dst: Any) -> None:
+    """Received pieces of one block, in order, into ``dst``: one view, or a list of
+    views filled one after another."""
+    outs = dst if isinstance(dst, list) else [dst]
+    k, at = 0, 0                                  # destination view, offset in it
+    for p in pieces:
+        src = memoryview(p).cast("B")
+        while src.nbytes:
+            room = outs[k].nbytes - at
+            n = min(room, src.nbytes)
+            outs[k][at:at + n] = src[:n]
+            src, at = src[n:], at + n
+            if at == outs[k].nbytes and k + 1 < len(outs):
+                k, at = k + 1, 0
 
 
 class _Staging:
@@ -210,7 +233,9 @@ class _SlotCopier:
         except (FileNotFoundError, ValueError, OSError):
             return False
         target = self._dst[i] if self._dst is not None else memoryview(bytearray(slot.size))
-        if not copy_verified(seg, slot, target):
+        ok = (copy_verified_scatter(seg, slot, target) if isinstance(target, list)
+              else copy_verified(seg, slot, target))
+        if not ok:
             self.failed += 1                     # scribbled or reused: never used
             return False
         self._payloads[i] = target
@@ -384,7 +409,7 @@ class KVStoreClient:
                                           timeout_s)
             for i, p in zip(redo, again, strict=True):
                 payloads[i] = p
-        nbytes = sum(p.nbytes for p in payloads if p is not None)
+        nbytes = sum(_nbytes(p) for p in payloads if p is not None)
         return GetResult(payloads, nbytes, time.perf_counter() - t0, tiers)
 
     async def _get(self, keys: Sequence[bytes], ctx: RequestCtx,
@@ -405,11 +430,8 @@ class KVStoreClient:
             if got != want:
                 return  # a short block is no block: leave it missing
             if dst is not None:
-                view, pos = dst[i], 0
-                for p in pieces:
-                    view[pos:pos + p.nbytes] = p
-                    pos += p.nbytes
-                payloads[i] = view
+                _scatter(pieces, dst[i])
+                payloads[i] = dst[i]
             elif len(pieces) == 1:
                 payloads[i] = pieces[0]          # a view of the received message: no copy
             else:

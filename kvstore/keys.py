@@ -212,6 +212,29 @@ def chain_keys_native(tokens: TokenInput, *, block_tokens: int, tenant: str,
     return native.chain_list(buf, block_tokens, root, person, path=path)
 
 
+def extend_chain(prev: bytes, tokens: TokenInput, *, block_tokens: int,
+                 person: bytes) -> list[bytes]:
+    """Keys of the full blocks of ``tokens`` continuing a chain whose last key is
+    ``prev`` (``root_key(person)`` for none): the keys those blocks get inside
+    the whole sequence. For consumers that learn a sequence block by block
+    (vLLM's KV events carry each block's tokens and its parent)."""
+    buf = token_buffer(tokens)
+    _check_block_tokens(block_tokens)
+    prev = _check_bytes(prev, "prev", exact=KEY_BYTES)
+    person = _check_bytes(person, "person", exact=KEY_BYTES)
+    if native.HAVE_NATIVE:
+        return native.chain_list(buf, block_tokens, prev, person)
+    data = memoryview(buf).cast("B")
+    step = block_tokens * 4
+    keys: list[bytes] = []
+    for start in range(0, (len(data) // step) * step, step):
+        leaf = hashlib.blake2b(data[start:start + step], digest_size=LEAF_BYTES,
+                               person=person).digest()
+        prev = hashlib.blake2b(leaf, digest_size=KEY_BYTES, salt=prev, person=person).digest()
+        keys.append(prev)
+    return keys
+
+
 def chain_keys(tokens: TokenInput, *, block_tokens: int, tenant: str, fingerprint: bytes,
                secret: bytes = b"") -> list[bytes]:
     """One 16-byte key per FULL block of ``tokens`` (native when available)."""
@@ -233,6 +256,7 @@ __all__ = [
     "chain_keys",
     "chain_keys_native",
     "chain_keys_py",
+    "extend_chain",
     "root_key",
     "tenant_person",
     "tenant_salt",

@@ -45,6 +45,8 @@ class InstanceInfo:
     tokens_in_flight: int = 0
     expert_imbalance: float = 1.0     # max rank load / mean rank load (MoE), 1.0 = balanced
     last_heartbeat: float = 0.0       # unix seconds
+    kv_events: str = ""               # a vLLM engine's native KV-event ZMQ endpoint, if any
+    attestation: str = ""             # signature of the identity it names (security.attest)
 
     def __post_init__(self) -> None:
         if not _ID.match(self.instance_id):

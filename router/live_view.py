@@ -90,6 +90,8 @@ class LiveView:
         self._nodes_with_store: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list[OnChange] = []
+        self._admit: Callable[[InstanceInfo], bool] = lambda info: True
+        self._on_stop: list[Callable[[], Awaitable[None]]] = []
         self._registry: InstanceRegistry | None = None
         self._events: EventReader | None = None
         self._stopping = asyncio.Event()
@@ -110,6 +112,8 @@ class LiveView:
         # (seen with redis 8.1). Each loop checks the flag at least every poll or
         # blocking read; cancel only what is still running after that.
         self._stopping.set()
+        for hook in self._on_stop:
+            await hook()
         if self._tasks:
             grace = max(self.cfg.poll_s, self.cfg.events_block_ms / 1000) + 2.0
             _, pending = await asyncio.wait(self._tasks, timeout=grace)
@@ -121,6 +125,15 @@ class LiveView:
         if self._registry is not None:
             await self._registry.close()
 
+    def set_admission(self, admit: Callable[[InstanceInfo], bool]) -> None:
+        """Only instances ``admit`` accepts enter the view (a backend's trust rule,
+        e.g. signed registry entries)."""
+        self._admit = admit
+
+    def on_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run ``hook`` first when the view stops (sources that feed it)."""
+        self._on_stop.append(hook)
+
     def on_change(self, listener: OnChange) -> None:
         """Called with the live addresses whenever the instance set changes."""
         self._listeners.append(listener)
@@ -129,7 +142,8 @@ class LiveView:
 
     async def refresh(self) -> None:
         assert self._registry is not None
-        listed = [i for i in await self._registry.list_instances() if i.role in _TRACKED_ROLES]
+        listed = [i for i in await self._registry.list_instances()
+                  if i.role in _TRACKED_ROLES and self._admit(i)]
         before = {i.instance_id for i in self.cluster.instances()}
         self.cluster.replace(listed)
         now_ids = {i.instance_id for i in listed}

@@ -151,7 +151,10 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
 def _run_up(args: argparse.Namespace) -> int:
     # --engine: kvserve's own services, or vLLM servers with the kvserve connector.
     if args.engine == "vllm":
+        from kvserve.commands.vllm_cmds import need_vllm
         from kvserve.launch_vllm_up import run
+
+        need_vllm()                   # one line naming the missing step, no traceback
     else:
         from kvserve.launcher import run
     return run(args)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import struct
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import NamedTuple
 
@@ -98,6 +98,30 @@ def copy_verified(seg: shared_memory.SharedMemory, slot: ShmSlot,
         piece = d[off:off + step]
         np.copyto(piece, src[off:off + step])   # both release the GIL
         h.update(piece)
+    del src
+    return h.digest() == slot.checksum
+
+
+def copy_verified_scatter(seg: shared_memory.SharedMemory, slot: ShmSlot,
+                          outs: Sequence[memoryview]) -> bool:
+    """``copy_verified`` into a destination in pieces: ``outs`` in order receive
+    the slot's bytes (a vLLM block goes straight into each layer's paged cache),
+    hashed piece by piece right after each copy. False as for ``copy_verified``;
+    then the pieces hold unverified bytes and the caller must not use them."""
+    views = [memoryview(o).cast("B") for o in outs]
+    if not slot.checksum or slot.offset < SEGMENT_HEADER \
+            or slot.offset + slot.size > seg.size or sum(v.nbytes for v in views) != slot.size:
+        return False
+    src = np.frombuffer(seg.buf, dtype=np.uint8, count=slot.size, offset=slot.offset)
+    h = xxhash.xxh3_128()
+    pos = 0
+    for v in views:
+        d = np.frombuffer(v, dtype=np.uint8)
+        for off in range(0, v.nbytes, VERIFY_CHUNK):
+            piece = d[off:off + VERIFY_CHUNK]
+            np.copyto(piece, src[pos + off:pos + off + piece.size])
+            h.update(piece)
+        pos += v.nbytes
     del src
     return h.digest() == slot.checksum
 

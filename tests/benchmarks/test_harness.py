@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.commands import COMMANDS
+from benchmarks.commands import COMMANDS, module_name
 from benchmarks.harness import (
     Chart,
     Goal,
@@ -146,7 +146,10 @@ def test_runner_prints_json_on_stdout_the_table_on_stderr_and_draws(
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_bench_command_runs_on_the_harness(command: str) -> None:
     extra = {"policies": ["--trace", "t.jsonl", "--capacity", "1e6"],
-             "serve": ["--trace", "t.jsonl"]}.get(command, [])
+             "serve": ["--trace", "t.jsonl"], "vllm-trace": ["--trace", "t.jsonl"]}.get(command, [])
     args = build_parser().parse_args(["bench", command, *extra, "--json", "--png", "x.png"])
     assert args.json is True and args.png == "x.png"
     assert args._run.__qualname__ == "runner.<locals>.run"
+    # Its benchmark module, found by name when it runs (a hyphen read as "_").
+    source = Path(__file__).resolve().parents[2] / (module_name(command).replace(".", "/") + ".py")
+    assert "def report(args: argparse.Namespace) -> Report:" in source.read_text()

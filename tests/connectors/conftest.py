@@ -32,15 +32,25 @@ class VLLMStack:
     root: Path
     run: str                       # unique per session: tenants/salts never collide
 
-    def server(self, name: str, **kw: object):  # type: ignore[no-untyped-def]
-        from kvserve.launch_vllm import VLLMProcess, VLLMSpec
+    def spec(self, name: str, **kw: object):  # type: ignore[no-untyped-def]
+        """A server as kvserve runs one: HTTPS with its own engine identity, the
+        deployment's API key, no dev mode (plain text only without a deployment)."""
+        from kvserve.launch_vllm import VLLMSpec, engine_identity
 
         tls, insecure = security()
-        spec = VLLMSpec(model_dir=self.model_dir, port=free_port(), store=self.store.address,
+        ident = "" if insecure else str(engine_identity(tls, name))
+        secret = "" if insecure else str(Path(tls) / "secret")
+        extra = {"retry_after_s": 0.5, **kw.pop("extra_config", {})}  # type: ignore[dict-item]
+        return VLLMSpec(model_dir=self.model_dir, port=free_port(), store=self.store.address,
                         redis_url=self.redis_url, instance_id=name, kv_cache_mib=320,
-                        max_model_len=2048, max_num_seqs=16, tls_dir=tls, insecure=insecure,
-                        extra_config={"retry_after_s": 0.5}, **kw)  # type: ignore[arg-type]
-        return VLLMProcess(spec, self.root / f"{name}.log").start()
+                        max_model_len=2048, max_num_seqs=16, tls_dir=ident,
+                        insecure=insecure, secret_file=secret, extra_config=extra,
+                        **kw)  # type: ignore[arg-type]
+
+    def server(self, name: str, **kw: object):  # type: ignore[no-untyped-def]
+        from kvserve.launch_vllm import VLLMProcess
+
+        return VLLMProcess(self.spec(name, **kw), self.root / f"{name}.log").start()
 
 
 @pytest.fixture(scope="session")
@@ -67,16 +77,21 @@ class Servers:
         self.stack = stack
         self.live: dict[str, object] = {}
 
-    def only(self, name: str):  # type: ignore[no-untyped-def]
+    def only(self, name: str, **kw: object):  # type: ignore[no-untyped-def]
         for other in [n for n in self.live if n != name]:
             self.live.pop(other).stop()  # type: ignore[attr-defined]
-        return self.get(name)
+        return self.get(name, **kw)
 
-    def get(self, name: str):  # type: ignore[no-untyped-def]
+    def get(self, name: str, **kw: object):  # type: ignore[no-untyped-def]
         proc = self.live.get(name)
         if proc is None or not proc.alive():  # type: ignore[attr-defined]
-            proc = self.live[name] = self.stack.server(name).wait_ready()
+            proc = self.live[name] = self.stack.server(name, **kw).wait_ready()
         return proc
+
+    def stop(self, name: str) -> None:
+        proc = self.live.pop(name, None)
+        if proc is not None:
+            proc.stop()  # type: ignore[attr-defined]
 
     def stop_all(self) -> None:
         for proc in self.live.values():

@@ -1,6 +1,8 @@
 """The real parts the vLLM connector tests run against: a kvstore process (on a
 fixed free port, so it can be killed and restarted in place), vLLM OpenAI
-servers with the connector (kvserve.launch_vllm), and small HTTP helpers."""
+servers with the connector (kvserve.launch_vllm: HTTPS, API key, own identity),
+and small HTTP helpers that call them as kvserve's router does (salts minted
+with the deployment secret, ``security.vllm_trust``)."""
 
 from __future__ import annotations
 
@@ -57,6 +59,14 @@ def deployment_secret() -> bytes:
     return operator_security().require_secret()
 
 
+def salt(tenant: str, nonce: str = "r") -> str:
+    """The cache_salt kvserve's router sends for ``tenant``; another ``nonce`` names
+    the same tenant with a cold vLLM-local cache (so only the warehouse can answer)."""
+    from security.vllm_trust import tenant_salt
+
+    return tenant_salt(tenant, deployment_secret(), nonce)
+
+
 @dataclass
 class Store:
     port: int
@@ -111,11 +121,23 @@ def new_store(redis_url: str, root: Path) -> Store:
 # ----------------------------------------------------------------- HTTP
 
 
-def post(base: str, path: str, body: dict[str, Any] | None = None,
+def _caller(server: Any) -> tuple[str, Any, dict[str, str]]:
+    """(base URL, TLS context, headers) to call a VLLMProcess as the router does."""
+    from kvserve.launch_vllm import client_ssl
+
+    spec = server.spec
+    headers = {"content-type": "application/json"}
+    if not spec.insecure:
+        headers["authorization"] = f"Bearer {spec.api_key()}"
+    return spec.base_url, client_ssl(spec), headers
+
+
+def post(server: Any, path: str, body: dict[str, Any] | None = None,
          timeout_s: float = 300.0) -> dict[str, Any]:
+    base, ctx, headers = _caller(server)
     req = urllib.request.Request(base + path, data=json.dumps(body or {}).encode(),
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                                 headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout_s, context=ctx) as resp:
         return json.loads(resp.read() or b"{}")
 
 
@@ -127,25 +149,21 @@ class Completion:
     cached_tokens: int
 
 
-def complete(base: str, prompt: list[int], *, salt: str, max_tokens: int = 32,
-             kv_class: str = "") -> Completion:
-    """Greedy completion of token ids on a vLLM server."""
+def complete(server: Any, prompt: list[int], *, salt: str | None, max_tokens: int = 32,
+                kv_class: str = "") -> Completion:
+    """Greedy completion of token ids on a vLLM server, with ``salt`` as cache_salt
+    (None: no salt at all)."""
     body: dict[str, Any] = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-                            "cache_salt": salt}
+                            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    if salt is not None:
+        body["cache_salt"] = salt
     if kv_class:
         body["kv_transfer_params"] = {"kv_class": kv_class}
-    out = post(base, "/v1/completions", body)
+    out = post(server, "/v1/completions", body)
     choice, usage = out["choices"][0], out["usage"]
     details = usage.get("prompt_tokens_details") or {}
     return Completion(tuple(choice["token_ids"]), choice["text"], usage["prompt_tokens"],
                       int(details.get("cached_tokens") or 0))
-
-
-def reset_local_cache(base: str) -> None:
-    """Empty vLLM's own prefix cache (VLLM_SERVER_DEV_MODE), so what follows can
-    only hit the warehouse."""
-    post(base, "/reset_prefix_cache")
 
 
 def hit_rule(prompt_tokens: int, stored_blocks: int, reserve: int = 1) -> int:
@@ -159,6 +177,15 @@ def stats(redis_url: str, instance_id: str) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in r.hgetall(stats_key(instance_id)).items()}
     finally:
         r.close()
+
+
+def wait_count(redis_url: str, instance: str, before: dict[str, int], name: str,
+               delta: int, timeout_s: float = 30.0) -> dict[str, int]:
+    """The counters once ``name`` grew by ``delta`` since ``before`` (the connector's
+    processes flush their counters every few hundred ms)."""
+    wait_for(lambda: stats(redis_url, instance).get(name, 0) - before.get(name, 0) >= delta,
+             timeout_s, what=f"{instance} {name} +{delta}")
+    return stats(redis_url, instance)
 
 
 def wait_for(cond: Any, timeout_s: float = 30.0, what: str = "condition") -> None:
@@ -177,3 +204,54 @@ def prompts(n: int, *, seed: int, lo: int = 130, hi: int = 700,
 
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def fingerprint(redis_url: str) -> bytes:
+    """The model fingerprint the stack's vLLM servers registered (all the same)."""
+    import asyncio
+
+    from kvstore.registry import InstanceRegistry
+
+    async def get() -> str:
+        async with InstanceRegistry(redis_url) as reg:
+            return next(i.model_fingerprint for i in await reg.list_instances()
+                        if i.role in ("prefill", "decode") and i.model_fingerprint)
+
+    return bytes.fromhex(asyncio.run(get()))
+
+
+def block_keys(redis_url: str, tokens: list[int], cache_salt: str) -> list[bytes]:
+    """The keys a connector computes for ``tokens`` under ``cache_salt``."""
+    from connectors.vllm_identity import identity_of
+    from kvstore.keys import chain_keys
+
+    ident = identity_of(cache_salt, fingerprint(redis_url), deployment_secret())
+    return chain_keys(tokens, block_tokens=BLOCK, tenant=ident.tenant,
+                      fingerprint=ident.fingerprint, secret=deployment_secret())
+
+
+def stored_blocks(address: str, redis_url: str, tokens: list[int], cache_salt: str) -> int:
+    """Leading blocks of ``tokens`` the warehouse holds for that salt's tenant."""
+    import asyncio
+
+    from connectors.vllm_identity import identity_of
+    from kvstore.types import RequestCtx
+
+    keys = block_keys(redis_url, tokens, cache_salt)
+    ident = identity_of(cache_salt, fingerprint(redis_url), deployment_secret())
+    ctx = RequestCtx(request_id="test", tenant=ident.tenant,
+                     model_fingerprint=ident.fingerprint.hex())
+
+    async def look() -> int:
+        async with store_client(address) as c:
+            res = await c.lookup(keys, prompt_tokens=len(tokens) + BLOCK, ctx=ctx, touch=False)
+            return int(res.matched_blocks)
+
+    return asyncio.run(look())
+
+
+def wait_stored(stack: Any, want: list[tuple[list[int], str, int]],
+                timeout_s: float = 120.0) -> None:
+    """Until the warehouse holds ``blocks`` leading blocks of each (tokens, salt)."""
+    wait_for(lambda: all(stored_blocks(stack.store.address, stack.redis_url, t, s) >= n
+                         for t, s, n in want), timeout_s, what="the connector's saves")

@@ -1,7 +1,18 @@
-"""Issue 11: tenants (vLLM's ``cache_salt``) never share a block, and a stored
-block whose bytes were flipped is detected, recomputed and counted, with the
-same output as the intact run. Both on server A, whose own prefix cache is
-emptied between requests so that only the warehouse can answer."""
+"""Issues 11, 19 and 20: whose blocks a vLLM request may touch, and what a bad
+block costs.
+
+* Tenants proven by the router's salts never share a block.
+* A vLLM client that names another tenant (its bare name, a salt with a forged
+  or truncated MAC, or a genuine salt re-labelled) gets nothing of that
+  tenant's: no warehouse hit, no vLLM-local hit, the same tokens.
+* Async loads that cannot be served as promised — every copy of a block
+  scribbled after the Lookup found it, or its G3 file gone with its G2 slot
+  scribbled — are detected, recomputed (identical output) and counted; nothing
+  bad reaches vLLM's cache.
+
+All on server B; a fresh salt nonce gives the same tenant a cold vLLM-local
+cache, so only the warehouse can answer (no dev-mode cache reset exists).
+"""
 
 from __future__ import annotations
 
@@ -10,65 +21,70 @@ from pathlib import Path
 
 import pytest
 
-from connectors.vllm_identity import tenant_of
-from kvstore.keys import chain_keys
-from kvstore.registry import InstanceRegistry
+from connectors.vllm_identity import identity_of
 from kvstore.tiers.shm import ShmSlot, attach_segment
 from kvstore.wire import decode_get_chunk
 from proto import kvstore_pb2
 from tests.connectors.stack import (
     BLOCK,
+    block_keys,
     complete,
     deployment_secret,
+    fingerprint,
     hit_rule,
     operator_security,
     prompts,
-    reset_local_cache,
+    salt,
     stats,
     store_client,
+    wait_count,
     wait_for,
+    wait_stored,
 )
 
 pytestmark = pytest.mark.timeout(1500)
 
 
-def _saved(stack, instance: str) -> int:  # type: ignore[no-untyped-def]
-    return stats(stack.redis_url, instance).get("saved_blocks", 0)
-
-
-def _keys(stack, tokens: list[int], salt: str) -> list[bytes]:  # type: ignore[no-untyped-def]
-    async def fingerprint() -> str:
-        async with InstanceRegistry(stack.redis_url) as reg:
-            return next(i.model_fingerprint for i in await reg.list_instances()
-                        if i.instance_id == "vllm-b")
-
-    return chain_keys(tokens, block_tokens=BLOCK, tenant=tenant_of(salt),
-                      fingerprint=bytes.fromhex(asyncio.run(fingerprint())),
-                      secret=deployment_secret())
-
-
-def test_two_cache_salt_tenants_never_share_a_block(vllm_stack, vllm_servers):
+def test_tenants_apart_and_a_client_naming_another_tenant_gets_nothing(vllm_stack,
+                                                                       vllm_servers):
     server = vllm_servers.only("vllm-b")
-    base, p = server.spec.base_url, prompts(1, seed=21, lo=600, hi=601)[0]
-    alice, bob = f"alice-{vllm_stack.run}", f"bob-{vllm_stack.run}"
-    saved = _saved(vllm_stack, "vllm-b")
-    a1 = complete(base, p, salt=alice)
+    p = prompts(1, seed=21, lo=600, hi=601)[0]
+    alice_name, bob_name = f"alice-{vllm_stack.run}", f"bob-{vllm_stack.run}"
+    alice, bob = salt(alice_name), salt(bob_name)
+    a1 = complete(server, p, salt=alice)
     assert a1.cached_tokens == 0
-    wait_for(lambda: _saved(vllm_stack, "vllm-b") - saved >= len(p) // BLOCK, what="saves")
+    wait_stored(vllm_stack, [(p, alice, len(p) // BLOCK)])
 
-    reset_local_cache(base)
-    b1 = complete(base, p, salt=bob)
+    b1 = complete(server, p, salt=bob)
     assert b1.cached_tokens == 0, "bob was served alice's blocks"
     assert b1.token_ids == a1.token_ids                  # same model, same prompt
-    assert not set(_keys(vllm_stack, p, alice)) & set(_keys(vllm_stack, p, bob))
+    assert not set(block_keys(vllm_stack.redis_url, p, alice)) & set(
+        block_keys(vllm_stack.redis_url, p, bob))
 
-    reset_local_cache(base)
-    a2 = complete(base, p, salt=alice)                   # alice's own blocks still hit
+    # Clients without the deployment secret, each naming alice some way.
+    head, tenant_part, nonce, mac = alice.split(".")[0], alice_name, "r", alice.split(".")[-1]
+    forged = [alice_name,                                          # her bare name
+              f"{head}.{tenant_part}.{nonce}.{'0' * len(mac)}",     # a forged MAC
+              f"{head}.{tenant_part}.{nonce}.{mac[:-2]}",           # a truncated one
+              f"{head}.{tenant_part}.x.{mac}",                      # her MAC, another nonce
+              f"{head}.{bob_name}.{nonce}.{mac}",                   # her MAC on bob's name
+              None]                                                 # no salt at all
+    before = stats(vllm_stack.redis_url, "vllm-b")
+    for text in forged:
+        scope = identity_of(text, fingerprint(vllm_stack.redis_url), deployment_secret())
+        assert not scope.trusted and scope.tenant != alice_name
+        got = complete(server, p, salt=text)
+        assert got.cached_tokens == 0, f"salt {text!r} hit alice's blocks"
+        assert got.token_ids == a1.token_ids
+    after = wait_count(vllm_stack.redis_url, "vllm-b", before, "untrusted_salt", len(forged))
+    assert after.get("hit_tokens", 0) == before.get("hit_tokens", 0)
+
+    a2 = complete(server, p, salt=salt(alice_name, "again"))   # alice, cold vLLM cache
     assert a2.cached_tokens == hit_rule(len(p), len(p) // BLOCK) > 0
     assert a2.token_ids == a1.token_ids
 
 
-async def _scribble(address: str, keys: list[bytes], tenant: str) -> int:
+async def _scribble(address: str, keys: list[bytes], tenant: str, fp: str) -> int:
     """Flip one byte of every stored block in the store's shared memory (what any
     process of the store's user could do); returns how many were hit."""
     async with operator_security().aio_channel(address, "kvstore") as ch:
@@ -76,7 +92,8 @@ async def _scribble(address: str, keys: list[bytes], tenant: str) -> int:
                                request_serializer=kvstore_pb2.GetRequest.SerializeToString,
                                response_deserializer=decode_get_chunk)
         slots = []
-        req = kvstore_pb2.GetRequest(ctx={"tenant": tenant}, keys=keys, use_shm=True)
+        req = kvstore_pb2.GetRequest(ctx={"tenant": tenant, "model_fingerprint": fp},
+                                     keys=keys, use_shm=True)
         async for msg in call(req, timeout=30):
             for part in msg.parts():
                 if part.header is not None and part.shm_name:
@@ -101,33 +118,40 @@ async def _g2_checksum_failures(address: str) -> int:
         return next(t.checksum_failures for t in (await c.stats()).tiers if t.tier == "G2")
 
 
-def test_flipped_bytes_are_detected_recomputed_identical_and_counted(vllm_stack, vllm_servers):
+@pytest.mark.parametrize("g3", ["scribbled", "deleted"])
+def test_async_loads_that_fail_or_are_tampered_are_recomputed_never_served(
+        vllm_stack, vllm_servers, g3):
     server = vllm_servers.only("vllm-b")
-    base, p = server.spec.base_url, prompts(1, seed=31, lo=520, hi=521)[0]
-    salt = f"scribble-{vllm_stack.run}"
-    saved = _saved(vllm_stack, "vllm-b")
-    clean = complete(base, p, salt=salt)
-    wait_for(lambda: _saved(vllm_stack, "vllm-b") - saved >= len(p) // BLOCK, what="saves")
+    seed = 31 if g3 == "scribbled" else 32
+    p = prompts(1, seed=seed, lo=520, hi=521)[0]
+    tenant = f"scribble-{g3}-{vllm_stack.run}"
+    clean = complete(server, p, salt=salt(tenant))
+    wait_stored(vllm_stack, [(p, salt(tenant), len(p) // BLOCK)])
 
     usable = hit_rule(len(p), len(p) // BLOCK) // BLOCK
-    keys = _keys(vllm_stack, p, salt)
+    keys = block_keys(vllm_stack.redis_url, p, salt(tenant))[:len(p) // BLOCK]
+    ident = identity_of(salt(tenant), fingerprint(vllm_stack.redis_url), deployment_secret())
     address = vllm_stack.store.address
     # Every copy goes bad: the G3 files (once written back) and the G2 slots, else
     # the store would rightly serve the intact G3 copy of a scribbled G2 slot.
     files = [_g3_file(vllm_stack.store.g3, k) for k in keys]
     wait_for(lambda: all(f.exists() for f in files), what="G3 write-back")
     for f in files:
+        if g3 == "deleted":
+            f.unlink()
+            continue
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
-    assert asyncio.run(_scribble(address, keys, tenant_of(salt))) == len(keys)
+    assert asyncio.run(_scribble(address, keys, ident.tenant, ident.fingerprint.hex())) == len(
+        keys)
     failures = asyncio.run(_g2_checksum_failures(address))
     before = stats(vllm_stack.redis_url, "vllm-b")
 
-    reset_local_cache(base)
-    again = complete(base, p, salt=salt)
+    again = complete(server, p, salt=salt(tenant, "cold"))   # the Lookup still finds them
     assert again.token_ids == clean.token_ids, "a corrupt block was served"
-    after = stats(vllm_stack.redis_url, "vllm-b")
+    after = wait_count(vllm_stack.redis_url, "vllm-b", before, "load_errors", usable)
+    assert after.get("loads_async", 0) > before.get("loads_async", 0)   # the async path ran
     assert after.get("load_errors", 0) - before.get("load_errors", 0) == usable
     assert after.get("loaded_blocks", 0) == before.get("loaded_blocks", 0)
     assert asyncio.run(_g2_checksum_failures(address)) - failures >= usable

@@ -1,8 +1,15 @@
-"""Issue 11: our router in front of two vLLM servers (backend "vllm",
-``cache_aware``). A repeat goes to the instance that holds the prefix in its
-own cache, which the router learns only from the connectors' G1 KV events
-(both servers share one kvstore, so the warehouse's G2 events credit both
-equally); answers are OpenAI bodies with the usage block, also streamed."""
+"""Issues 11, 19, 20: our router in front of two vLLM servers (backend "vllm",
+``cache_aware``).
+
+* With the connector: a repeat goes to the instance that holds the prefix in
+  its own cache, which the router learns from the connectors' G1 KV events
+  (both servers share one kvstore, so the warehouse's G2 events credit both
+  equally); answers are OpenAI bodies with the usage block, also streamed; the
+  hop is HTTPS with the API key, and a server refuses a client without either.
+* Plain vLLM servers (no connector) registered by ``kvserve vllm-attach``: the
+  router learns where a prefix is from the servers' own KV events (vLLM's
+  msgpack/ZMQ schema) and sends the repeat there.
+"""
 
 from __future__ import annotations
 
@@ -46,11 +53,13 @@ async def _ask(http: aiohttp.ClientSession, base: str, messages: list[dict[str, 
 def test_cache_aware_repeat_goes_to_the_instance_holding_the_prefix(vllm_stack, vllm_servers):
     if not two_servers_fit():
         pytest.skip("less than 5 GiB of memory available: two vLLM servers do not fit")
-    vllm_servers.get("vllm-a")
+    a = vllm_servers.get("vllm-a")
     vllm_servers.get("vllm-b")
     tls, insecure = security()
     sec = SecurityConfig(insecure=True) if insecure else SecurityConfig(cert_dir=tls,
                                                                         role="router")
+    if not insecure:
+        _refuses_clients_without_tls_or_key(a)
 
     async def body() -> None:
         r = await start_router(RouterConfig(model="smollm2", grpc_port=0, http_port=0,
@@ -89,6 +98,36 @@ def test_cache_aware_repeat_goes_to_the_instance_holding_the_prefix(vllm_stack, 
             await r.stop(1.0)
 
     asyncio.run(body())
+
+
+def _refuses_clients_without_tls_or_key(server) -> None:  # type: ignore[no-untyped-def]
+    """The router<->vLLM hop: plain HTTP, TLS without a client certificate, and a
+    client certificate without the API key are all refused."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from kvserve.launch_vllm import client_ssl
+
+    spec = server.spec
+    body = json.dumps({"model": "smollm2", "prompt": [1, 2, 3], "max_tokens": 1}).encode()
+    key = {"authorization": f"Bearer {spec.api_key()}", "content-type": "application/json"}
+
+    def call(url: str, ctx: ssl.SSLContext | None, headers: dict[str, str]) -> int:
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers=headers)
+        with urllib.request.urlopen(req, timeout=60, context=ctx) as resp:
+            return resp.status
+
+    plain = f"http://{spec.host}:{spec.port}"
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        call(plain, None, key)                                 # plain text: no answer
+    no_cert = ssl.create_default_context(cadata=spec.security().ca_pem.decode())
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError, OSError)):
+        call(spec.base_url, no_cert, key)                      # no client certificate
+    with pytest.raises(urllib.error.HTTPError) as err:
+        call(spec.base_url, client_ssl(spec), {"content-type": "application/json"})
+    assert err.value.code == 401                               # certificate, no key
+    assert call(spec.base_url, client_ssl(spec), key) == 200
 
 
 def _keys(r, messages: list[dict[str, str]]) -> list[bytes]:  # type: ignore[no-untyped-def]

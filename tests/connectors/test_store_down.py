@@ -13,10 +13,12 @@ from tests.connectors.stack import (
     complete,
     hit_rule,
     prompts,
-    reset_local_cache,
+    salt,
     stats,
     store_client,
+    wait_count,
     wait_for,
+    wait_stored,
 )
 
 pytestmark = pytest.mark.timeout(1500)
@@ -30,36 +32,32 @@ async def _g3_blocks(address: str) -> int:
 def test_warehouse_down_vllm_keeps_serving_degradation_counted_hits_return(
         vllm_stack, vllm_servers):
     server = vllm_servers.only("vllm-b")
-    base, store = server.spec.base_url, vllm_stack.store
-    salt = f"down-{vllm_stack.run}"
+    store = vllm_stack.store
+    tenant = f"down-{vllm_stack.run}"
     old, new = prompts(2, seed=41, lo=450, hi=451)
     want = hit_rule(len(old), len(old) // BLOCK)
     g3 = asyncio.run(_g3_blocks(store.address))
-    saved = stats(vllm_stack.redis_url, "vllm-b").get("saved_blocks", 0)
-    first = complete(base, old, salt=salt)
-    wait_for(lambda: stats(vllm_stack.redis_url, "vllm-b").get("saved_blocks", 0) - saved
-             >= len(old) // BLOCK, what="saves")
+    first = complete(server, old, salt=salt(tenant))
+    wait_stored(vllm_stack, [(old, salt(tenant), len(old) // BLOCK)])
     # Its blocks must be on disk (G3 survives the restart below).
     wait_for(lambda: asyncio.run(_g3_blocks(store.address)) - g3 >= len(old) // BLOCK,
              what="G3 write-back")
 
     store.kill()
     before = stats(vllm_stack.redis_url, "vllm-b")
-    down = complete(base, new, salt=salt)               # served with the store gone
+    down = complete(server, new, salt=salt(tenant))     # served with the store gone
     assert len(down.token_ids) == 32 and down.cached_tokens == 0
-    reset_local_cache(base)
-    miss = complete(base, old, salt=salt)               # recomputed: same answer
+    miss = complete(server, old, salt=salt(tenant, "cold1"))  # recomputed: same answer
     assert miss.token_ids == first.token_ids and miss.cached_tokens == 0
-    during = stats(vllm_stack.redis_url, "vllm-b")
-    assert during.get("lookup_failures", 0) > before.get("lookup_failures", 0)
+    during = wait_count(vllm_stack.redis_url, "vllm-b", before, "lookup_failures", 1)
     assert during.get("degraded", 0) > before.get("degraded", 0)
 
     store.start()
+    tries = iter(range(1000))
 
-    def hit_again() -> bool:
-        reset_local_cache(base)
-        return complete(base, old, salt=salt).cached_tokens == want
+    def hit_again() -> bool:                        # a cold vLLM cache each time
+        return complete(server, old, salt=salt(tenant, f"t{next(tries)}")).cached_tokens == want
 
     wait_for(hit_again, timeout_s=180, what="warehouse hits after the restart")
-    back = complete(base, old, salt=salt)               # vLLM's own cache now, same tokens
+    back = complete(server, old, salt=salt(tenant))   # vLLM's own cache now, same tokens
     assert back.token_ids == first.token_ids

@@ -1,0 +1,233 @@
+"""``kvserve bench vllm-trace``: vLLM's own client (``vllm bench serve
+--dataset-name timed_trace``) replaying a trace against kvserve, two ways.
+
+* ``--mode engines``: one vLLM-CPU server alone vs one with kvserve's connector,
+  the same KV budget (``--kv-cache-mib``: make it smaller than the trace's
+  working set), the same trace, one after the other on this machine. The trace's
+  returning prefixes that vLLM evicted come back from the warehouse.
+* ``--mode router``: ``kvserve up --engine vllm`` (two vLLM-CPU servers with the
+  connector behind kvserve's router), once per router policy (``cache_aware``,
+  ``round_robin``), ``vllm bench serve`` pointed at the router.
+
+vLLM's client cannot present a client certificate, so ``engines`` runs the
+servers in plain text (``--insecure``); ``router`` keeps kvserve's trust model
+(HTTPS + API key between the router and vLLM; the router's own HTTP front has
+no API keys here). The tool's own JSON is kept under the work directory; the
+table and ``--json`` give TTFT p50/p90, TPOT p50, goodput (requests meeting
+``--slo-ttft-ms``), completed/failed, and the prefix-cache hit fraction vLLM
+reports (``vllm:prefix_cache_hits`` / ``queries``, local and external).
+
+The trace is any ``timed_trace`` JSONL (``timestamp`` seconds, ``input_length``,
+``output_length``, ``hash_ids``; ``--chunk-hash-size`` tokens per hash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import Chart, Report, Table
+from kvserve.cli import UsageError
+from kvserve.launch_vllm import VLLMProcess, VLLMSpec
+from security.secret_files import redis_url_args
+
+POLICIES = ("cache_aware", "round_robin")
+_PROM = re.compile(r"^(vllm:(?:external_)?prefix_cache_(?:hits|queries)(?:_total)?)\{[^}]*\}"
+                   r"\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRun:
+    label: str
+    completed: int
+    failed: int
+    ttft_p50_s: float
+    ttft_p90_s: float
+    tpot_p50_s: float
+    goodput_rps: float
+    duration_s: float
+    prefix_hit_fraction: float
+    raw: str                                   # the tool's own result file
+
+
+def vllm_bench(base_url: str, trace: Path, *, model_dir: str, chunk: int, prompts: int,
+               slo_ttft_ms: float, out: Path, label: str) -> dict[str, Any]:
+    """Run ``vllm bench serve`` (vLLM's own CLI, unmodified) and return its JSON."""
+    cmd = [sys.executable, "-m", "connectors.vllm_cli", "bench", "serve", "--backend", "vllm",
+           "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "smollm2",
+           "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path",
+           str(trace), "--timed-trace-chunk-hash-size", str(chunk), "--num-prompts",
+           str(prompts), "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles",
+           "50,90,99", "--goodput", f"ttft:{slo_ttft_ms}", "--temperature", "0",
+           "--save-result", "--result-dir",
+           str(out), "--result-filename", f"{label}.json", "--ready-check-timeout-sec", "0"]
+    # vLLM's timed_trace seeds its synthetic tokens with Python's str hash: fix it,
+    # so every run (and both sides of a comparison) sends the same token ids.
+    env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1"}
+    with open(out / f"{label}.log", "wb") as log:
+        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return json.loads((out / f"{label}.json").read_text())
+
+
+def prefix_hits(base_url: str) -> float:
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return float("nan")
+    got: dict[str, float] = {}
+    for name, value in _PROM.findall(text):
+        key = name.removesuffix("_total")
+        got[key] = got.get(key, 0.0) + float(value)
+    hits = got.get("vllm:prefix_cache_hits", 0.0) + got.get("vllm:external_prefix_cache_hits",
+                                                            0.0)
+    queries = got.get("vllm:prefix_cache_queries", 0.0)
+    return hits / queries if queries else float("nan")
+
+
+def summary(label: str, res: dict[str, Any], hit: float, raw: Path) -> TraceRun:
+    return TraceRun(label, int(res.get("completed", 0)), int(res.get("failed", 0)),
+                    res.get("p50_ttft_ms", float("nan")) / 1e3,
+                    res.get("p90_ttft_ms", float("nan")) / 1e3,
+                    res.get("p50_tpot_ms", float("nan")) / 1e3,
+                    float(res.get("request_goodput") or 0.0), float(res.get("duration", 0.0)),
+                    round(hit, 4), str(raw))
+
+
+def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts: int,
+                kv_cache_mib: int, slo_ttft_ms: float, log: Any) -> list[TraceRun]:
+    from kvserve import launcher
+    from kvstore.redis_server import EmbeddedRedis, free_port
+    from security.config import SecurityConfig
+
+    runs = []
+    for label, connector in (("vllm", False), ("vllm+kvserve", True)):
+        with EmbeddedRedis() as redis:
+            port, health = free_port(), free_port()
+            store = launcher.Child("kvstore", [
+                sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
+                "--port", str(port), "--metrics-port", "-1",
+                *redis_url_args(redis.url_for("kvstore"), work, f"redis-{label}.url"),
+                "--g2-bytes", "2GiB", "--no-prefault", "--health-port", str(health),
+                "--insecure"], f"127.0.0.1:{health}", work / f"kvstore-{label}.log",
+                security=SecurityConfig(insecure=True))
+            spec = VLLMSpec(model_dir=model_dir, port=free_port(), store=f"127.0.0.1:{port}",
+                            redis_url=redis.url, instance_id=label.replace("+", "-"),
+                            insecure=True, connector=connector, kv_cache_mib=kv_cache_mib,
+                            max_num_seqs=16, log_stats=True)
+            try:
+                if connector:
+                    launcher.start_children([store], 120.0)
+                server = VLLMProcess(spec, work / f"{label}.server.log").start().wait_ready()
+                log(f"{label}: ready in {server.ready_s:.0f}s; replaying {trace.name}")
+                try:
+                    res = vllm_bench(spec.base_url, trace, model_dir=model_dir, chunk=chunk,
+                                     prompts=prompts, slo_ttft_ms=slo_ttft_ms, out=work,
+                                     label=label)
+                    runs.append(summary(label, res, prefix_hits(spec.base_url),
+                                        work / f"{label}.json"))
+                finally:
+                    server.stop()
+            finally:
+                launcher.stop_children([store], 10.0)
+        log(f"{label}: {runs[-1]}")
+    return runs
+
+
+def run_router(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts: int,
+               kv_cache_mib: int, slo_ttft_ms: float, log: Any) -> list[TraceRun]:
+    runs = []
+    for policy in POLICIES:
+        state = work / f"up-{policy}"
+        cfg = work / f"{policy}.toml"
+        cfg.write_text(f'[router]\npolicy = "{policy}"\n')
+        up = subprocess.Popen(
+            [sys.executable, "-m", "kvserve.cli", "up", "--engine", "vllm", "--config", str(cfg),
+             "--vllm-instances", "2", "--vllm-kv-cache-mib", str(kv_cache_mib), "--free-ports",
+             "--state-dir", str(state)], stdout=open(work / f"up-{policy}.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            info = _wait_up(state / "up.json", up)
+            log(f"router {policy}: stack up at {info['router_http']}")
+            res = vllm_bench(info["router_http"], trace, model_dir=model_dir, chunk=chunk,
+                             prompts=prompts, slo_ttft_ms=slo_ttft_ms, out=work,
+                             label=f"router-{policy}")
+            runs.append(summary(f"router {policy}", res, float("nan"),
+                                work / f"router-{policy}.json"))
+        finally:
+            os.killpg(up.pid, signal.SIGINT)
+            try:
+                up.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait()
+        log(f"router {policy}: {runs[-1]}")
+    return runs
+
+
+def _wait_up(state: Path, proc: subprocess.Popen[bytes], timeout_s: float = 1800.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvserve up exited ({proc.returncode}); see its log")
+        if state.exists():
+            return json.loads(state.read_text())
+        time.sleep(1.0)
+    raise RuntimeError("kvserve up did not come up in time")
+
+
+def report(args: argparse.Namespace) -> Report:
+    """``kvserve bench vllm-trace``: the flags in, the harness's report out (the
+    ``--json`` document: one object per run, as ``TraceRun``)."""
+    from engine.fetch import fetch_model
+    from kvserve.commands.vllm_cmds import need_vllm
+
+    need_vllm()
+    if min(args.chunk_hash_size, args.prompts, args.kv_cache_mib) < 1:
+        raise UsageError("--chunk-hash-size, --prompts and --kv-cache-mib must be >= 1")
+    trace = Path(args.trace).resolve()
+    if not trace.is_file():
+        raise UsageError(f"--trace {args.trace}: no such file")
+    work = Path(tempfile.mkdtemp(prefix="kvserve-bench-vllm-trace-"))
+    model_dir = str(fetch_model("smollm2"))
+    run = run_engines if args.mode == "engines" else run_router
+    runs = run(trace, work, model_dir=model_dir, chunk=args.chunk_hash_size,
+               prompts=args.prompts, kv_cache_mib=args.kv_cache_mib,
+               slo_ttft_ms=args.slo_ttft_ms, log=lambda m: print(m, file=sys.stderr, flush=True))
+    return Report(f"kvserve bench vllm-trace ({args.mode}): {trace.name}, "
+                  f"{args.prompts} prompts at most", [asdict(r) for r in runs], [table(runs)],
+                  notes=[*comparison(runs), f"results and logs in {work}"],
+                  chart=Chart(f"vllm bench serve on {trace.name}",
+                              tuple(r.label for r in runs),
+                              {"TTFT p50 s": [r.ttft_p50_s for r in runs],
+                               "TTFT p90 s": [r.ttft_p90_s for r in runs]}, ylabel="s"))
+
+
+def table(runs: list[TraceRun]) -> Table:
+    t = Table(("run", "done", "fail", "TTFT p50 s", "TTFT p90 s", "TPOT p50 s", "goodput rps",
+               "prefix hit"))
+    for r in runs:
+        t.add(r.label, r.completed, r.failed, r.ttft_p50_s, r.ttft_p90_s, r.tpot_p50_s,
+              r.goodput_rps, r.prefix_hit_fraction)
+    return t
+
+
+def comparison(runs: list[TraceRun]) -> list[str]:
+    """The second run against the first (connector vs alone; round_robin vs cache_aware)."""
+    if len(runs) != 2:
+        return []
+    a, b = runs
+    good = b.goodput_rps / a.goodput_rps if a.goodput_rps else float("inf")
+    p90 = b.ttft_p90_s / a.ttft_p90_s if a.ttft_p90_s else float("nan")
+    return [f"{b.label} / {a.label}: TTFT p90 {p90:.2f} x, goodput {good:.2f} x"]
