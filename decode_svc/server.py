@@ -166,7 +166,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             load=self.thread.utilization(), queue=st.waiting, tokens_in_flight=st.tokens_in_flight,
             expert_imbalance=self.experts.current if self.experts else None,
             capacity=float(self.cfg.engine.num_blocks),
-            kv_free_tokens=self.batcher.gate.unreserved * self.block_tokens)
+            kv_free_tokens=self.batcher.gate.unreserved * self.block_tokens,
+            kv_capacity_tokens=self.batcher.gate.capacity * self.block_tokens)
 
     def metric_sources(self) -> dict[str, Source]:
         sources: dict[str, Source] = {
