@@ -16,6 +16,11 @@ tokens of each building prompt (``Engine.prefill_step``), so a long prompt
 delays the decode of others by one chunk per step, never by the whole
 prompt; its first event comes when its prompt is complete.
 
+Admission (decode_svc/kv_gate.py) takes a slot and reserves every KV block
+the sequence can grow to before it joins; the reservation goes back when
+the engine free of the sequence is submitted (the engine thread is FIFO, so
+a sequence admitted after that joins after the free).
+
 Batch invariance (docs/architecture.md#batch-invariance) is the engine's: a
 sequence's tokens do not depend on who else is here.
 """
@@ -30,6 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from decode_svc.kv_gate import KVGate
 from decode_svc.stopping import TextStream
 from service.engine_thread import EngineThread
 from service.metrics import Hist
@@ -94,17 +100,32 @@ class BatcherStats:
     tokens_total: int = 0
     cancelled_total: int = 0
     finished_total: dict[str, int] = field(default_factory=dict)
-    queue_seconds: Hist = field(default_factory=Hist)   # waiting for a batch slot
+    queue_seconds: Hist = field(default_factory=Hist)   # waiting for a slot and KV blocks
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    capacity_blocks: int            # what the pool can hand out with no sequence live
+    reserved_blocks: int            # promised to admitted sequences (prompt + max_tokens)
+    unreserved_blocks: int          # capacity - reserved: what the next sequence may take
+    pool_free_blocks: int           # the pool's free + evictable (G1) blocks right now
+    waiting: int                    # sequences queued for a slot or blocks
+    waits_total: int                # sequences that waited for blocks while a slot was free
 
 
 class Batcher:
     def __init__(self, engine: Any, thread: EngineThread, *, max_seqs: int,
-                 after_step: StepHook | None = None, rebuild_chunk: int = 128) -> None:
+                 after_step: StepHook | None = None, rebuild_chunk: int = 128,
+                 kv_blocks: int | None = None) -> None:
+        """``kv_blocks``: the pool's capacity for sequences (default: what it
+        can hand out now, read before any sequence of this batcher is live)."""
         if rebuild_chunk < 1:
             raise ValueError(f"rebuild_chunk must be >= 1, got {rebuild_chunk}")
         self._engine = engine
         self._thread = thread
-        self._slots = asyncio.Semaphore(max_seqs)
+        self.gate = KVGate(slots=max_seqs,
+                           blocks=engine.free_blocks if kv_blocks is None else kv_blocks)
+        self._held: dict[str, int] = {}     # seq id -> blocks reserved, until its free
         self._after_step = after_step
         self._rebuild_chunk = rebuild_chunk
         self._active: dict[str, _Seq] = {}
@@ -131,25 +152,33 @@ class Batcher:
             await asyncio.gather(*self._finishing, return_exceptions=True)
 
     async def generate(self, seq_id: str, make_live: Callable[[], None], *, prompt_tokens: int,
-                       stop: tuple[str, ...] = (), on_finish: FinishHook | None = None,
+                       kv_blocks: int, stop: tuple[str, ...] = (),
+                       on_finish: FinishHook | None = None,
                        t0: float | None = None, stream: TextStream | None = None,
                        first_shown: bool = False) -> AsyncIterator[TokenEvent]:
         """Make the sequence live (``make_live`` runs on the engine thread: an
         ``adopt`` of pulled KV, or a rebuild), then stream its tokens; the first
         event carries the token prefill sampled. Leaving the iterator early
         (client gone) frees the sequence at once. ``on_finish`` gets a
-        sequence that ran to its end, still live, and must free it.
+        sequence that ran to its end, still live, and must free it (then
+        ``release_kv``; the reservation goes back when it returns otherwise).
+
+        ``kv_blocks``: every block the sequence may hold (``Engine.kv_blocks_for``);
+        it waits until a slot and that many unreserved blocks are free, and
+        ``KVGate.check`` raises ``NeverFits`` at once when the pool is too small.
 
         ``first_shown``: the caller already sent the first token's event
         (decode_svc.first_event) through ``stream``; it is then not sent again
         unless it turned out to end the sequence."""
         t0 = time.monotonic() if t0 is None else t0
+        self.gate.check(kv_blocks)
         self._waiting += 1
         waited = tracing.now()
         try:
-            await self._slots.acquire()
+            await self.gate.acquire(kv_blocks)
         finally:
             self._waiting -= 1
+        self._held[seq_id] = kv_blocks
         self.stats.queue_seconds.observe(tracing.now() - waited)
         tracing.record("queue", waited, tracing.now(), stage="decode")
         seq: _Seq | None = None
@@ -157,7 +186,7 @@ class Batcher:
             try:
                 first = await self._thread.call(self._join, seq_id, make_live)
             except asyncio.CancelledError:
-                self._thread.submit(self._free_quietly, seq_id)
+                self._submit_free(seq_id)
                 raise
             seq = _Seq(seq_id, prompt_tokens, TextStream(stop) if stream is None else stream,
                        t0, on_finish, first_shown)
@@ -177,7 +206,7 @@ class Batcher:
         finally:
             if seq is None or not seq.done:
                 self.cancel(seq_id)
-            self._slots.release()
+            self.gate.release_slot()
 
     def cancel(self, seq_id: str) -> None:
         """The client went away: never step it again, free it after the step in flight."""
@@ -185,8 +214,26 @@ class Batcher:
         if seq is not None and not seq.done:
             seq.done = True
             self.stats.cancelled_total += 1
+        self._submit_free(seq_id)
         self._update_gauges()            # out of the active set now, not after the step
+
+    def kv_stats(self) -> KVStats:
+        """For /metrics, read on the scrape thread: plain ints, nothing iterated
+        (the pool's free count is len() of its lists, which a step cannot tear)."""
+        g = self.gate
+        return KVStats(g.capacity, g.reserved, g.unreserved, self._engine.free_blocks,
+                       g.waiting, g.waits_for_blocks_total)
+
+    def release_kv(self, seq_id: str) -> None:
+        """The sequence's engine free has been submitted (or has run): its
+        reserved blocks go to the next sequence. Idempotent."""
+        blocks = self._held.pop(seq_id, None)
+        if blocks is not None:
+            self.gate.release_blocks(blocks)
+
+    def _submit_free(self, seq_id: str) -> None:
         self._thread.submit(self._free_quietly, seq_id)
+        self.release_kv(seq_id)          # FIFO: whoever joins next runs after the free
 
     # -- engine thread ---------------------------------------------------------
 
@@ -247,7 +294,7 @@ class Batcher:
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         if seq.on_finish is None:
-            self._thread.submit(self._free_quietly, seq.seq_id)
+            self._submit_free(seq.seq_id)
             return
         done = Finished(seq.seq_id, seq.n, reason)
         task = asyncio.get_running_loop().create_task(self._run_finish(seq.on_finish, done))
@@ -259,7 +306,10 @@ class Batcher:
             await hook(done)
         except Exception:  # a failed cache write never fails the request
             log.exception("finish hook of %s failed", done.seq_id)
-            self._thread.submit(self._free_quietly, done.seq_id)
+            self._submit_free(done.seq_id)
+        finally:
+            if done.seq_id in self._held:  # the hook did not say it freed it (cancelled)
+                self._submit_free(done.seq_id)
 
     async def _loop(self) -> None:
         while True:

@@ -35,6 +35,7 @@ from decode_svc.batcher import Batcher, Finished
 from decode_svc.config import DecodeConfig
 from decode_svc.experts import ExpertLoad, ExpertPlacement
 from decode_svc.first_event import EarlyFirst, early_first
+from decode_svc.kv_gate import NeverFits
 from decode_svc.pull import KVPuller
 from decode_svc.stopping import TextStream
 from kvstore.keys import chain_keys
@@ -67,6 +68,7 @@ class DecodeStats:
     rebuilds_total: dict[str, int] = field(default_factory=dict)   # why the pull was not used
     kv_integrity_failures_total: int = 0  # hand-off pieces that failed their checksum
     busy_rejections_total: int = 0       # refused with RESOURCE_EXHAUSTED (queue full)
+    kv_too_large_total: int = 0          # refused: more KV blocks than the whole pool
     in_service: int = 0                  # Decode calls taken: pulling, waiting or decoding
     canonical_blocks_total: int = 0      # put into the warehouse after requests
     canonical_seconds_total: float = 0.0  # compute + put, added to the end of answers
@@ -163,11 +165,14 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         return LoadReport(
             load=self.thread.utilization(), queue=st.waiting, tokens_in_flight=st.tokens_in_flight,
             expert_imbalance=self.experts.current if self.experts else None,
-            capacity=float(self.cfg.engine.num_blocks))
+            capacity=float(self.cfg.engine.num_blocks),
+            kv_free_tokens=self.batcher.gate.unreserved * self.block_tokens,
+            kv_capacity_tokens=self.batcher.gate.capacity * self.block_tokens)
 
     def metric_sources(self) -> dict[str, Source]:
         sources: dict[str, Source] = {
             "decode": lambda: self.stats, "batch": lambda: self.batcher.stats,
+            "kv": self.batcher.kv_stats,
             "writer": lambda: self.writer.stats, "store": lambda: self.store.stats,
             "restore": lambda: self.restorer.stats}
         if self.experts is not None:
@@ -188,10 +193,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         t0 = time.monotonic()
         handle = request.handle
         chk = self._check(handle, request)
+        kv_blocks = self._kv_blocks(chk)
         self._admit()
         try:
             # Closed with this call (client gone), not whenever it is collected.
-            async with contextlib.aclosing(self._decode(handle, chk, t0,
+            async with contextlib.aclosing(self._decode(handle, chk, kv_blocks, t0,
                                                         context.time_remaining())) as events:
                 async for ev in events:
                     yield ev
@@ -211,8 +217,28 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                              f"{room}; retry in {wait:.2f}s", retry_after_s=wait)
         self.stats.in_service += 1
 
-    async def _decode(self, handle: prefill_pb2.KVHandle, chk: _Checked, t0: float,
-                      budget_s: float | None) -> AsyncIterator[decode_pb2.DecodeEvent]:
+    def _kv_blocks(self, chk: _Checked) -> int:
+        """The KV blocks the sequence may hold here (reserved before it joins the
+        batch); refused at once, before any work, when the whole pool is smaller:
+        no wait would ever make room (INVALID_ARGUMENT: the router answers 400
+        instead of trying again)."""
+        need = self.engine.kv_blocks_for(len(chk.tokens), chk.sampling.max_tokens,
+                                         canonical=self.cfg.canonical_write)
+        try:
+            self.batcher.gate.check(need)
+        except NeverFits:
+            self.stats.kv_too_large_total += 1
+            raise InvalidRequest(
+                f"prompt of {len(chk.tokens)} tokens + max_tokens {chk.sampling.max_tokens} "
+                f"needs {need} KV blocks of {self.block_tokens} tokens; this decode "
+                f"instance's KV pool holds {self.batcher.gate.capacity} blocks "
+                f"({self.batcher.gate.capacity * self.block_tokens} tokens): lower max_tokens "
+                "or shorten the prompt") from None
+        return need
+
+    async def _decode(self, handle: prefill_pb2.KVHandle, chk: _Checked, kv_blocks: int,
+                      t0: float, budget_s: float | None
+                      ) -> AsyncIterator[decode_pb2.DecodeEvent]:
         stream = TextStream(chk.sampling.stop)
         early = self._early(handle, chk)
         try:
@@ -237,8 +263,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         t_decode = tracing.now()
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
-                stop=chk.sampling.stop, on_finish=on_finish, t0=t0, stream=stream,
-                first_shown=early is not None):
+                kv_blocks=kv_blocks, stop=chk.sampling.stop, on_finish=on_finish, t0=t0,
+                stream=stream, first_shown=early is not None):
             if ev.finish_reason == "error":
                 raise RuntimeError("the decode step failed; see the decode instance's log")
             out = self._event(decode_pb2.DecodeEvent(
@@ -389,8 +415,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             t0 = time.monotonic()
             try:
                 stored = await self._stored_prefix(prompt_keys, ctx)
-                first, blocks, tokens = await self.thread.call(self._canonical, done.seq_id,
-                                                               stored)
+                try:
+                    first, blocks, tokens = await self.thread.call(self._canonical,
+                                                                   done.seq_id, stored)
+                finally:
+                    self.batcher.release_kv(done.seq_id)   # freed: the next one may join
                 if blocks.shape[0] == 0 or not self.store.enabled:
                     return
                 keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,

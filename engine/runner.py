@@ -115,6 +115,24 @@ class Engine(PrefillSteps):
     def free_blocks(self) -> int:
         return self.blocks.num_free
 
+    def kv_blocks_for(self, prompt_tokens: int, max_tokens: int, *,
+                      canonical: bool = False) -> int:
+        """The most pool blocks a sequence of ``prompt_tokens`` that samples up
+        to ``max_tokens`` (its first one included) can hold at once: its KV grows
+        to the prompt plus every sampled token but the last, at most the context;
+        ``canonical``: plus the shadow blocks ``canonical_blocks`` allocates
+        (none with invariant kernels). No G1 sharing is assumed."""
+        if prompt_tokens < 1 or max_tokens < 1:
+            raise EngineInputError(f"prompt_tokens and max_tokens must be >= 1, got "
+                                   f"{prompt_tokens}, {max_tokens}")
+        B = self.config.block_tokens
+        kv = min(prompt_tokens + max_tokens - 1, max(prompt_tokens, self.model_config.max_position))
+        need = -(-kv // B)
+        if canonical and not self.invariant:
+            C = self._canon_unit
+            need += max(0, kv // C * C // B - prompt_tokens // C * C // B)
+        return need
+
     def seq_tokens(self, seq_id: str) -> list[int]:
         """Prompt plus every sampled token (the last one has no KV yet)."""
         return list(self._seq(seq_id).tokens)

@@ -44,6 +44,8 @@ class InstanceInfo:
     queue: int = 0                    # requests waiting
     tokens_in_flight: int = 0
     expert_imbalance: float = 1.0     # max rank load / mean rank load (MoE), 1.0 = balanced
+    kv_free_tokens: int = -1          # decode: KV not reserved by its sequences (-1 unknown)
+    kv_capacity_tokens: int = -1      # decode: the most KV one sequence may ever hold there
     last_heartbeat: float = 0.0       # unix seconds
     kv_events: str = ""               # a vLLM engine's native KV-event ZMQ endpoint, if any
     attestation: str = ""             # signature of the identity it names (security.attest)
@@ -79,6 +81,8 @@ class LoadReport:
     tokens_in_flight: int | None = None
     expert_imbalance: float | None = None
     capacity: float | None = None
+    kv_free_tokens: int | None = None
+    kv_capacity_tokens: int | None = None
 
 
 class InstanceRegistry:

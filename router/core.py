@@ -144,6 +144,7 @@ class RouterCore:
         except NoInstanceError:           # no prefill at all: a 503, counted like admission's
             self.metrics.rejected.labels(reason="no_instance").inc()
             raise
+        self.view.check_decode_room(len(tokens) + sampling.max_tokens)
         keys = chain_keys(tokens, block_tokens=self.cfg.block_tokens, tenant=req.tenant,
                           fingerprint=bytes.fromhex(fingerprint), secret=self.cfg.secret)
         ctx = common_pb2.RequestContext(request_id=req.request_id, tenant=req.tenant,

@@ -149,7 +149,8 @@ class Dispatcher:
             while True:
                 try:
                     dchoice = self.view.choose_decode(
-                        n_tokens, exclude=tries.excluded["decode"] | busy.keys())
+                        n_tokens, exclude=tries.excluded["decode"] | busy.keys(),
+                        kv_tokens=n_tokens + sampling.max_tokens)
                 except NoInstanceError:
                     if not busy:
                         if tries.last is None:

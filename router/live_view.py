@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from common.config import ConfigError, HitRule
 from kvstore.events import KIND_DELETED, EventReader, KVEvent
 from kvstore.registry import InstanceInfo, InstanceRegistry
-from router.errors import NoInstanceError
+from router.errors import InvalidRequestError, NoInstanceError
 from router.metrics import RouterMetrics
 from router.placement import Decision, NoCandidateError, Placer, make_router_policy
 from router.session import SessionConfig, SessionMap
@@ -268,14 +268,36 @@ class LiveView:
                 return info.address
         return stores.infos[0].address
 
-    def choose_decode(self, prompt_tokens: int, *, exclude: set[str]) -> Choice:
+    def choose_decode(self, prompt_tokens: int, *, exclude: set[str],
+                      kv_tokens: int = 0) -> Choice:
+        """``kv_tokens``: the KV the sequence may grow to (prompt + max_tokens).
+        Instances whose last report leaves less unreserved KV than that are
+        passed over while one has room (there it would wait for blocks); when
+        none has, the policy picks among all and the request queues there."""
         cands = self._candidates("decode", exclude)
+        if kv_tokens > 0:
+            short = [i.instance_id for i in cands.infos if 0 <= i.kv_free_tokens < kv_tokens]
+            if short and len(short) < len(cands):
+                cands = cands.without(short)
         try:
             decision = self.placer.place_decode(cands, prompt_tokens)
         except NoCandidateError:
             raise self._none("decode", exclude) from None
         self.cluster.add_pending(decision.instance_id, prompt_tokens)
         return self._choice(cands, decision)
+
+    def check_decode_room(self, kv_tokens: int) -> None:
+        """Refuse before any work a sequence that grows to ``kv_tokens`` (prompt +
+        max_tokens) when every live decode instance that reports its pool holds
+        less than that: no wait could make room, and prefill would be wasted.
+        Instances that do not report (-1) are assumed to have room."""
+        caps = [i.kv_capacity_tokens for i in self._candidates("decode", set()).infos]
+        # The KV of the last sampled token is never computed: kv_tokens - 1 must fit.
+        if caps and all(0 <= c < kv_tokens - 1 for c in caps):
+            raise InvalidRequestError(
+                f"the prompt plus max_tokens needs KV for {kv_tokens - 1} tokens; the largest "
+                f"decode KV pool holds {max(caps)} tokens: lower max_tokens or shorten the "
+                "prompt", param="max_tokens")
 
     @staticmethod
     def _choice(cands: CandidateSet, d: Decision) -> Choice:

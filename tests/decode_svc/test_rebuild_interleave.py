@@ -32,7 +32,8 @@ def test_long_rebuild_stalls_others_by_one_chunk_per_step() -> None:
 
     async def run(batcher: Batcher, seq_id: str, make_live: Any, n: int) -> list[int]:
         out: list[int] = []
-        async for ev in batcher.generate(seq_id, make_live, prompt_tokens=n):
+        blocks = eng.kv_blocks_for(n, 60)
+        async for ev in batcher.generate(seq_id, make_live, prompt_tokens=n, kv_blocks=blocks):
             out += ev.token_ids
             log.append((seq_id, ev))
         return out
@@ -81,7 +82,8 @@ def test_a_rebuild_whose_caller_leaves_is_freed_between_chunks() -> None:
         batcher.start()
         try:
             gen = batcher.generate("c", lambda: eng.admit("c", prompt, first_token=5),
-                                   prompt_tokens=len(prompt))
+                                   prompt_tokens=len(prompt),
+                                   kv_blocks=eng.kv_blocks_for(len(prompt), 16))
             task = asyncio.create_task(gen.__anext__())
             while batcher.stats.rebuild_chunks_total < 3:
                 await asyncio.sleep(0.001)

@@ -14,7 +14,7 @@ from common.config import TrafficClasses
 from kvstore.events import KIND_DELETED, KIND_STORED, KVEvent
 from kvstore.index import BlockIndex, IndexRecord
 from kvstore.registry import InstanceInfo, InstanceRegistry
-from router.errors import NoInstanceError
+from router.errors import InvalidRequestError, NoInstanceError
 from router.live_view import LiveView, ViewConfig
 from router.metrics import RouterMetrics
 
@@ -69,6 +69,43 @@ def test_registry_membership_expiry_and_quarantine(redis_url: str) -> None:
         finally:
             stop.set()
             beater.cancel()
+            await view.stop()
+            await reg.close()
+
+    asyncio.run(main())
+
+
+def test_decode_goes_where_the_sequence_fits_in_unreserved_kv(redis_url: str) -> None:
+    """Decode instances report their unreserved KV (kv_free_tokens); the one
+    without room for prompt + max_tokens is passed over while another has it,
+    even when it is the less loaded; when none has room, load decides. A
+    sequence no decode pool could ever hold is refused before any work."""
+    from kvstore.registry import LoadReport
+
+    async def main() -> None:
+        reg = InstanceRegistry(redis_url, ttl_s=5)
+        view = LiveView(redis_url, CFG, RouterMetrics())
+        for i in (_info("p1", "prefill"), _info("d1", "decode"), _info("d2", "decode")):
+            await reg.register(i)
+        await reg.heartbeat("d1", LoadReport(tokens_in_flight=10, kv_free_tokens=256,
+                                             kv_capacity_tokens=512))
+        await reg.heartbeat("d2", LoadReport(tokens_in_flight=900, kv_free_tokens=4096,
+                                             kv_capacity_tokens=4096))
+        await view.start()
+        try:
+            pick = view.choose_decode
+            assert pick(100, exclude=set()).instance.instance_id == "d1"       # no size given
+            assert pick(100, exclude=set(), kv_tokens=200).instance.instance_id == "d1"
+            assert pick(100, exclude=set(), kv_tokens=300).instance.instance_id == "d2"
+            assert pick(100, exclude={"d2"}, kv_tokens=300).instance.instance_id == "d1"
+            assert pick(100, exclude=set(), kv_tokens=9000).instance.instance_id == "d1"
+            view.check_decode_room(4097)            # KV for 4096 tokens: fits d2's pool
+            with pytest.raises(InvalidRequestError, match="largest decode KV pool holds 4096"):
+                view.check_decode_room(4098)
+            await reg.register(_info("d3", "decode"))      # reports no pool size: may fit
+            await view.refresh()
+            view.check_decode_room(10**6)
+        finally:
             await view.stop()
             await reg.close()
 
