@@ -16,7 +16,7 @@ same for every checkout and unseen by any earlier run (a fresh stack, no disk
 tier). Each checkout runs in its own ``kvserve up --free-ports --state-dir``
 with its own code on PYTHONPATH, one stack at a time, alternated per round.
 
-    flock /tmp/kvserve-heavy.lock python -m kvserve.bench_prefill_load \\
+    flock /tmp/kvserve-heavy.lock python scripts/prefill_load.py \\
         --checkout /tmp/base --checkout . --json out.json --png out.png
 """
 
