@@ -171,7 +171,7 @@ def _wait_http(url: str, timeout_s: float) -> None:
 
 
 def run(cfg: FrontBenchConfig) -> FrontBenchResult:
-    from kvserve.launcher import Child, start_children, stop_children
+    from kvserve.children import Child, start_children, stop_children
     from kvstore.redis_server import EmbeddedRedis, free_port
     from router.model_meta import load_model_meta
 

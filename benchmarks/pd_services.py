@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from common.config import KVServeConfig
-from kvserve.launcher import Child, start_children, stop_children, to_toml
+from kvserve.children import Child, start_children, stop_children
+from kvserve.launcher import to_toml
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from security.config import TLS_DIR_ENV, SecurityConfig
 from security.secret_files import redis_url_args

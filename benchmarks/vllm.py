@@ -266,7 +266,7 @@ def report(args: argparse.Namespace) -> Report:
 def measure(reps: int, *, tls_dir: str = "", insecure: bool = False,
             load_async: bool = True) -> VLLMBenchResult:
     from engine.fetch import fetch_model
-    from kvserve import launcher
+    from kvserve.children import Child, start_children, stop_children
     from kvstore.redis_server import EmbeddedRedis, free_port
     from security.config import SecurityConfig
 
@@ -275,7 +275,7 @@ def measure(reps: int, *, tls_dir: str = "", insecure: bool = False,
     with EmbeddedRedis() as redis:
         port, health = free_port(), free_port()
         sec = ["--insecure"] if insecure else ["--tls-dir", tls_dir] if tls_dir else []
-        store = launcher.Child("kvstore", [
+        store = Child("kvstore", [
             sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
             "--port", str(port), "--metrics-port", "-1",
             *redis_url_args(redis.url_for("kvstore"), work),
@@ -283,13 +283,13 @@ def measure(reps: int, *, tls_dir: str = "", insecure: bool = False,
             f"127.0.0.1:{health}", work / "kvstore.log",
             security=SecurityConfig(insecure=True))   # the health-only port is plain text
         try:
-            launcher.start_children([store], 120.0)
+            start_children([store], 120.0)
             result = run_bench(model_dir, reps=reps, work=work,
                                store_address=f"127.0.0.1:{port}", redis_url=redis.url,
                                tls_dir=tls_dir, insecure=insecure, port=free_port(),
                                load_async=load_async, log=_log)
         finally:
-            launcher.stop_children([store], 10.0)
+            stop_children([store], 10.0)
     _log(f"logs in {work}")
     return result
 

@@ -107,7 +107,7 @@ def summary(label: str, res: dict[str, Any], hit: float, raw: Path) -> TraceRun:
 
 def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts: int,
                 kv_cache_mib: int, slo_ttft_ms: float, log: Any) -> list[TraceRun]:
-    from kvserve import launcher
+    from kvserve.children import Child, start_children, stop_children
     from kvstore.redis_server import EmbeddedRedis, free_port
     from security.config import SecurityConfig
 
@@ -115,7 +115,7 @@ def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts:
     for label, connector in (("vllm", False), ("vllm+kvserve", True)):
         with EmbeddedRedis() as redis:
             port, health = free_port(), free_port()
-            store = launcher.Child("kvstore", [
+            store = Child("kvstore", [
                 sys.executable, "-m", "kvserve.cli", "store", "serve", "--host", "127.0.0.1",
                 "--port", str(port), "--metrics-port", "-1",
                 *redis_url_args(redis.url_for("kvstore"), work, f"redis-{label}.url"),
@@ -128,7 +128,7 @@ def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts:
                             max_num_seqs=16, log_stats=True)
             try:
                 if connector:
-                    launcher.start_children([store], 120.0)
+                    start_children([store], 120.0)
                 server = VLLMProcess(spec, work / f"{label}.server.log").start().wait_ready()
                 log(f"{label}: ready in {server.ready_s:.0f}s; replaying {trace.name}")
                 try:
@@ -140,7 +140,7 @@ def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts:
                 finally:
                     server.stop()
             finally:
-                launcher.stop_children([store], 10.0)
+                stop_children([store], 10.0)
         log(f"{label}: {runs[-1]}")
     return runs
 

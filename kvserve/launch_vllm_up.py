@@ -21,6 +21,14 @@ from pathlib import Path
 
 from common.config import ConfigError, KVServeConfig
 from kvserve import launcher
+from kvserve.children import (
+    Child,
+    Stop,
+    start_children,
+    stop_children,
+    stop_on_signals,
+    wait_registered,
+)
 from kvserve.cli import UsageError
 from kvserve.credentials import hand_out
 from kvserve.launch_vllm import VLLMError, VLLMProcess, VLLMSpec, engine_identity
@@ -61,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.state_dir:            # as `kvserve up` does: a second stack beside the first
         os.environ[launcher.STATE_ENV] = str(Path(args.state_dir).resolve() / "up.json")
-    launcher._refuse_second(launcher.state_path())
+    launcher.refuse_second(launcher.state_path())
     if args.api_key_file and not Path(args.api_key_file).is_file():
         raise UsageError(f"--api-key-file {args.api_key_file}: no such file")
     try:
@@ -74,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else launcher.state_path().parent / "run-vllm"
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     run_dir.chmod(0o700)             # logs, the Redis URL files, the vLLM event sockets
-    stop = launcher.stop_on_signals()
+    stop = stop_on_signals()
     try:
         external = redis_url_from(args, cfg.redis)
     except SecretFileError as exc:
@@ -100,14 +108,14 @@ def run(args: argparse.Namespace) -> int:
     store_addr = f"{host}:{p.kvstore}"
     store_health, router_health = free_port(host), free_port(host)
     plain = SecurityConfig(insecure=True)        # how to dial the plain-text health ports
-    store = launcher.Child("kvstore", [*base, "store", "serve", *common,
+    store = Child("kvstore", [*base, "store", "serve", *common,
                                        *creds["kvstore"].argv(), "--port", str(p.kvstore),
                                        "--metrics-port", str(p.metrics),
                                        "--health-port", str(store_health)],
                            f"{host}:{store_health}", run_dir / "kvstore.log", security=plain)
     keys = ["--api-key-file", str(Path(args.api_key_file).resolve())] if args.api_key_file \
         else []
-    router = launcher.Child("router", [*base, "router", "serve", *common,
+    router = Child("router", [*base, "router", "serve", *common,
                                        *creds["router"].argv(), "--backend", "vllm",
                                        "--model", cfg.model.name, *keys,
                                        "--health-port", str(router_health)],
@@ -134,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             run_dir / f"vllm-{i}.log"))
     children = [store, router]
     try:
-        launcher.start_children([store], args.ready_timeout, stop)
+        start_children([store], args.ready_timeout, stop)
         for v in vllms:
             v.start()
         for v in vllms:
@@ -142,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  vllm     ready at {v.spec.base_url} ({v.spec.kv_role}, "
                   f"{v.ready_s:.0f}s)", file=sys.stderr, flush=True)
         want = {"kvstore", "prefill"} | ({"decode"} if args.pd else set())
-        launcher.wait_registered(url("operator"), want, args.ready_timeout)
-        launcher.start_children([router], args.ready_timeout, stop)
+        wait_registered(url("operator"), want, args.ready_timeout)
+        start_children([router], args.ready_timeout, stop)
         state = launcher.UpState(
             redis_url=redact_url(url("operator")), redis_url_file=str(operator_url_file),
             model=cfg.model.name, store=store_addr, tls_dir=tls_dir,
@@ -159,10 +167,10 @@ def run(args: argparse.Namespace) -> int:
     except VLLMError as exc:
         raise UsageError(str(exc)) from exc
     finally:
-        launcher.stop_children([router], args.grace)
+        stop_children([router], args.grace)
         for v in vllms:
             v.stop(args.grace)
-        launcher.stop_children([store], args.grace)
+        stop_children([store], args.grace)
         launcher.remove_state()
         if redis is not None:
             redis.stop()
@@ -180,8 +188,8 @@ def _print(state: launcher.UpState, vllms: list[VLLMProcess]) -> None:
     print(f"  http      {state.router_http}/v1/chat/completions", flush=True)
 
 
-def _supervise(children: list[launcher.Child], vllms: list[VLLMProcess],
-               stop: launcher.Stop) -> int:
+def _supervise(children: list[Child], vllms: list[VLLMProcess],
+               stop: Stop) -> int:
     while not stop.requested:
         for c in children:
             if c.proc is not None and c.proc.poll() is not None:
