@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvserve.children import die_with_parent
 from security.redact import has_credentials
 from security.secret_files import write_private
 
@@ -193,7 +194,7 @@ class VLLMProcess:
                        "wb") as out:
             self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.env(), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=die_with_parent)
         return self
 
     def alive(self) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 from connectors.vllm_presence import stats_key
+from kvserve.children import die_with_parent
 from kvstore.redis_server import free_port
 from tests.redis_args import redis_args
 
@@ -89,7 +90,8 @@ class Store:
         start = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                         preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if b"kvstore ready" in self.log.read_bytes()[start:]:

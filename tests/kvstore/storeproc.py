@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import HitRule, TierConfig, TrafficClasses
+from kvserve.children import die_with_parent
 from kvstore.warehouse import WarehouseConfig
 from tests.redis_args import redis_args
 
@@ -77,7 +78,8 @@ class StoreProc:
         if config is not None:
             args += ["--config", str(config)]
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=die_with_parent)
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout_s
         line = ""

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.children import die_with_parent
 from kvstore.redis_server import free_port
 from tests.redis_args import redis_args
 from tests.tls import channel
@@ -49,8 +50,10 @@ class Proc:
 
     def start(self) -> Proc:
         with open(self.log, "ab") as log:
+            # Dies with the test process: a killed run (OOM, Ctrl-C twice) must not
+            # leave its session-long stacks holding GiBs for the next one.
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL)
+                                          stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         return self
 
     def wait_ready(self, timeout_s: float = 90.0) -> Proc:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.children import die_with_parent
 from kvstore.redis_server import free_port
 from tests.prefill_svc.procs import Proc, healthy
 from tests.redis_args import redis_args
@@ -86,7 +87,7 @@ def up_stack(run_dir: Path, *, model: str, config: Path | None = None,
         argv += ["--config", str(config)]
     out = open(run_dir / "up.out", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     try:
         deadline = time.monotonic() + timeout_s
         while not state_file.exists():
