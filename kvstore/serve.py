@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 
 from common import exit_watchdog
 from common.config import KVServeConfig
@@ -152,6 +153,9 @@ async def _heartbeats(registry: InstanceRegistry, info: InstanceInfo, wh: Wareho
 def main(opts: StoreOptions) -> int:
     tune_malloc()
     exit_watchdog.enable()            # this process is the store: bound its stop
+    # Fork the shared-memory tracker now, while this process has one thread: forked
+    # later, beside gRPC's poller threads, it once aborted a starting store (epoll EBADF).
+    resource_tracker.ensure_running()
     os.umask(0o077)   # whatever a library creates for us (G4 on a mount, temp files) is private
     try:
         return asyncio.run(run_store(opts))

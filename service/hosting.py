@@ -14,6 +14,7 @@ import logging
 import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from multiprocessing import resource_tracker
 from typing import Any, Protocol
 
 import grpc
@@ -244,6 +245,9 @@ def serve_engine_service(role: str, service_name: str, engine_spec: EngineSpec,
     from engine import Engine
 
     exit_watchdog.enable()             # this process is the service: bound its stop
+    # Attaching the store's shared memory starts Python's tracker by fork: do it now,
+    # with one thread, not later beside gRPC's pollers (a fork there can abort us).
+    resource_tracker.ensure_running()
     engine = Engine(engine_spec.engine_config())
     log.info("%s engine: %s %s on %s, fingerprint %s", role, engine_spec.model,
              engine.layout.name, engine_spec.device, engine.fingerprint_hex)
