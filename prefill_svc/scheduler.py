@@ -18,6 +18,12 @@ requests and step results and runs its plans on the engine thread.
   request is admitted only while fewer than ``max_running`` run and the KV
   pool has its blocks; the first one that does not fit stops admissions for
   this step (no small request overtakes it into the pool for ever).
+- A ready request whose prompt shares at least ``HOLD_MIN_TOKENS`` of
+  uncached prefix with blocks a running prompt is computing right now waits
+  for that prompt instead of computing the same blocks beside it (an agent
+  resends a long context while its previous turn is still in prefill): once
+  the running one is done its blocks are in G1 and the waiting one is
+  admitted as a hit. The wait is bounded by the running prompt's own compute.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from prefill_svc.policy import PolicyContext, policy
 
 MIN_RETRY_MS = 10
 MAX_RETRY_MS = 60_000
+HOLD_MIN_TOKENS = 256       # shared uncached prefix worth waiting for (four 64-token blocks)
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +50,9 @@ class Entry:
     ready: bool = False         # warehouse lookup/fetch done: may be admitted
     running: bool = False       # admitted into the engine
     cancelled: bool = False     # its caller went away
+    keys: tuple[bytes, ...] = ()   # chain keys of its full blocks (equal key: equal prefix)
+    block_tokens: int = 0
+    computing_from: int = 0     # running: its first block not taken from a cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +118,8 @@ class Scheduler:
         cands = [e for e in self.running.values() if not e.cancelled]
         cands += [e for e in self.waiting.values() if e.ready and not e.cancelled]
         cands.sort(key=lambda e: self._key(e, ctx))
+        computing = {k: None for e in self.running.values() if not e.cancelled
+                     for k in e.keys[e.computing_from:]}
         budget, n_running = self.cfg.step_tokens, len(cands) - sum(not e.running for e in cands)
         admit: list[Entry] = []
         budgets: dict[str, int] = {}
@@ -118,6 +130,8 @@ class Scheduler:
             if not e.running:
                 if not admitting or n_running >= self.cfg.max_running:
                     continue
+                if computing and self._shares_computing(e, computing):
+                    continue                 # admitted as a G1 hit once that one is done
                 if e.blocks > free_blocks:
                     admitting = False        # the pool frees as running prompts finish
                     continue
@@ -132,7 +146,21 @@ class Scheduler:
     def admitted(self, e: Entry, remaining: int) -> None:
         self.waiting.pop(e.request_id, None)
         e.running, e.remaining = True, remaining
+        if e.block_tokens:
+            e.computing_from = max(0, e.prompt_tokens - remaining) // e.block_tokens
         self.running[e.request_id] = e
+
+    @staticmethod
+    def _shares_computing(e: Entry, computing: dict[bytes, None]) -> bool:
+        """Whether ``e``'s longest prefix among the blocks being computed covers
+        at least HOLD_MIN_TOKENS it does not already have cached."""
+        if not e.keys or not e.block_tokens:
+            return False
+        cached = max(0, e.prompt_tokens - e.remaining) // e.block_tokens
+        for i in range(len(e.keys) - 1, cached - 1, -1):   # chain keys: the last match
+            if e.keys[i] in computing:
+                return (i + 1 - cached) * e.block_tokens >= HOLD_MIN_TOKENS
+        return False
 
     def progressed(self, e: Entry, remaining: int) -> None:
         e.remaining = remaining

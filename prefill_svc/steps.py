@@ -144,7 +144,8 @@ class StepLoop:
         if rid in self.jobs:
             warm.close()
             raise EngineInputError(f"request id {rid!r} is already being prefilled")
-        e = Entry(rid, L, time.monotonic(), max(1, L - cached_tokens), -(-L // B), job)
+        e = Entry(rid, L, time.monotonic(), max(1, L - cached_tokens), -(-L // B), job,
+                  keys=tuple(job.keys), block_tokens=B)
         self.sched.add(e)
         self.jobs[rid] = job
         job.warming = background(self._warm(e, warm), self._warming, f"warm-{rid}")

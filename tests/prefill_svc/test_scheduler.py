@@ -89,3 +89,34 @@ def test_prefill_section_validates() -> None:
         PrefillSection(policy="lifo")
     with pytest.raises(ConfigError, match="step_tokens"):
         PrefillSection(step_tokens=0)
+
+
+def _keyed(s: Scheduler, rid: str, arrival: float, keys: list[bytes], cached: int = 0) -> Entry:
+    L = 64 * len(keys)
+    e = Entry(rid, L, arrival, L - cached, len(keys), keys=tuple(keys), block_tokens=64)
+    s.add(e)
+    s.mark_ready(e, L - cached, len(keys))
+    return e
+
+
+def test_a_resent_context_waits_for_the_running_prompt_then_goes() -> None:
+    """An agent resends a long context while its previous turn is in prefill:
+    the resend waits (admitted afterwards as a G1 hit) instead of computing the
+    same blocks beside it; a prompt sharing only a short prefix is not held."""
+    s = sched(policy="src", step_tokens=16384)
+    ctx = [bytes([i]) * 16 for i in range(80)]
+    first = _keyed(s, "turn1", 0.0, ctx)
+    s.admitted(first, 64 * 80)
+    _keyed(s, "turn2", 1.0, [*ctx, b"n" * 16])                  # the same context + new text
+    other = _keyed(s, "other", 2.0, [*ctx[:2], *(bytes([200 + i]) * 16 for i in range(10))])
+    p = s.plan(free_blocks=1000, now=2.0)
+    assert [e.request_id for e in p.admit] == ["other"]          # two shared blocks: no hold
+    s.admitted(other, other.remaining)
+    s.drop(first)                                                # done: its blocks are in G1
+    assert "turn2" in [e.request_id for e in s.plan(free_blocks=1000, now=3.0).admit]
+    # A prefix the waiting one already has cached is no reason to wait.
+    s2 = sched(policy="src", step_tokens=512)
+    run = _keyed(s2, "run", 0.0, ctx)
+    s2.admitted(run, 64 * 80)
+    _keyed(s2, "warm", 1.0, ctx[:40], cached=64 * 40 - 1)
+    assert [e.request_id for e in s2.plan(free_blocks=1000, now=1.0).admit] == ["warm"]
