@@ -57,7 +57,7 @@ class ServingMetrics:
         return found
 
     def clock(self) -> RequestClock:
-        return RequestClock(self, time.perf_counter())
+        return RequestClock(self)
 
 
 @dataclass(slots=True)
@@ -65,7 +65,6 @@ class RequestClock:
     """One request's timeline; the core calls ``first`` and ``done``."""
 
     metrics: ServingMetrics
-    t0: float
     t_first: float = 0.0
 
     def first(self, queue_s: float, prefill_s: float) -> None:
