@@ -205,6 +205,8 @@ class VLLMBackend:
             self.view.mark_failed(choice.instance.instance_id)
             raise UpstreamError(f"prefill instance {choice.instance.instance_id}: {exc}",
                                 retryable=False, instance=choice.instance.instance_id) from exc
+        finally:
+            self.view.finished(choice)
         want = self.core.meta.config.hit_rule(self.core.cfg.block_tokens).usable_tokens(
             len(keys) * self.core.cfg.block_tokens, len(tokens)) // self.core.cfg.block_tokens
         deadline = time.monotonic() + self.timeouts.handoff_s
@@ -226,6 +228,7 @@ class VLLMBackend:
                 stream = self._stream(inst.address, body, inst.instance_id)
                 head = await asyncio.wait_for(anext(stream), self.timeouts.first_token_s)
             except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:
+                self.view.finished(choice)
                 errors.append(f"{inst.instance_id}: {exc!r}")
                 log.warning("vLLM instance %s failed before the first token: %r",
                             inst.instance_id, exc)
@@ -237,6 +240,7 @@ class VLLMBackend:
                 except NoInstanceError:
                     break
                 continue
+            self.view.finished(choice)       # its first token: the prompt is computed
             p_id = prefill_id if retry_role == "decode" else inst.instance_id
             async for ev in _tagged(head, stream, p_id, inst.instance_id):
                 yield ev

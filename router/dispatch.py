@@ -134,6 +134,8 @@ class Dispatcher:
             except grpc.aio.AioRpcError as exc:
                 budget.check("prefill")
                 err = upstream_error(exc, role="prefill", instance=inst.instance_id)
+            finally:
+                self.view.finished(choice)
             if isinstance(err, UpstreamError) and err.busy_s is not None:
                 self._busy(busy, inst.instance_id, err.busy_s, "prefill")
                 continue

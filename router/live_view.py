@@ -33,7 +33,7 @@ from router.errors import InvalidRequestError, NoInstanceError
 from router.metrics import RouterMetrics
 from router.placement import Decision, NoCandidateError, Placer, make_router_policy
 from router.session import SessionConfig, SessionMap
-from router.view import TIERS, CandidateSet, ClusterView, PrefixView, ViewError
+from router.view import TIERS, CandidateSet, ClusterView, PrefixView, Sent, ViewError
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class Choice:
     reason: str
     policy: str
     detail: str = ""
+    sent: Sent | None = None     # for ``LiveView.finished``
 
 
 class LiveView:
@@ -250,9 +251,9 @@ class LiveView:
                 slack_tokens=self.cfg.sessions.slack_tokens)
         except NoCandidateError:
             raise self._none("prefill", exclude) from None
-        self.cluster.add_pending(decision.instance_id, prompt_tokens)
+        sent = self.cluster.add_pending(decision.instance_id, prompt_tokens)
         self.sessions.record(tenant, session, decision.instance_id)
-        return self._choice(cands, decision)
+        return self._choice(cands, decision, sent)
 
     def store_address(self, tenant: str = "", session: str = "") -> str:
         """A live kvstore to warm a request's blocks in: the one on the node of the
@@ -283,8 +284,8 @@ class LiveView:
             decision = self.placer.place_decode(cands, prompt_tokens)
         except NoCandidateError:
             raise self._none("decode", exclude) from None
-        self.cluster.add_pending(decision.instance_id, prompt_tokens)
-        return self._choice(cands, decision)
+        sent = self.cluster.add_pending(decision.instance_id, prompt_tokens)
+        return self._choice(cands, decision, sent)
 
     def check_decode_room(self, kv_tokens: int) -> None:
         """Refuse before any work a sequence that grows to ``kv_tokens`` (prompt +
@@ -300,12 +301,18 @@ class LiveView:
                 "prompt", param="max_tokens")
 
     @staticmethod
-    def _choice(cands: CandidateSet, d: Decision) -> Choice:
+    def _choice(cands: CandidateSet, d: Decision, sent: Sent) -> Choice:
         detail = ""
         if log.isEnabledFor(logging.DEBUG):   # every candidate's score, only when shown
             scores = ", ".join(f"{k}={v:.1f}" for k, v in d.scores.items())
             detail = f"{d.detail}; scores: {scores}"
-        return Choice(cands.infos[d.index], d.score, d.reason, d.policy, detail)
+        return Choice(cands.infos[d.index], d.score, d.reason, d.policy, detail, sent)
+
+    def finished(self, choice: Choice) -> None:
+        """The instance is done with the prompt it was chosen for (answered or failed):
+        its pending work drops now, not at its next heartbeat (router.view)."""
+        if choice.sent is not None:
+            self.cluster.done(choice.sent)
 
     def _none(self, role: str, exclude: set[str]) -> NoInstanceError:
         why = f" (abandoned after failures: {sorted(exclude)})" if exclude else ""

@@ -164,15 +164,17 @@ class RouterPolicy(ABC):
     def __init__(self, cfg: PolicyConfig | None = None) -> None:
         self.cfg = cfg or PolicyConfig()
         self._credit = np.array(self.cfg.tier_credit, dtype=np.float64)
-        self._turn = itertools.count()
+        # One rotation per role: a shared one advances twice per request (prefill, then
+        # decode), so with two instances of a role every tie went to the same one.
+        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
 
     def choose_prefill(self, cands: CandidateSet, req: PlacementRequest) -> Decision:
         scores, reason = self.prefill_scores(cands, req)
-        return self._decide(cands, req, scores, reason)
+        return self._decide(cands, req, scores, reason, "prefill")
 
     def choose_decode(self, cands: CandidateSet, req: PlacementRequest) -> Decision:
         scores, reason = self.decode_scores(cands, req)
-        return self._decide(cands, req, scores, reason)
+        return self._decide(cands, req, scores, reason, "decode")
 
     @abstractmethod
     def prefill_scores(self, cands: CandidateSet, req: PlacementRequest
@@ -195,11 +197,11 @@ class RouterPolicy(ABC):
         return req.hit_tokens @ self._credit
 
     def _decide(self, cands: CandidateSet, req: PlacementRequest, scores: np.ndarray,
-                reason: str) -> Decision:
+                reason: str, role: str) -> Decision:
         n = len(cands)
         if n == 0:
             raise NoCandidateError("no live instance to place the request on")
-        start = next(self._turn) % n
+        start = next(self._turns[role]) % n
         ties = np.flatnonzero(scores == scores.max())
         after = ties[ties >= start]
         best = int(after[0] if len(after) else ties[0])

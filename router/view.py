@@ -101,8 +101,9 @@ class CandidateSet:
             infos=infos,
             load=np.array([i.load for i in infos], dtype=np.float64),
             queue=np.array([i.queue for i in infos], dtype=np.float64),
-            pending_tokens=np.array([i.tokens_in_flight + extra.get(i.instance_id, 0.0)
-                                     for i in infos], dtype=np.float64),
+            pending_tokens=np.maximum(np.array(
+                [i.tokens_in_flight + extra.get(i.instance_id, 0.0) for i in infos],
+                dtype=np.float64), 0.0),
             # A reported imbalance below 1 is meaningless (max >= mean); clamp it.
             imbalance=np.maximum(np.array([i.expert_imbalance for i in infos],
                                           dtype=np.float64), 1.0),
@@ -123,14 +124,33 @@ class CandidateSet:
             imbalance=self.imbalance[keep])
 
 
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """Work the router placed on an instance: hand it back to ``ClusterView.done``
+    when the instance has finished it."""
+
+    instance_id: str
+    tokens: float
+    at: float                   # time.time() when placed
+
+
 class ClusterView:
     """Live instances by role. ``replace`` takes a registry listing; instances
     whose last heartbeat is older than ``expiry_s`` are left out of the
     candidates even before the registry drops them.
 
-    ``add_pending`` records work the router sent since the instance's last
-    heartbeat (so a burst between two heartbeats does not all land on one
-    instance); the next heartbeat of that instance resets it."""
+    An instance's pending work is its last report plus what the router knows
+    better since then:
+
+    * ``add_pending`` records work the router sent after the report (so a burst
+      between two heartbeats does not all land on one instance); the next
+      heartbeat, which counts that work itself, resets it;
+    * ``done`` takes finished work off again at once: sent after the report, it
+      leaves the router's own count; sent before, the report still counts it, so
+      it is subtracted until a report taken after it finished arrives. Without
+      this a client's next request saw the one it had just finished for up to a
+      heartbeat and went to a cold instance instead of the one holding its prefix.
+    """
 
     def __init__(self, *, expiry_s: float = 5.0) -> None:
         if expiry_s <= 0:
@@ -138,6 +158,7 @@ class ClusterView:
         self.expiry_s = expiry_s
         self._infos: dict[str, InstanceInfo] = {}
         self._pending: dict[str, float] = {}
+        self._finished: dict[str, list[tuple[float, float]]] = {}   # (when, tokens)
         self._cache: dict[str, CandidateSet] = {}
 
     def replace(self, infos: Iterable[InstanceInfo]) -> None:
@@ -146,24 +167,55 @@ class ClusterView:
             old = self._infos.get(iid)
             if old is None or old.last_heartbeat != info.last_heartbeat:
                 self._pending.pop(iid, None)
+                self._forget_finished(iid, info.last_heartbeat)
         self._pending = {k: v for k, v in self._pending.items() if k in new}
+        self._finished = {k: v for k, v in self._finished.items() if k in new}
         self._infos = new
         self._cache.clear()
 
     def upsert(self, info: InstanceInfo) -> None:
         self._infos[info.instance_id] = info
         self._pending.pop(info.instance_id, None)
+        self._forget_finished(info.instance_id, info.last_heartbeat)
         self._cache.clear()
 
     def remove(self, instance_id: str) -> None:
         if self._infos.pop(instance_id, None) is not None:
             self._pending.pop(instance_id, None)
+            self._finished.pop(instance_id, None)
             self._cache.clear()
 
-    def add_pending(self, instance_id: str, tokens: float) -> None:
+    def add_pending(self, instance_id: str, tokens: float) -> Sent:
         if instance_id in self._infos:
             self._pending[instance_id] = self._pending.get(instance_id, 0.0) + tokens
             self._cache.clear()
+        return Sent(instance_id, tokens, time.time())
+
+    def done(self, sent: Sent) -> None:
+        info = self._infos.get(sent.instance_id)
+        if info is None or sent.tokens <= 0:
+            return
+        iid = sent.instance_id
+        if info.last_heartbeat < sent.at:
+            if iid in self._pending:
+                self._pending[iid] = max(0.0, self._pending[iid] - sent.tokens)
+        else:
+            self._finished.setdefault(iid, []).append((time.time(), sent.tokens))
+        self._cache.clear()
+
+    def _forget_finished(self, instance_id: str, reported_at: float) -> None:
+        # A report taken after the work finished no longer counts it.
+        left = [f for f in self._finished.get(instance_id, ()) if f[0] > reported_at]
+        if left:
+            self._finished[instance_id] = left
+        else:
+            self._finished.pop(instance_id, None)
+
+    def _adjustments(self) -> dict[str, float]:
+        adj = dict(self._pending)
+        for iid, finished in self._finished.items():
+            adj[iid] = adj.get(iid, 0.0) - sum(n for _, n in finished)
+        return adj
 
     def get(self, instance_id: str) -> InstanceInfo | None:
         return self._infos.get(instance_id)
@@ -179,7 +231,7 @@ class ClusterView:
             t = time.time() if now is None else now
             live = [i for i in self._infos.values() if i.role == role
                     and (i.last_heartbeat <= 0 or t - i.last_heartbeat <= self.expiry_s)]
-            cached = CandidateSet.of(live, self._pending)
+            cached = CandidateSet.of(live, self._adjustments())
             if now is None:
                 self._cache[role] = cached
         return cached.without(exclude)

@@ -1,0 +1,1 @@
+import common.grpc_fork  # noqa: F401  (before anything imports grpc)

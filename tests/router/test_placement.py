@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -92,6 +94,35 @@ def test_round_robin_and_least_load() -> None:
     assert ll.choose_prefill(cands, PlacementRequest(10)).instance_id == "p1"
     view.add_pending("p1", 500)                     # router-sent work since the heartbeat
     assert ll.choose_prefill(view.candidates("prefill"), PlacementRequest(10)).instance_id == "p2"
+
+
+def test_finished_work_leaves_the_pending_count_before_the_next_heartbeat() -> None:
+    def pending() -> dict[str, float]:
+        c = view.candidates("prefill")
+        return dict(zip(c.ids, c.pending_tokens.tolist(), strict=True))
+
+    view = ClusterView()
+    t0 = time.time()
+    view.replace([_inst("a", "prefill", heartbeat=t0 - 0.5), _inst("b", "prefill",
+                                                                   heartbeat=t0 - 0.5)])
+    first = view.add_pending("a", 800)              # sent after a's report
+    assert pending() == {"a": 800, "b": 0}
+    view.done(first)
+    assert pending() == {"a": 0, "b": 0}
+    # Sent, then a report taken while it ran counts it; finishing takes it off that
+    # report, and a later report (taken after it finished) replaces both.
+    second = view.add_pending("a", 800)
+    view.replace([_inst("a", "prefill", pending=800, heartbeat=time.time()),
+                  _inst("b", "prefill", heartbeat=t0 - 0.5)])
+    assert pending()["a"] == 800
+    view.done(second)
+    assert pending()["a"] == 0
+    view.replace([_inst("a", "prefill", pending=300, heartbeat=time.time() + 1),
+                  _inst("b", "prefill", heartbeat=t0 - 0.5)])
+    assert pending()["a"] == 300                    # someone else's work, reported
+    view.done(view.add_pending("b", 100))
+    view.done(view.add_pending("gone", 100))        # an instance that left: no effect
+    assert pending() == {"a": 300, "b": 0}
 
 
 def test_cache_aware_weighs_affinity_against_load() -> None:
