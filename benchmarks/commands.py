@@ -36,6 +36,11 @@ def _engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     p.add_argument("--decode-bucket", type=int, default=0,
                    help="decode rows per forward (default 8 on CPU, the biggest batch on CUDA)")
+    # Checked by EngineConfig: importing engine.config here would load torch.
+    p.add_argument("--kernels", default="auto",
+                   help="the engine's kernels: auto | torch | bik | triton | triton_bi "
+                        "(engine/kernels.py); the memory roofline and the previous path are "
+                        "measured beside them in the same run")
     output_flags(p)
 
 

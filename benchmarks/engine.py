@@ -38,6 +38,7 @@ class BenchOptions:
     big_model: str = "llama-8b-shape"        # also timed on CUDA, in bf16
     threads: int = 0                         # torch CPU threads; 0 = torch's default
     decode_bucket: int = 0                   # 0 = 8 on CPU, the biggest batch on CUDA
+    kernels: str = "auto"                    # engine/kernels.py
 
     @property
     def chunk(self) -> int:
@@ -186,7 +187,7 @@ def _engine(opts: BenchOptions, model: str, dtype: str, bucket: int, context: in
     return Engine(EngineConfig(model=model, dtype=dtype, device=opts.device,
                                block_tokens=opts.block_tokens, num_blocks=opts.num_blocks,
                                prefill_chunk=opts.chunk, decode_bucket=bucket,
-                               max_position=context))
+                               max_position=context, kernels=opts.kernels))
 
 
 def run_engine_bench(opts: BenchOptions) -> EngineBench:
@@ -204,7 +205,7 @@ def run_engine_bench(opts: BenchOptions) -> EngineBench:
         bucket = opts.decode_bucket or (max(batches) if opts.cuda else 8)
         eng = _engine(opts, model, dtype, bucket, context)
         res.notes[f"{prefix}model"] = (f"{model} {dtype} layout {eng.layout.name}, "
-                                       f"decode bucket {bucket}")
+                                       f"decode bucket {bucket}, kernels {eng.kernels.name}")
         for n in prefill:
             t = bench_prefill(eng, n, repeat=3 if n <= 512 else 1)
             key = "prefill_tok_s" if n == 256 and not prefix else f"{prefix}prefill_tok_s_{n}"
@@ -291,7 +292,8 @@ def report(args: argparse.Namespace) -> Report:
                             prefill_tokens=tuple(args.prefill_tokens or ()),
                             decode_batches=tuple(args.decode_batches or ()),
                             decode_steps=args.decode_steps, big_model=args.big_model,
-                            threads=args.threads, decode_bucket=args.decode_bucket)
+                            threads=args.threads, decode_bucket=args.decode_bucket,
+                            kernels=args.kernels)
         res = run_engine_bench(opts)
     except (EngineError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from exc

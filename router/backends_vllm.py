@@ -240,10 +240,14 @@ class VLLMBackend:
                 except NoInstanceError:
                     break
                 continue
-            self.view.finished(choice)       # its first token: the prompt is computed
             p_id = prefill_id if retry_role == "decode" else inst.instance_id
-            async for ev in _tagged(head, stream, p_id, inst.instance_id):
-                yield ev
+            try:
+                async for ev in _tagged(head, stream, p_id, inst.instance_id):
+                    yield ev
+            finally:
+                # A vLLM instance reports a request's prompt until the request ends
+                # (connectors.vllm_scheduler.load), not only while it is in prefill.
+                self.view.finished(choice)
             return
         raise UpstreamError(f"every vLLM instance tried failed before the first token: "
                             f"{'; '.join(errors)}", retryable=False)
