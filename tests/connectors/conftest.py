@@ -71,7 +71,9 @@ def vllm_stack(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory,
 
 class Servers:
     """vLLM servers by name, at most one alive unless a test asks for two: a vLLM
-    CPU server holds ~1.5-2 GB, and a shared CI box runs out of memory with more."""
+    CPU server holds ~1.5-2 GB, and a shared CI box runs out of memory with more.
+    A server outlives its test, since starting one costs 40-80 s: test_affinity.py
+    (two servers) runs first by name, and test_identity.py then reuses both."""
 
     def __init__(self, stack: VLLMStack) -> None:
         self.stack = stack
