@@ -21,6 +21,9 @@ request always passes an empty stage) and requests in service (at most
 ``key_max_concurrency``. The live instance counts come from the registry
 (their heartbeats and load reports, through router.live_view), so capacity
 follows instances joining and leaving. A 429 carries ``Retry-After``.
+
+A request's cost, in every count above, is the prompt tokens still to compute
+(router.admission_cost), not its length: a resent context costs its new tail.
 """
 
 from __future__ import annotations

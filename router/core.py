@@ -32,6 +32,7 @@ from kvstore.keys import chain_keys
 from kvstore.types import RequestCtx
 from proto import common_pb2, decode_pb2, prefill_pb2
 from router.admission import Admission
+from router.admission_cost import InflightPrefixes, admission_cost
 from router.dispatch import Budget, Dispatcher
 from router.errors import (
     ContextLengthError,
@@ -81,6 +82,7 @@ class RouterCore:
         self.upstreams = upstreams
         self.metrics = metrics
         self.admission = admission
+        self.inflight = InflightPrefixes()   # router.admission_cost
         self.dispatch = Dispatcher(view, upstreams, metrics, max_attempts=cfg.max_attempts)
         self.ops: Any = None        # router.cluster_ops.ClusterOps: warm-up on arrival
         self.serving = ServingMetrics.on(metrics.registry, meta.served_name)
@@ -155,14 +157,25 @@ class RouterCore:
             self.ops.warm(keys, len(tokens), RequestCtx(req.request_id, req.tenant,
                                                         req.traffic_class, fingerprint),
                           req.session_id)
-        ticket = await self.admission.admit(req.api_key_id, req.tenant, len(tokens),
-                                            wait_s=budget.left())
+        held = max(self.view.known_blocks(keys), self.inflight.leading(keys))
+        claim = self.inflight.claim(keys)
+        try:
+            ticket = await self.admission.admit(
+                req.api_key_id, req.tenant,
+                admission_cost(len(tokens), self.cfg.block_tokens, held), wait_s=budget.left())
+        except BaseException:
+            claim.release()
+            raise
+
+        def prefilled() -> None:
+            claim.release()
+            self.admission.prefilled(ticket)
+
         try:
             started = await self.dispatch.start(
                 preq, keys, len(tokens), sampling, budget,
                 busy_until=ticket.arrived + self.admission.cfg.max_queue_wait_s,
-                prefilled=lambda: self.admission.prefilled(ticket), tenant=req.tenant,
-                session=req.session_id)
+                prefilled=prefilled, tenant=req.tenant, session=req.session_id)
             p_id = started.prefill.instance.instance_id
             d_id = started.decode.instance.instance_id
             clock.first(started.handle.timings.queue_s, started.handle.timings.compute_s)
@@ -192,6 +205,7 @@ class RouterCore:
             finally:
                 started.call.cancel()
         finally:
+            claim.release()
             self.admission.done(ticket)
 
     @staticmethod

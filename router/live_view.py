@@ -189,6 +189,10 @@ class LiveView:
     def mark_failed(self, instance_id: str) -> None:
         self._quarantine[instance_id] = time.monotonic() + self.cfg.instance_ttl_s
 
+    def known_blocks(self, keys: Sequence[bytes]) -> int:
+        """The longest leading run of ``keys`` any location holds, in any tier."""
+        return max((c.blocks for c in self.placer.prefixes.match(keys).values()), default=0)
+
     def fingerprint(self) -> str:
         """The model fingerprint the prefill instances serve (block keys depend on it)."""
         prints = {i.model_fingerprint for i in self._candidates("prefill", set()).infos

@@ -12,6 +12,7 @@ import pytest
 
 from common.config import AdmissionSection, ConfigError, KVServeConfig
 from router.admission import Admission, Capacity, Ticket
+from router.admission_cost import InflightPrefixes, admission_cost
 from router.admission_limits import DrainRate, TokenBucket, retry_after_s
 from router.admission_queue import FairQueue, Waiter
 from router.errors import (
@@ -311,3 +312,27 @@ def test_no_instance_is_503_and_busy_instances_say_when() -> None:
 def test_ticket_wait_left() -> None:
     t = Ticket("k", "A", 1, arrived=10.0, waited_s=0.0)
     assert t.wait_left(CFG, 12.0) == pytest.approx(3.0)
+
+
+# -- cost: tokens still to compute (router.admission_cost) ----------------------------------
+
+
+def test_a_resent_context_costs_its_tail_while_the_first_copy_is_in_flight() -> None:
+    inflight = InflightPrefixes()
+    context = [bytes([i]) * 16 for i in range(86)]        # 86 blocks of 64: 5,504 tokens
+    first = inflight.claim(context)
+    assert admission_cost(5504, 64, inflight.leading(context)) == 64     # all held
+    assert admission_cost(5504, 64, inflight.leading(context[:40])) == 5504 - 40 * 64
+    resend = [*context, b"new-turn" * 2, b"new-tail" * 2]  # 100 tokens of new text
+    assert inflight.leading(resend) == 86
+    assert admission_cost(5604, 64, inflight.leading(resend)) == 100
+    second = inflight.claim(resend)
+    first.release()
+    first.release()                                        # idempotent
+    assert inflight.leading(context) == 86                 # the resend still holds it
+    second.release()
+    assert inflight.leading(context) == 0 and len(inflight) == 0
+    # Nothing held: the whole prompt; a short prompt never costs more than itself.
+    assert admission_cost(5504, 64, 0) == 5504
+    assert admission_cost(10, 64, 0) == 10
+
