@@ -105,6 +105,10 @@ class Scheduler:
     def mark_ready(self, e: Entry, remaining: int, blocks: int) -> None:
         e.remaining, e.blocks, e.ready = max(1, remaining), blocks, True
 
+    def unready(self, e: Entry) -> None:
+        """Its restore plan went stale: not admitted until it is warmed again."""
+        e.ready = False
+
     def drop(self, e: Entry) -> None:
         """Out of the queue (finished, failed or cancelled)."""
         self.waiting.pop(e.request_id, None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -71,6 +72,7 @@ class PrefillStats:
     step_tokens_total: int = 0              # prompt tokens computed by them
     chunks_total: int = 0                   # prompt chunks computed (one per prompt per step)
     stopped_total: int = 0                  # prompts ended early: their caller went away
+    rewarmed_total: int = 0                 # fetches planned again: G1 lost blocks meanwhile
     queue_seconds: Hist = field(default_factory=Hist)   # arrival to admission
 
 
@@ -195,7 +197,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.steps.check_count()                  # a full queue refuses before any work
         inp = prefill_input(request, self.model, self.engine.tokenizer,
                             classes=self.cfg.classes, default_tenant=self.cfg.default_tenant)
-        tokens, ctx, L = inp.tokens, inp.ctx, len(inp.tokens)
+        tokens, ctx = inp.tokens, inp.ctx
         keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
                           fingerprint=self.engine.fingerprint, secret=self.secret)
         # Read off the engine thread: BlockPool.match only reads dicts, and the
@@ -206,8 +208,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         job = Job(ctx, tokens, inp.sampling, keys, keys if self.cfg.local_prefix_cache else None,
                   len(keys), loop.create_future(), loop.create_future(),
                   kv_seed=self.buffer.new_seed())
-        entry = self.steps.submit(job, cached_tokens=self.engine.hit_rule.usable_tokens(
-            g1 * self.block_tokens, L), warm=self._warm(job, g1))
+        entry = self.steps.submit(job, g1_blocks=g1, warm=functools.partial(self._warm, job))
         try:
             first = await job.first
         except asyncio.CancelledError:

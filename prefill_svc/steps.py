@@ -67,6 +67,7 @@ class Job:
     t_submit: float = field(default_factory=time.perf_counter)
     restore: Restore | None = None
     warming: asyncio.Task[None] | None = None   # its lookup and fetch, while it waits
+    warm: Callable[[int], Coroutine[Any, Any, Restore]] | None = None  # given G1 blocks held
     queue_s: float = 0.0
     kv_seed: int = 0                # keys the hand-off checksums (service.kv_buffer)
 
@@ -126,29 +127,33 @@ class StepLoop:
             self._stats.refused_total += 1
             raise Busy(busy.reason, busy.retry_after_ms)
 
-    def submit(self, job: Job, *, cached_tokens: int,
-               warm: Coroutine[Any, Any, Restore]) -> Entry:
-        """Queue ``job`` (``cached_tokens``: its G1 hit as far as known now) and
-        start ``warm`` (its warehouse lookup and fetch) while it waits."""
+    def submit(self, job: Job, *, g1_blocks: int,
+               warm: Callable[[int], Coroutine[Any, Any, Restore]]) -> Entry:
+        """Queue ``job`` (``g1_blocks``: its G1 hit as far as known now) and start
+        ``warm(g1_blocks)`` (its warehouse lookup and fetch) while it waits."""
+        cached_tokens = self._engine.hit_rule.usable_tokens(g1_blocks * self._block_tokens,
+                                                            len(job.tokens))
+        job.warm = warm
+        coro = warm(g1_blocks)
         L, B = len(job.tokens), self._block_tokens
         need, pool = -(-L // B), self._engine.blocks.num_blocks
         if need > pool:
-            warm.close()
+            coro.close()
             raise InvalidRequest(f"a prompt of {L} tokens needs {need} KV blocks; this "
                                  f"instance's pool has {pool}")
         if (busy := self.sched.check_tokens(L - cached_tokens)) is not None:
-            warm.close()
+            coro.close()
             self._stats.refused_total += 1
             raise Busy(busy.reason, busy.retry_after_ms)
         rid = job.ctx.request_id
         if rid in self.jobs:
-            warm.close()
+            coro.close()
             raise EngineInputError(f"request id {rid!r} is already being prefilled")
         e = Entry(rid, L, time.monotonic(), max(1, L - cached_tokens), -(-L // B), job,
                   keys=tuple(job.keys), block_tokens=B)
         self.sched.add(e)
         self.jobs[rid] = job
-        job.warming = background(self._warm(e, warm), self._warming, f"warm-{rid}")
+        job.warming = background(self._warm(e, coro), self._warming, f"warm-{rid}")
         self._gauges()
         return e
 
@@ -187,8 +192,32 @@ class StepLoop:
 
     # -- the loop ------------------------------------------------------------------------
 
+    def _rewarm_stale(self) -> None:
+        """A ready request planned its fetch after the G1 blocks it had on arrival;
+        when another prompt's room has evicted some of them while it waited, that
+        plan would recompute the whole prompt from the first gap (the fetched
+        blocks only follow a complete G1 run). Look it up and fetch again from what
+        G1 holds now: the warehouse has the evicted blocks (an agent's resends of
+        two long sessions alternating in a G1 that holds one of them were each
+        recomputed cold, 27 s apiece)."""
+        for e in self.sched.waiting.values():
+            job: Job = e.payload
+            r = job.restore
+            if (not e.ready or e.cancelled or r is None or job.warm is None
+                    or job.g1_keys is None or r.start_block == 0):
+                continue
+            held = self._engine.g1_match(job.keys[:r.start_block])
+            if held >= r.start_block:
+                continue
+            self.sched.unready(e)
+            job.restore = None
+            self._stats.rewarmed_total += 1
+            job.warming = background(self._warm(e, job.warm(held)), self._warming,
+                                     f"rewarm-{e.request_id}")
+
     async def _drive(self) -> None:
         while True:
+            self._rewarm_stale()
             plan = (self.sched.plan(self._engine.free_blocks, time.monotonic())
                     if self.sched.has_work else None)
             if plan is None or not (plan.budgets or plan.stop):
