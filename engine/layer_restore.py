@@ -75,6 +75,18 @@ class HostRuns:
             left -= int(out[-1].shape[0])
         return HostRuns(tuple(out))
 
+    def skip(self, n: int) -> HostRuns:
+        """All but the first ``n`` blocks (at least one must be left)."""
+        out, left = [], n
+        for r in self.runs:
+            k = int(r.shape[0])
+            if left >= k:
+                left -= k
+                continue
+            out.append(r[left:])
+            left = 0
+        return HostRuns(tuple(out))
+
     def cat(self) -> torch.Tensor:
         return self.runs[0] if len(self.runs) == 1 else torch.cat(self.runs)
 

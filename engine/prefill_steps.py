@@ -99,12 +99,26 @@ class PrefillSteps:
                                                          "restored")
         g1 = self.blocks.match(keys)
         if restored_start_block is not None:
-            g1 = g1[:restored_start_block]
             if len(g1) < restored_start_block:
                 n_rest = 0                   # a gap before the restored blocks: recompute
+            elif len(g1) > restored_start_block and n_rest:
+                # G1 grew since the fetch was planned (a prompt sharing the prefix
+                # finished meanwhile): its blocks first, the restored ones after them.
+                # Ignoring them recomputed every held resend of an agent's context.
+                over = len(g1) - restored_start_block
+                if over >= n_rest:
+                    restored, n_rest = None, 0
+                else:
+                    assert restored is not None
+                    restored = (restored.skip(over) if isinstance(restored, HostRuns)
+                                else restored[over:])
+                    n_rest -= over
         cap = self.hit_rule.usable_tokens((len(g1) + n_rest) * B, n)
         if max_restore_tokens is not None:
-            cap = min(cap, max(0, max_restore_tokens))
+            # The caller's cap was planned from the G1 hit it saw then; G1 found
+            # since then is never cut by it.
+            cap = min(cap, max(0, max_restore_tokens,
+                               self.hit_rule.usable_tokens(len(g1) * B, n)))
         # Reuse ends on a chunk boundary: the chunks after it are then exactly
         # the cold run's (a boundary inside a chunk would change its row count).
         # Invariant kernels need no such cut: any block boundary gives the same bits.

@@ -140,6 +140,42 @@ def test_restored_at_random_block_boundaries_with_g1_before_them() -> None:
         assert torch.equal(eng.export_tokens(sid, 0, len(p) + 7), refs[i][1])
 
 
+def test_g1_that_grew_after_the_plan_is_used_before_the_restored_blocks() -> None:
+    """A request planned its restore from the G1 hit it saw on arrival (k blocks,
+    or none); by its admission a prompt sharing the prefix has put j > k blocks in
+    G1. Those j are used, then only the restored blocks after them, within the
+    planned cap grown by G1's own hit: exact, and nothing recomputed that G1 or
+    the warehouse held (a held resend used to recompute its whole context)."""
+    eng = make_engine("tiny-dense", num_blocks=1024)
+    B = eng.config.block_tokens
+    prompts = random_prompts(4, 150, 220, 256, seed=21)
+    for i, p in enumerate(prompts):
+        full = _stored(make_engine("tiny-dense"), p)
+        n = full.shape[0]
+        k, j = (0, n - 2) if i % 2 else (2, n // 2)       # planned start, G1 by admission
+        keys = chain(p[:j * B], B)
+        eng.prefill("warm", [*p[:j * B], 3], block_keys=keys)
+        eng.free("warm", keep_keys=keys)
+        planned = eng.hit_rule.usable_tokens(n * B if k else 0, len(p))
+        rest = full[k:].clone() if k else None
+        adm = eng.admit(f"g{i}", p, sampling=GREEDY8, block_keys=chain(p, B), restored=rest,
+                        restored_start_block=k, max_restore_tokens=planned)
+        assert adm.g1_tokens == j * B, i
+        assert adm.g1_tokens + adm.restored_tokens == (
+            eng.hit_rule.usable_tokens(len(p), len(p)) if k
+            else eng.hit_rule.usable_tokens(j * B, len(p))), i
+        budgets = {f"g{i}": 64}
+        while budgets:
+            for d in eng.prefill_step(budgets):
+                del budgets[d.seq_id]
+        for _ in range(7):
+            eng.decode_step([f"g{i}"])
+        want = alone(make_engine("tiny-dense"), p)
+        assert eng.seq_tokens(f"g{i}")[len(p):] == want[0]
+        assert torch.equal(eng.export_tokens(f"g{i}", 0, len(p) + 7), want[1])
+        eng.free(f"g{i}")
+
+
 @pytest.mark.parametrize("model", ["tiny-dense", "tiny-hybrid"])
 def test_torch_kernels_interleave_at_chunk_boundaries(model: str) -> None:
     """Non-invariant kernels: each sequence runs alone at absolute chunk

@@ -23,6 +23,8 @@ def test_host_runs_restore_like_one_tensor() -> None:
         runs = HostRuns((blocks[:1].clone(), blocks[1:3].clone(), blocks[3:].clone()))
         assert runs.n_blocks == blocks.shape[0]
         assert torch.equal(runs.head(2).cat(), blocks[:2])
+        for k in (1, 2, 3):
+            assert torch.equal(runs.skip(k).cat(), blocks[k:])
         res = b.prefill("y", prompt, restored=runs)
         assert res.restored_tokens > 0
         b.free("y")
