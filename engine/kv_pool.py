@@ -123,6 +123,7 @@ class BlockPool:
         self._key_of: dict[int, bytes] = {}
         # Cached blocks with refcount 0, least recently used first.
         self._lru: OrderedDict[int, None] = OrderedDict()
+        self.evicted_total = 0      # cached blocks reused for new KV (or dropped by a reset)
 
     @property
     def num_free(self) -> int:
@@ -144,6 +145,7 @@ class BlockPool:
             else:
                 b, _ = self._lru.popitem(last=False)
                 del self._cached[self._key_of.pop(b)]
+                self.evicted_total += 1
             self._refs[b] = 1
             out.append(b)
         return out
@@ -199,4 +201,5 @@ class BlockPool:
         self._lru.clear()
         self._cached.clear()
         self._key_of.clear()
+        self.evicted_total += dropped
         return dropped, in_use

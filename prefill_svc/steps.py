@@ -68,6 +68,9 @@ class Job:
     restore: Restore | None = None
     warming: asyncio.Task[None] | None = None   # its lookup and fetch, while it waits
     warm: Callable[[int], Coroutine[Any, Any, Restore]] | None = None  # given G1 blocks held
+    # BlockPool.evicted_total when its G1 hit was last checked (-1: not yet; the hit
+    # counted on arrival may already predate an eviction on the engine thread).
+    planned_at_eviction: int = -1
     queue_s: float = 0.0
     kv_seed: int = 0                # keys the hand-off checksums (service.kv_buffer)
 
@@ -200,13 +203,16 @@ class StepLoop:
         G1 holds now: the warehouse has the evicted blocks (an agent's resends of
         two long sessions alternating in a G1 that holds one of them were each
         recomputed cold, 27 s apiece)."""
+        evicted = self._engine.blocks.evicted_total
         for e in self.sched.waiting.values():
             job: Job = e.payload
             r = job.restore
             if (not e.ready or e.cancelled or r is None or job.warm is None
-                    or job.g1_keys is None or r.start_block == 0):
+                    or job.g1_keys is None or r.start_block == 0
+                    or job.planned_at_eviction == evicted):    # nothing left G1 since
                 continue
             held = self._engine.g1_match(job.keys[:r.start_block])
+            job.planned_at_eviction = evicted
             if held >= r.start_block:
                 continue
             self.sched.unready(e)

@@ -37,10 +37,11 @@ def test_cached_blocks_wait_in_lru_and_are_evicted_last() -> None:
     assert pool.match([b"k0", b"k1", b"k2"]) == a and pool.num_cached == 2
     assert pool.num_free == 4
     b = pool.allocate(2)                              # the free list first
-    assert set(b).isdisjoint(a) and pool.num_cached == 2
+    assert set(b).isdisjoint(a) and pool.num_cached == 2 and pool.evicted_total == 0
     pool.acquire(pool.match([b"k0"]))                 # a hit pins k0
     c = pool.allocate(1)                              # must evict k1, never pinned k0
     assert c == [a[1]] and pool.match([b"k0", b"k1"]) == [a[0]]
+    assert pool.evicted_total == 1
     with pytest.raises(PoolExhaustedError):
         pool.allocate(1)
 
