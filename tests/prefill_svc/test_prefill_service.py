@@ -14,12 +14,11 @@ import torch
 from engine import Engine, SamplingParams
 from kvstore.keys import chain_keys
 from prefill_svc.config import PrefillConfig
-from prefill_svc.server import SERVICE_NAME, PrefillService
 from proto import prefill_pb2, prefill_pb2_grpc
 from service.config import Endpoint, EngineSpec
-from service.hosting import ServiceSpec, run_service
 from service.kv_buffer import KVAssembler, KVPiece, KVShape
-from tests.tls import aio_channel, secret
+from tests.prefill_svc.inproc import serve_prefill
+from tests.tls import secret
 
 SPEC = EngineSpec(model="tiny-dense", block_tokens=16, num_blocks=256)
 
@@ -27,22 +26,8 @@ SPEC = EngineSpec(model="tiny-dense", block_tokens=16, num_blocks=256)
 @asynccontextmanager
 async def serving(**cfg: object) -> AsyncIterator[prefill_pb2_grpc.PrefillStub]:
     config = PrefillConfig(engine=SPEC, endpoint=Endpoint(port=0), **cfg)  # type: ignore[arg-type]
-    engine = Engine(SPEC.engine_config())
-    stop = asyncio.Event()
-    ready: list[str] = []
-    spec = ServiceSpec("prefill", SERVICE_NAME,
-                       lambda address: PrefillService(config, engine, address=address),
-                       prefill_pb2_grpc.add_PrefillServicer_to_server, engine.fingerprint_hex, 256)
-    task = asyncio.create_task(run_service(config.endpoint, spec, stop=stop,
-                                           on_ready=lambda r: ready.append(r.address)))
-    try:
-        while not ready:
-            await asyncio.sleep(0.01)
-        async with aio_channel(ready[0]) as ch:
-            yield prefill_pb2_grpc.PrefillStub(ch)
-    finally:
-        stop.set()
-        await task
+    async with serve_prefill(config) as (stub, _):
+        yield stub
 
 
 def run(fn: Callable[[], Awaitable[None]]) -> None:

@@ -9,53 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 from common.config import PrefillSection
 from engine import Engine, EngineConfig, SamplingParams
 from prefill_svc.config import PrefillConfig
-from prefill_svc.server import SERVICE_NAME, PrefillService
-from proto import prefill_pb2, prefill_pb2_grpc
+from proto import prefill_pb2
 from service.config import CostConfig, Endpoint, EngineSpec
-from service.hosting import ServiceSpec, run_service
 from tests.prefill_svc import procs
+from tests.prefill_svc.inproc import Serving, serve_prefill
 from tests.prefill_svc.test_scheduling import _until
-from tests.tls import aio_channel
 
 B = 16
 POOL = 12                     # blocks: A's 6 and B's 10 do not fit together
 SPEC = EngineSpec(model="tiny-dense", block_tokens=B, num_blocks=POOL)
 
 
-@asynccontextmanager
-async def serving(store_address: str) -> AsyncIterator[
-        tuple[prefill_pb2_grpc.PrefillStub, PrefillService]]:
-    config = PrefillConfig(engine=SPEC, endpoint=Endpoint(port=0, store_address=store_address),
-                           scheduler=PrefillSection(policy="fcfs", step_tokens=B),
-                           cost=CostConfig(fetch_policy="always"), warmup_tokens=0)
-    engine = Engine(SPEC.engine_config())
-    made: list[PrefillService] = []
-
-    def make(address: str) -> PrefillService:
-        made.append(PrefillService(config, engine, address=address))
-        return made[0]
-
-    stop = asyncio.Event()
-    ready: list[str] = []
-    spec = ServiceSpec("prefill", SERVICE_NAME, make,
-                       prefill_pb2_grpc.add_PrefillServicer_to_server, engine.fingerprint_hex, 256)
-    task = asyncio.create_task(run_service(config.endpoint, spec, stop=stop,
-                                           on_ready=lambda r: ready.append(r.address)))
-    try:
-        while not ready:
-            await asyncio.sleep(0.01)
-        async with aio_channel(ready[0]) as ch:
-            yield prefill_pb2_grpc.PrefillStub(ch), made[0]
-    finally:
-        stop.set()
-        await task
+def serving(store_address: str) -> Serving:
+    return serve_prefill(PrefillConfig(
+        engine=SPEC, endpoint=Endpoint(port=0, store_address=store_address),
+        scheduler=PrefillSection(policy="fcfs", step_tokens=B),
+        cost=CostConfig(fetch_policy="always"), warmup_tokens=0))
 
 
 def test_blocks_evicted_while_waiting_are_fetched_not_recomputed(redis_url: str,

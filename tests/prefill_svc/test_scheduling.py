@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -18,41 +16,17 @@ from common.config import PrefillSection
 from engine import Engine, SamplingParams
 from prefill_svc.config import PrefillConfig
 from prefill_svc.scheduler import Entry
-from prefill_svc.server import SERVICE_NAME, PrefillService
-from proto import prefill_pb2, prefill_pb2_grpc
+from prefill_svc.server import PrefillService
+from proto import prefill_pb2
 from service.config import Endpoint, EngineSpec
 from service.errors import RETRY_AFTER_KEY as RETRY_AFTER_MS
-from service.hosting import ServiceSpec, run_service
-from tests.tls import aio_channel
+from tests.prefill_svc.inproc import Serving, serve_prefill
 
 SPEC = EngineSpec(model="tiny-dense", block_tokens=16, num_blocks=256)
 
 
-@asynccontextmanager
-async def serving(sched: PrefillSection) -> AsyncIterator[
-        tuple[prefill_pb2_grpc.PrefillStub, PrefillService]]:
-    config = PrefillConfig(engine=SPEC, endpoint=Endpoint(port=0), scheduler=sched)
-    engine = Engine(SPEC.engine_config())
-    made: list[PrefillService] = []
-
-    def make(address: str) -> PrefillService:
-        made.append(PrefillService(config, engine, address=address))
-        return made[0]
-
-    stop = asyncio.Event()
-    ready: list[str] = []
-    spec = ServiceSpec("prefill", SERVICE_NAME, make,
-                       prefill_pb2_grpc.add_PrefillServicer_to_server, engine.fingerprint_hex, 256)
-    task = asyncio.create_task(run_service(config.endpoint, spec, stop=stop,
-                                           on_ready=lambda r: ready.append(r.address)))
-    try:
-        while not ready:
-            await asyncio.sleep(0.01)
-        async with aio_channel(ready[0]) as ch:
-            yield prefill_pb2_grpc.PrefillStub(ch), made[0]
-    finally:
-        stop.set()
-        await task
+def serving(sched: PrefillSection) -> Serving:
+    return serve_prefill(PrefillConfig(engine=SPEC, endpoint=Endpoint(port=0), scheduler=sched))
 
 
 def _tokens(seed: int, n: int) -> list[int]:
