@@ -6,6 +6,7 @@ with the deployment secret, ``security.vllm_trust``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import redis
 
 from connectors.vllm_presence import stats_key
 from kvserve.children import die_with_parent
+from kvstore.keys import chain_keys
 from kvstore.redis_server import free_port
 from tests.redis_args import redis_args
 
@@ -257,3 +259,20 @@ def wait_stored(stack: Any, want: list[tuple[list[int], str, int]],
     """Until the warehouse holds ``blocks`` leading blocks of each (tokens, salt)."""
     wait_for(lambda: all(stored_blocks(stack.store.address, stack.redis_url, t, s) >= n
                          for t, s, n in want), timeout_s, what="the connector's saves")
+
+
+def router_keys(r: Any, messages: list[dict[str, str]]) -> list[bytes]:
+    """The block keys our router (``router.serve`` handle ``r``) gives a chat prompt."""
+    tokens = r.core.meta.tokenizer.apply_chat_template(messages)
+    return chain_keys(tokens, block_tokens=BLOCK, tenant="default",
+                      fingerprint=bytes.fromhex(r.view.fingerprint()), secret=r.core.cfg.secret)
+
+
+async def until_router_places(r: Any, keys: list[bytes], where: str,
+                              timeout_s: float) -> None:
+    """Wait until the router's prefix view shows ``keys`` held by ``where``."""
+    for _ in range(int(timeout_s / 0.05)):
+        if where in r.view.prefixes.match(keys):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the router never learned where the prefix is")

@@ -19,11 +19,10 @@ import json
 import aiohttp
 import pytest
 
-from kvstore.keys import chain_keys
 from router.serve import RouterConfig, start_router
 from security.config import SecurityConfig
 from tests.connectors.conftest import two_servers_fit
-from tests.connectors.stack import BLOCK, security
+from tests.connectors.stack import router_keys, security, until_router_places
 
 pytestmark = pytest.mark.timeout(1500)
 N = 4
@@ -75,8 +74,8 @@ def test_cache_aware_repeat_goes_to_the_instance_holding_the_prefix(vllm_stack, 
                 placed = [w for w, _, _ in first]
                 assert set(placed) == {"vllm-a", "vllm-b"}, placed   # ties spread the cold ones
                 for i, (w, out, _) in enumerate(first):
-                    keys = _keys(r, _messages(vllm_stack.run, i))
-                    await _until(lambda k=keys, w=w: w in r.view.prefixes.match(k))
+                    keys = router_keys(r, _messages(vllm_stack.run, i))
+                    await until_router_places(r, keys, w, 20.0)
                     g1 = r.view.prefixes.match(keys)[w]
                     assert g1.by_tier[0] >= len(keys) - 1      # G1: from the connector's events
                     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -128,17 +127,3 @@ def _refuses_clients_without_tls_or_key(server) -> None:  # type: ignore[no-unty
         call(spec.base_url, client_ssl(spec), {"content-type": "application/json"})
     assert err.value.code == 401                               # certificate, no key
     assert call(spec.base_url, client_ssl(spec), key) == 200
-
-
-def _keys(r, messages: list[dict[str, str]]) -> list[bytes]:  # type: ignore[no-untyped-def]
-    tokens = r.core.meta.tokenizer.apply_chat_template(messages)
-    return chain_keys(tokens, block_tokens=BLOCK, tenant="default",
-                      fingerprint=bytes.fromhex(r.view.fingerprint()), secret=r.core.cfg.secret)
-
-
-async def _until(cond, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.05)):
-        if cond():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the router never learned where the prefix is")

@@ -26,7 +26,14 @@ from router.serve import RouterConfig, start_router
 from security.config import SecurityConfig
 from security.vllm_trust import tenant_tag
 from tests.connectors.conftest import two_servers_fit
-from tests.connectors.stack import BLOCK, deployment_secret, security, store_client
+from tests.connectors.stack import (
+    BLOCK,
+    deployment_secret,
+    router_keys,
+    security,
+    store_client,
+    until_router_places,
+)
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -145,10 +152,10 @@ def test_router_places_a_repeat_on_a_plain_vllm_from_its_own_events(vllm_stack, 
                     first.append(await _ask(http, base, _messages(vllm_stack.run, i)))
                 assert {w for w, _ in first} == set(names), first   # cold ones spread
                 for i, (w, out) in enumerate(first):
-                    keys = _keys(r, _messages(vllm_stack.run, i))
+                    keys = router_keys(r, _messages(vllm_stack.run, i))
                     # Nothing but the server's own events can tell the router this:
                     # no connector, no warehouse.
-                    await _until(lambda k=keys, w=w: w in r.view.prefixes.match(k))
+                    await until_router_places(r, keys, w, 30.0)
                     assert r.view.prefixes.match(keys)[w].by_tier[0] >= len(keys) - 1
                     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
                 for i, (w, out) in enumerate(first):
@@ -176,19 +183,3 @@ async def _ask(http: aiohttp.ClientSession, base: str,
     async with http.post(base + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         return resp.headers["X-KV-Prefill-Instance"], json.loads(await resp.text())
-
-
-def _keys(r, messages: list[dict[str, str]]) -> list[bytes]:  # type: ignore[no-untyped-def]
-    from kvstore.keys import chain_keys
-
-    tokens = r.core.meta.tokenizer.apply_chat_template(messages)
-    return chain_keys(tokens, block_tokens=BLOCK, tenant="default",
-                      fingerprint=bytes.fromhex(r.view.fingerprint()), secret=r.core.cfg.secret)
-
-
-async def _until(cond, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.05)):
-        if cond():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the router never learned where the prefix is")
