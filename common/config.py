@@ -272,15 +272,16 @@ class PrefillSection:
     """Batching and scheduling of the prefill service (prefill_svc/scheduler.py):
     one loop, a token budget per step, a bounded waiting queue, an ordering
     policy. ``src`` (shortest remaining compute: prompt minus cached tokens)
-    lets a returning agent turn pass cold prompts; a request that has waited
-    ``max_delay_s`` is passed by no one any more (aging)."""
+    lets a returning agent turn pass cold prompts; requests that have waited
+    ``max_delay_s`` take half of every step first (aging), so none starves and
+    none holds a whole step."""
 
     policy: str = "src"
     step_tokens: int = 512          # tokens computed per step, over every running prompt
     max_running: int = 16           # prompts being computed at once (each holds its KV)
     max_waiting: int = 64           # requests waiting; more -> RESOURCE_EXHAUSTED
     max_waiting_tokens: int = 131_072   # tokens to compute waiting; more -> RESOURCE_EXHAUSTED
-    max_delay_s: float = 10.0       # src: after this wait a request is passed by no one
+    max_delay_s: float = 10.0       # after this wait a request takes half of each step first
 
     def __post_init__(self) -> None:
         if self.policy not in PREFILL_POLICIES:

@@ -124,6 +124,7 @@ class BlockPool:
         # Cached blocks with refcount 0, least recently used first.
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.evicted_total = 0      # cached blocks reused for new KV (or dropped by a reset)
+        self.cached_total = 0       # blocks published under a key (G1 grew)
 
     @property
     def num_free(self) -> int:
@@ -184,6 +185,7 @@ class BlockPool:
             return False
         self._cached[key] = block
         self._key_of[block] = key
+        self.cached_total += 1
         return True
 
     def ref_count(self, block: int) -> int:

@@ -37,7 +37,7 @@ from engine.layer_restore import HostRuns
 from engine.model import Transformer
 from engine.prefill_steps import PrefillSteps
 from engine.sampling import RowSampler, SamplingParams, sample_rows
-from engine.sequence import GenerationResult, PrefillResult, Sequence
+from engine.sequence import G1Admission, GenerationResult, PrefillResult, Sequence
 from engine.source import load_source
 
 if TYPE_CHECKING:
@@ -145,6 +145,22 @@ class Engine(PrefillSteps):
 
     def g1_match(self, block_keys: Seq[bytes]) -> int:
         return len(self.blocks.match(block_keys))
+
+    def g1_admission(self, block_keys: Seq[bytes], prompt_tokens: int) -> G1Admission:
+        """What admitting a prompt now would find in G1 and take from
+        ``free_blocks``: its fresh blocks plus the G1 blocks it reuses that no
+        running sequence holds (idle cached blocks count as free until pinned;
+        two prompts reusing the same idle blocks take them once). A scheduler's
+        estimate made before G1 grew charged a resent context its whole length
+        and held everything queued behind it."""
+        if prompt_tokens < 1:
+            raise EngineInputError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+        B, C = self.config.block_tokens, self._canon_unit
+        g1 = self.blocks.match(block_keys)
+        cap = self.hit_rule.usable_tokens(len(g1) * B, prompt_tokens) // C * C
+        use = g1[:min(len(g1), cap // B)]
+        idle = tuple(b for b in use if self.blocks.ref_count(b) == 0)
+        return G1Admission(len(g1), len(use) * B, -(-prompt_tokens // B) - len(use), idle)
 
     def expert_counts(self) -> torch.Tensor | None:
         """MoE: [layers, n_experts] tokens routed since the previous call."""

@@ -34,6 +34,16 @@ class Admission:
 
 
 @dataclass(frozen=True, slots=True)
+class G1Admission:
+    """What admitting a prompt now would take from G1 (``Engine.g1_admission``)."""
+
+    held_blocks: int            # leading blocks found in G1
+    usable_tokens: int          # of them reused under the hit rule (and the chunk cut)
+    fresh_blocks: int           # allocated for the rest of the prompt
+    idle_blocks: tuple[int, ...]  # reused blocks no sequence holds: free until pinned
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillDone:
     """A sequence whose prompt is complete: live for decode, first token sampled."""
 

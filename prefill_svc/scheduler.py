@@ -18,6 +18,12 @@ requests and step results and runs its plans on the engine thread.
   request is admitted only while fewer than ``max_running`` run and the KV
   pool has its blocks; the first one that does not fit stops admissions for
   this step (no small request overtakes it into the pool for ever).
+- Aging: requests that have waited ``max_delay_s`` first take up to
+  ``AGED_SHARE`` of the step between them (oldest first), then the policy
+  order takes the rest. An old long prompt thus always advances at least at
+  half speed, yet never holds the whole step: when it did, every agent turn
+  arriving behind a cold 5.5k-token context waited for all of it (15-24 s
+  for turns with a few dozen new tokens).
 - A ready request whose prompt shares at least ``HOLD_MIN_TOKENS`` of
   uncached prefix with blocks a running prompt is computing right now waits
   for that prompt instead of computing the same blocks beside it (an agent
@@ -28,15 +34,16 @@ requests and step results and runs its plans on the engine thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import PrefillSection
-from prefill_svc.policy import PolicyContext, policy
+from prefill_svc.policy import policy
 
 MIN_RETRY_MS = 10
 MAX_RETRY_MS = 60_000
 HOLD_MIN_TOKENS = 256       # shared uncached prefix worth waiting for (four 64-token blocks)
+AGED_SHARE = 0.5            # of a step's tokens, taken first by requests waited max_delay_s
 
 
 @dataclass(slots=True, eq=False)
@@ -53,6 +60,8 @@ class Entry:
     keys: tuple[bytes, ...] = ()   # chain keys of its full blocks (equal key: equal prefix)
     block_tokens: int = 0
     computing_from: int = 0     # running: its first block not taken from a cache
+    idle_g1: tuple[int, ...] = ()   # G1 blocks it reuses that no one holds (in ``blocks``' pool
+                                    # count once per step, however many waiting ones reuse them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +111,10 @@ class Scheduler:
     def add(self, e: Entry) -> None:
         self.waiting[e.request_id] = e
 
-    def mark_ready(self, e: Entry, remaining: int, blocks: int) -> None:
-        e.remaining, e.blocks, e.ready = max(1, remaining), blocks, True
+    def mark_ready(self, e: Entry, remaining: int, blocks: int,
+                   idle_g1: tuple[int, ...] = ()) -> None:
+        """Ready to admit: ``blocks`` fresh ones plus the idle G1 blocks it reuses."""
+        e.remaining, e.blocks, e.idle_g1, e.ready = max(1, remaining), blocks, idle_g1, True
 
     def unready(self, e: Entry) -> None:
         """Its restore plan went stale: not admitted until it is warmed again."""
@@ -117,35 +128,28 @@ class Scheduler:
     # -- steps ------------------------------------------------------------------
 
     def plan(self, free_blocks: int, now: float) -> StepPlan:
-        ctx = PolicyContext(now, self.cfg.max_delay_s)
         stop = tuple(e for e in self.running.values() if e.cancelled)
         cands = [e for e in self.running.values() if not e.cancelled]
         cands += [e for e in self.waiting.values() if e.ready and not e.cancelled]
-        cands.sort(key=lambda e: self._key(e, ctx))
+        cands.sort(key=self._key)
         computing = {k: None for e in self.running.values() if not e.cancelled
                      for k in e.keys[e.computing_from:]}
-        budget, n_running = self.cfg.step_tokens, len(cands) - sum(not e.running for e in cands)
-        admit: list[Entry] = []
-        budgets: dict[str, int] = {}
-        admitting = True
+        step = _Step(self.cfg.max_running, free_blocks,
+                     len(cands) - sum(not e.running for e in cands), computing)
+        budget = self.cfg.step_tokens
+        share = int(budget * AGED_SHARE)
+        aged = sorted((e for e in cands if now - e.arrival >= self.cfg.max_delay_s),
+                      key=lambda e: e.arrival)
+        for e in aged:
+            if share <= 0:
+                break
+            took = step.give(e, share)
+            share, budget = share - took, budget - took
         for e in cands:
             if budget <= 0:
                 break
-            if not e.running:
-                if not admitting or n_running >= self.cfg.max_running:
-                    continue
-                if computing and self._shares_computing(e, computing):
-                    continue                 # admitted as a G1 hit once that one is done
-                if e.blocks > free_blocks:
-                    admitting = False        # the pool frees as running prompts finish
-                    continue
-                free_blocks -= e.blocks
-                n_running += 1
-                admit.append(e)
-            take = min(e.remaining, budget)
-            budgets[e.request_id] = take
-            budget -= take
-        return StepPlan(tuple(admit), budgets, stop)
+            budget -= step.give(e, budget)
+        return StepPlan(tuple(step.admit), step.budgets, stop)
 
     def admitted(self, e: Entry, remaining: int) -> None:
         self.waiting.pop(e.request_id, None)
@@ -153,18 +157,6 @@ class Scheduler:
         if e.block_tokens:
             e.computing_from = max(0, e.prompt_tokens - remaining) // e.block_tokens
         self.running[e.request_id] = e
-
-    @staticmethod
-    def _shares_computing(e: Entry, computing: dict[bytes, None]) -> bool:
-        """Whether ``e``'s longest prefix among the blocks being computed covers
-        at least HOLD_MIN_TOKENS it does not already have cached."""
-        if not e.keys or not e.block_tokens:
-            return False
-        cached = max(0, e.prompt_tokens - e.remaining) // e.block_tokens
-        for i in range(len(e.keys) - 1, cached - 1, -1):   # chain keys: the last match
-            if e.keys[i] in computing:
-                return (i + 1 - cached) * e.block_tokens >= HOLD_MIN_TOKENS
-        return False
 
     def progressed(self, e: Entry, remaining: int) -> None:
         e.remaining = remaining
@@ -191,3 +183,52 @@ class Scheduler:
     def _ms(self, tokens: int) -> int:
         ms = 1000.0 * max(0, tokens) / max(1e-9, self.tokens_per_s)
         return int(min(MAX_RETRY_MS, max(MIN_RETRY_MS, ms)))
+
+
+@dataclass(slots=True)
+class _Step:
+    """One plan being built: what is still free and who got what."""
+
+    max_running: int
+    free_blocks: int
+    n_running: int
+    computing: dict[bytes, None]            # keys of blocks running prompts compute now
+    admitting: bool = True
+    pinned: set[int] = field(default_factory=set)      # idle G1 blocks admissions take
+    admit: list[Entry] = field(default_factory=list)
+    budgets: dict[str, int] = field(default_factory=dict)
+
+    def give(self, e: Entry, most: int) -> int:
+        """Up to ``most`` tokens of this step to ``e`` (admitting it if it
+        waits and may go in now); returns how many it took."""
+        left = e.remaining - self.budgets.get(e.request_id, 0)
+        if left <= 0 or most <= 0:
+            return 0
+        if not e.running and e.request_id not in self.budgets:
+            if not self.admitting or self.n_running >= self.max_running:
+                return 0
+            if self.computing and _shares_computing(e, self.computing):
+                return 0                     # admitted as a G1 hit once that one is done
+            pins = [b for b in e.idle_g1 if b not in self.pinned]
+            if e.blocks + len(pins) > self.free_blocks:
+                self.admitting = False       # the pool frees as running prompts finish
+                return 0
+            self.free_blocks -= e.blocks + len(pins)
+            self.pinned.update(pins)
+            self.n_running += 1
+            self.admit.append(e)
+        take = min(left, most)
+        self.budgets[e.request_id] = self.budgets.get(e.request_id, 0) + take
+        return take
+
+
+def _shares_computing(e: Entry, computing: dict[bytes, None]) -> bool:
+    """Whether ``e``'s longest prefix among the blocks being computed covers
+    at least HOLD_MIN_TOKENS it does not already have cached."""
+    if not e.keys or not e.block_tokens:
+        return False
+    cached = max(0, e.prompt_tokens - e.remaining) // e.block_tokens
+    for i in range(len(e.keys) - 1, cached - 1, -1):   # chain keys: the last match
+        if e.keys[i] in computing:
+            return (i + 1 - cached) * e.block_tokens >= HOLD_MIN_TOKENS
+    return False

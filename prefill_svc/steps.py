@@ -68,9 +68,7 @@ class Job:
     restore: Restore | None = None
     warming: asyncio.Task[None] | None = None   # its lookup and fetch, while it waits
     warm: Callable[[int], Coroutine[Any, Any, Restore]] | None = None  # given G1 blocks held
-    # BlockPool.evicted_total when its G1 hit was last checked (-1: not yet; the hit
-    # counted on arrival may already predate an eviction on the engine thread).
-    planned_at_eviction: int = -1
+    planned_reuse: int = 0          # prompt tokens its restore plan reuses (G1 + fetched)
     queue_s: float = 0.0
     kv_seed: int = 0                # keys the hand-off checksums (service.kv_buffer)
 
@@ -106,6 +104,7 @@ class StepLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._warming: set[asyncio.Task[Any]] = set()
+        self._pool_seen: tuple[int, int, int] = (-1, -1, -1)   # G1 when waiting ones were sized
         self.jobs: dict[str, Job] = {}      # request id -> job, until its KV is buffered
 
     def start(self) -> None:
@@ -187,43 +186,56 @@ class StepLoop:
             return
         job.restore = restore
         B = self._block_tokens
-        reuse = min(restore.usable_tokens, (restore.start_block + restore.n_blocks) * B)
-        self.sched.mark_ready(e, len(job.tokens) - reuse, -(-len(job.tokens) // B)
-                              - restore.start_block)
+        job.planned_reuse = min(restore.usable_tokens,
+                                (restore.start_block + restore.n_blocks) * B)
+        self.sched.mark_ready(e, len(job.tokens) - job.planned_reuse,
+                              -(-len(job.tokens) // B) - restore.start_block)
+        self._pool_seen = (-1, -1, -1)      # size it against G1 as it is now
         self._gauges()
         self._wake.set()
 
     # -- the loop ------------------------------------------------------------------------
 
-    def _rewarm_stale(self) -> None:
-        """A ready request planned its fetch after the G1 blocks it had on arrival;
-        when another prompt's room has evicted some of them while it waited, that
-        plan would recompute the whole prompt from the first gap (the fetched
-        blocks only follow a complete G1 run). Look it up and fetch again from what
-        G1 holds now: the warehouse has the evicted blocks (an agent's resends of
-        two long sessions alternating in a G1 that holds one of them were each
-        recomputed cold, 27 s apiece)."""
-        evicted = self._engine.blocks.evicted_total
+    def _refresh_waiting(self) -> None:
+        """Size every ready request against G1 as it is now, whenever G1 changed.
+
+        - G1 grew (a prompt sharing its prefix finished while it waited): it
+          needs only its new blocks and has only its tail to compute. Sized as
+          planned on arrival, a resent agent context claimed its whole length,
+          did not fit beside the others, and stopped admissions for everything
+          queued behind it, one resend per step.
+        - G1 lost blocks its restore plan starts after (another prompt's room
+          evicted them): that plan would recompute the whole prompt from the
+          first gap, since fetched blocks only follow a complete G1 run. It is
+          looked up and fetched again from what G1 holds now (the warehouse has
+          the evicted blocks; two long sessions alternating in a G1 that holds
+          one of them were each recomputed cold, 27 s apiece)."""
+        pool = self._engine.blocks
+        seen = (pool.cached_total, pool.evicted_total, pool.num_free)
+        if seen == self._pool_seen:
+            return
+        self._pool_seen = seen
         for e in self.sched.waiting.values():
             job: Job = e.payload
             r = job.restore
-            if (not e.ready or e.cancelled or r is None or job.warm is None
-                    or job.g1_keys is None or r.start_block == 0
-                    or job.planned_at_eviction == evicted):    # nothing left G1 since
+            if not e.ready or e.cancelled or r is None:
                 continue
-            held = self._engine.g1_match(job.keys[:r.start_block])
-            job.planned_at_eviction = evicted
-            if held >= r.start_block:
+            L = len(job.tokens)
+            g1 = self._engine.g1_admission(job.g1_keys or (), L)
+            if g1.held_blocks < r.start_block and job.warm is not None:
+                self.sched.unready(e)
+                job.restore = None
+                self._stats.rewarmed_total += 1
+                job.warming = background(self._warm(e, job.warm(g1.held_blocks)),
+                                         self._warming, f"rewarm-{e.request_id}")
                 continue
-            self.sched.unready(e)
-            job.restore = None
-            self._stats.rewarmed_total += 1
-            job.warming = background(self._warm(e, job.warm(held)), self._warming,
-                                     f"rewarm-{e.request_id}")
+            reuse = max(g1.usable_tokens,
+                        job.planned_reuse if g1.held_blocks >= r.start_block else 0)
+            self.sched.mark_ready(e, L - reuse, g1.fresh_blocks, g1.idle_blocks)
 
     async def _drive(self) -> None:
         while True:
-            self._rewarm_stale()
+            self._refresh_waiting()
             plan = (self.sched.plan(self._engine.free_blocks, time.monotonic())
                     if self.sched.has_work else None)
             if plan is None or not (plan.budgets or plan.stop):

@@ -235,3 +235,29 @@ def test_stopped_prefill_publishes_only_computed_blocks_and_frees_all() -> None:
     assert len(eng.prefill_step({"y": 100})) == 1
     with pytest.raises(EngineInputError, match="not prefilling"):
         eng.prefill_step({"y": 1})
+
+
+def test_g1_admission_says_what_admitting_would_take_from_the_pool() -> None:
+    """The prefill scheduler sizes waiting prompts with ``g1_admission``: fresh
+    blocks for the part G1 lacks, and which reused blocks are idle (counted
+    free until pinned). It must match what ``admit`` then takes."""
+    eng = make_engine("tiny-dense", num_blocks=64)
+    B = eng.config.block_tokens
+    p = random_prompts(1, 200, 200, 256, seed=5)[0]
+    keys = chain(p, B)
+    cold = eng.g1_admission(keys, len(p))
+    assert (cold.held_blocks, cold.usable_tokens, cold.idle_blocks) == (0, 0, ())
+    assert cold.fresh_blocks == -(-len(p) // B)
+    eng.prefill("first", p, block_keys=keys)
+    eng.free("first", keep_keys=keys)
+    resend = [*p, 1, 2, 3]
+    warm = eng.g1_admission(keys, len(resend))
+    use = warm.usable_tokens // B
+    assert warm.held_blocks == len(keys) and use >= 1 and len(warm.idle_blocks) == use
+    before = eng.free_blocks
+    adm = eng.admit("r1", resend, block_keys=keys)
+    assert adm.g1_tokens == warm.usable_tokens
+    assert before - eng.free_blocks == warm.fresh_blocks + len(warm.idle_blocks)
+    # Held by a running sequence now: a second resend pins nothing more.
+    again = eng.g1_admission(keys, len(resend))
+    assert again.idle_blocks == () and again.fresh_blocks == warm.fresh_blocks

@@ -28,7 +28,7 @@ def test_fcfs_fills_the_budget_in_arrival_order_and_chunks_the_long_one() -> Non
     assert [e.request_id for e in p.admit] == ["long"] and p.budgets == {"long": 512}
 
 
-def test_src_lets_a_warm_turn_pass_a_cold_prompt_until_the_aging_bound() -> None:
+def test_src_lets_a_warm_turn_pass_a_cold_prompt() -> None:
     s = sched(policy="src", step_tokens=512, max_delay_s=4.0)
     long = ready(s, "long", 0.0, 6000)
     s.admitted(long, 6000)
@@ -37,12 +37,38 @@ def test_src_lets_a_warm_turn_pass_a_cold_prompt_until_the_aging_bound() -> None
     p = s.plan(free_blocks=1000, now=1.0)
     assert [e.request_id for e in p.admit] == ["warm", "cold"]
     assert p.budgets == {"warm": 20, "cold": 480, "long": 12}
-    # Once a request has waited max_delay_s it goes first (in arrival order
-    # among such); the rest by remaining compute.
-    s.cfg = PrefillSection(policy="src", step_tokens=100_000, max_delay_s=4.0)
-    assert list(s.plan(free_blocks=1000, now=3.9).budgets) == ["warm", "cold", "long"]
-    assert list(s.plan(free_blocks=1000, now=4.2).budgets) == ["long", "warm", "cold"]
-    assert list(s.plan(free_blocks=1000, now=4.7).budgets) == ["long", "cold", "warm"]
+
+
+def test_an_aged_prompt_takes_half_of_each_step_first_and_never_the_whole_step() -> None:
+    """A cold long context that has waited max_delay_s advances at least at half
+    speed, and agent turns arriving behind it still go in the same step (when
+    aging gave it the whole step, each such turn waited for all of it)."""
+    s = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    long = ready(s, "long", 0.0, 6000)
+    s.admitted(long, 6000)
+    ready(s, "turn", 5.0, 60)
+    ready(s, "cold", 5.5, 480)
+    p = s.plan(free_blocks=1000, now=6.0)
+    assert p.budgets == {"long": 256, "turn": 60, "cold": 196}
+    assert next(iter(p.budgets)) == "long"              # its share is taken first
+    # Alone, it still gets the whole step.
+    s2 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    solo = ready(s2, "long", 0.0, 6000)
+    s2.admitted(solo, 6000)
+    assert s2.plan(free_blocks=1000, now=6.0).budgets == {"long": 512}
+    # Several aged ones share the half in arrival order; the policy takes the rest.
+    s3 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    ready(s3, "old2", 1.0, 200)
+    ready(s3, "old1", 0.0, 200)
+    ready(s3, "new", 9.0, 100)
+    p3 = s3.plan(free_blocks=1000, now=10.0)
+    assert p3.budgets == {"old1": 200, "old2": 200, "new": 100}
+    assert [e.request_id for e in p3.admit] == ["old1", "old2", "new"]
+    # An aged one the pool cannot hold yet stops admissions behind it.
+    s4 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    ready(s4, "big", 0.0, 3000, blocks=50)
+    ready(s4, "small", 9.0, 10, blocks=1)
+    assert s4.plan(free_blocks=10, now=10.0).admit == ()
 
 
 def test_admission_limits_running_prompts_and_waits_for_the_pool() -> None:
