@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -433,7 +434,10 @@ def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *, router: b
     """Every child of the stack, kvstore first and router last (the one place
     that builds their command lines)."""
     host, p = cfg.ports.host, cfg.ports
-    base = [sys.executable, "-m", "kvserve.cli"]
+    # Children log at the level `kvserve -v up` asked for (their logs are 0600 files).
+    level = logging.getLogger().getEffectiveLevel()
+    verbose = ["-v"] * (level <= logging.INFO) + ["-v"] * (level <= logging.DEBUG)
+    base = [sys.executable, "-m", "kvserve.cli", *verbose]
     # No --redis-url, no secret: argv is world-readable in /proc. Each child's own
     # credentials (Redis URL file, certificate) are added by _hand_out_credentials.
     common = ["--config", str(config_file), "--host", host]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +136,7 @@ class RouterCore:
 
     async def generate(self, req: RouteRequest) -> AsyncGenerator[GenEvent, None]:
         budget = Budget.of(self.admission.cfg.request_timeout_s)
+        t_arrived = time.monotonic()
         clock = self.serving.clock()
         # Off the event loop (router.tokenize): a long prompt must not stall the front.
         tokens = await tokenize_off_loop(self.tokenize, self.meta.tokenizer, req,
@@ -178,7 +180,15 @@ class RouterCore:
                 prefilled=prefilled, tenant=req.tenant, session=req.session_id)
             p_id = started.prefill.instance.instance_id
             d_id = started.decode.instance.instance_id
-            clock.first(started.handle.timings.queue_s, started.handle.timings.compute_s)
+            t = started.handle.timings
+            clock.first(t.queue_s, t.compute_s)
+            # Where a slow first token went, per request, for the operator (and for
+            # finding which stage holds short turns behind long prompts).
+            log.info("request %s: %d prompt tokens, %d cached; admission wait %.2fs, prefill "
+                     "%s queue %.2fs (lookup %.2fs, fetch %.2fs) compute %.2fs; first token "
+                     "from decode %s at %.2fs", req.request_id, len(tokens),
+                     started.handle.cached_tokens, ticket.waited_s, p_id, t.queue_s,
+                     t.lookup_s, t.fetch_s, t.compute_s, d_id, time.monotonic() - t_arrived)
             tracing.annotate(prompt_tokens=len(tokens),
                              cached_tokens=started.handle.cached_tokens,
                              traffic_class=req.traffic_class)
