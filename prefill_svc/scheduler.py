@@ -18,12 +18,14 @@ requests and step results and runs its plans on the engine thread.
   request is admitted only while fewer than ``max_running`` run and the KV
   pool has its blocks; the first one that does not fit stops admissions for
   this step (no small request overtakes it into the pool for ever).
-- Aging: requests that have waited ``max_delay_s`` first take up to
-  ``AGED_SHARE`` of the step between them (oldest first), then the policy
-  order takes the rest. An old long prompt thus always advances at least at
-  half speed, yet never holds the whole step: when it did, every agent turn
-  arriving behind a cold 5.5k-token context waited for all of it (15-24 s
-  for turns with a few dozen new tokens).
+- Aging: each request that has waited ``max_delay_s`` has one share of the
+  step and all the others one share together; the aged take theirs first
+  (oldest first), then the policy order takes the rest. A request held for a
+  running prompt (below) lends its share to that prompt. An old long prompt
+  thus advances at least at half speed, faster the more turns wait for it,
+  yet never holds the whole step: when it did, every agent turn arriving
+  behind a cold 5.5k-token context waited for all of it (15-24 s for turns
+  with a few dozen new tokens).
 - A ready request whose prompt shares at least ``HOLD_MIN_TOKENS`` of
   uncached prefix with blocks a running prompt is computing right now waits
   for that prompt instead of computing the same blocks beside it (an agent
@@ -43,7 +45,6 @@ from prefill_svc.policy import policy
 MIN_RETRY_MS = 10
 MAX_RETRY_MS = 60_000
 HOLD_MIN_TOKENS = 256       # shared uncached prefix worth waiting for (four 64-token blocks)
-AGED_SHARE = 0.5            # of a step's tokens, taken first by requests waited max_delay_s
 
 
 @dataclass(slots=True, eq=False)
@@ -132,15 +133,24 @@ class Scheduler:
         cands = [e for e in self.running.values() if not e.cancelled]
         cands += [e for e in self.waiting.values() if e.ready and not e.cancelled]
         cands.sort(key=self._key)
-        computing = {k: None for e in self.running.values() if not e.cancelled
+        computing = {k: e for e in self.running.values() if not e.cancelled
                      for k in e.keys[e.computing_from:]}
         step = _Step(self.cfg.max_running, free_blocks,
                      len(cands) - sum(not e.running for e in cands), computing)
         budget = self.cfg.step_tokens
-        share = int(budget * AGED_SHARE)
-        aged = sorted((e for e in cands if now - e.arrival >= self.cfg.max_delay_s),
-                      key=lambda e: e.arrival)
-        for e in aged:
+        # Aged requests: each has one share of the step, the others one share
+        # together. A request held for a prompt computing its prefix lends its
+        # share (and its age) to that prompt: it can only go once that one is done.
+        lent: dict[str, tuple[float, int, Entry]] = {}      # id -> (oldest age, shares, whom)
+        for e in cands:
+            if now - e.arrival < self.cfg.max_delay_s:
+                continue
+            to = e if e.running else (_holder(e, computing) or e)
+            arrival, shares, _ = lent.get(to.request_id, (to.arrival, 0, to))
+            lent[to.request_id] = (min(arrival, e.arrival), shares + 1, to)
+        shares = sum(n for _, n, _ in lent.values())
+        share = budget * shares // (shares + 1)
+        for _, _, e in sorted(lent.values(), key=lambda t: t[0]):
             if share <= 0:
                 break
             took = step.give(e, share)
@@ -192,7 +202,7 @@ class _Step:
     max_running: int
     free_blocks: int
     n_running: int
-    computing: dict[bytes, None]            # keys of blocks running prompts compute now
+    computing: dict[bytes, Entry]           # blocks running prompts compute now -> which
     admitting: bool = True
     pinned: set[int] = field(default_factory=set)      # idle G1 blocks admissions take
     admit: list[Entry] = field(default_factory=list)
@@ -207,7 +217,7 @@ class _Step:
         if not e.running and e.request_id not in self.budgets:
             if not self.admitting or self.n_running >= self.max_running:
                 return 0
-            if self.computing and _shares_computing(e, self.computing):
+            if self.computing and _holder(e, self.computing) is not None:
                 return 0                     # admitted as a G1 hit once that one is done
             pins = [b for b in e.idle_g1 if b not in self.pinned]
             if e.blocks + len(pins) > self.free_blocks:
@@ -222,13 +232,14 @@ class _Step:
         return take
 
 
-def _shares_computing(e: Entry, computing: dict[bytes, None]) -> bool:
-    """Whether ``e``'s longest prefix among the blocks being computed covers
-    at least HOLD_MIN_TOKENS it does not already have cached."""
+def _holder(e: Entry, computing: dict[bytes, Entry]) -> Entry | None:
+    """The running prompt ``e`` waits for: the one computing ``e``'s longest
+    prefix among the blocks being computed, when that prefix covers at least
+    HOLD_MIN_TOKENS ``e`` does not already have cached."""
     if not e.keys or not e.block_tokens:
-        return False
+        return None
     cached = max(0, e.prompt_tokens - e.remaining) // e.block_tokens
     for i in range(len(e.keys) - 1, cached - 1, -1):   # chain keys: the last match
-        if e.keys[i] in computing:
-            return (i + 1 - cached) * e.block_tokens >= HOLD_MIN_TOKENS
-    return False
+        if (owner := computing.get(e.keys[i])) is not None:
+            return owner if (i + 1 - cached) * e.block_tokens >= HOLD_MIN_TOKENS else None
+    return None

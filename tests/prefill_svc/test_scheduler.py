@@ -64,6 +64,16 @@ def test_an_aged_prompt_takes_half_of_each_step_first_and_never_the_whole_step()
     p3 = s3.plan(free_blocks=1000, now=10.0)
     assert p3.budgets == {"old1": 200, "old2": 200, "new": 100}
     assert [e.request_id for e in p3.admit] == ["old1", "old2", "new"]
+    # Resends held for the running long prompt lend it their shares: with two
+    # aged ones waiting on it, it takes 3/4 of the step first.
+    s5 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    ctx = [bytes([i]) * 16 for i in range(80)]
+    first = _keyed(s5, "first", 0.0, ctx)
+    s5.admitted(first, 64 * 80)
+    _keyed(s5, "resend1", 1.0, [*ctx, b"a" * 16])
+    _keyed(s5, "resend2", 2.0, [*ctx, b"b" * 16])
+    ready(s5, "turn", 9.0, 300)
+    assert s5.plan(free_blocks=1000, now=10.0).budgets == {"first": 384, "turn": 128}
     # An aged one the pool cannot hold yet stops admissions behind it.
     s4 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
     ready(s4, "big", 0.0, 3000, blocks=50)
