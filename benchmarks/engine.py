@@ -227,13 +227,25 @@ def run_engine_bench(opts: BenchOptions) -> EngineBench:
     return res
 
 
-def _mem_copy_gbps(dev: torch.device) -> float:
+def mem_copy_gbps(dev: torch.device) -> float:
     """A 2 GiB (CPU: 512 MiB) copy, bytes read plus written: the memory ceiling."""
     n = 2**29 if dev.type == "cuda" else 2**27
     src = torch.empty(n, dtype=torch.float32, device=dev).uniform_()
     dst = torch.empty_like(src)
     t = _timed(lambda: dst.copy_(src), dev, 10)
     return 2 * src.numel() * 4 / t / 1e9
+
+
+def decode_limit_tok_s(eng: Engine, batch: int, ctx: int, steps: int, bw: float) -> float:
+    """The memory roofline of ``bench_decode``: ``bw`` bytes/s over the bytes one
+    step reads (every weight but the embedding table, and the batch's KV at the
+    run's mean context)."""
+    w = eng.model.w
+    # Decode reads every weight once per step except the embedding table (b rows).
+    weights = w.nbytes() - (0 if eng.model_config.tie_embeddings
+                            else w.embed.numel() * w.embed.element_size())
+    kv_tok = eng.layout.block_nbytes // eng.config.block_tokens
+    return batch * bw / (weights + batch * (ctx + steps // 2) * kv_tok)
 
 
 def _decode_limits(opts: BenchOptions, eng: Engine, model: str, dtype: str, bucket: int,
@@ -244,16 +256,10 @@ def _decode_limits(opts: BenchOptions, eng: Engine, model: str, dtype: str, buck
     CPU: torch kernels with the fixed decode bucket), all measured in this run."""
     key = "hbm_copy_gbps" if opts.cuda else "mem_copy_gbps"
     if key not in res.values:
-        res.values[key] = _mem_copy_gbps(eng.device)
+        res.values[key] = mem_copy_gbps(eng.device)
     bw = res.values[key] * 1e9
-    w = eng.model.w
-    # Decode reads every weight once per step except the embedding table (b rows).
-    weights = w.nbytes() - (0 if eng.model_config.tie_embeddings
-                            else w.embed.numel() * w.embed.element_size())
-    kv_tok = eng.layout.block_nbytes // eng.config.block_tokens
     for b in batches:
-        step_bytes = weights + b * (opts.decode_ctx + opts.decode_steps // 2) * kv_tok
-        limit = b * bw / step_bytes
+        limit = decode_limit_tok_s(eng, b, opts.decode_ctx, opts.decode_steps, bw)
         res.values[f"{prefix}decode_b{b}_limit_tok_s"] = limit
         res.values[f"{prefix}decode_b{b}_vs_limit"] = (
             res.values[f"{prefix}decode_tok_s_b{b}"] / limit)

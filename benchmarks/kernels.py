@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from benchmarks.engine import bench_decode, bench_prefill
+from benchmarks.engine import bench_decode, bench_prefill, decode_limit_tok_s, mem_copy_gbps
 from benchmarks.harness import Chart, Report, Table, emit
 from engine.config import EngineConfig
 from engine.runner import Engine
@@ -38,10 +38,16 @@ def bench_family(model: str, dtype: str, device: str, kernels: str, prefill: tup
         out[f"prefill_tok_s_{n}"] = n / bench_prefill(eng, n, repeat=repeat)
         print(f"  {kernels} prefill {n}: {out[f'prefill_tok_s_{n}']:,.0f} tok/s",
               file=sys.stderr, flush=True)
+    # the HBM roofline from a copy timed just before, in this process (as
+    # ``kvserve bench engine`` reports it)
+    bw = mem_copy_gbps(eng.device) * 1e9 if device.startswith("cuda") else 0.0
     for b in batches:
         out[f"decode_tok_s_b{b}"] = bench_decode(eng, b, steps, ctx)
-        print(f"  {kernels} decode b{b}: {out[f'decode_tok_s_b{b}']:,.1f} tok/s",
-              file=sys.stderr, flush=True)
+        frac = out[f"decode_tok_s_b{b}"] / decode_limit_tok_s(eng, b, ctx, steps, bw) if bw \
+            else 0.0
+        out[f"decode_b{b}_vs_roofline"] = frac
+        print(f"  {kernels} decode b{b}: {out[f'decode_tok_s_b{b}']:,.1f} tok/s "
+              f"({frac:.3f} of the roofline)", file=sys.stderr, flush=True)
     del eng
     gc.collect()
     if device.startswith("cuda"):
@@ -74,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     base, other = a.kernels[0], a.kernels[-1]
     fb, fo = res[base], res[other]
     assert isinstance(fb, dict) and isinstance(fo, dict)
-    ratios = {key: fo[key] / fb[key] for key in fb}
+    ratios = {key: fo[key] / fb[key] for key in fb if fb[key] and "roofline" not in key}
     res[f"{other}_vs_{base}"] = ratios
     res["cost"] = 1 - min(ratios.values())
     if a.json:
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     families = {k: res[k] for k in a.kernels}
     table = Table(("metric", *a.kernels, f"{other}/{base}"))
     for key in fb:
-        table.add(key, *[families[k][key] for k in a.kernels], ratios[key])
+        table.add(key, *[families[k][key] for k in a.kernels], ratios.get(key, float("nan")))
     # JSON on stdout always (the GPU runs collect it), the table on stderr.
     emit(Report(f"kernel families on {a.model} {a.dtype}, {a.device}", res, [table],
                 chart=Chart(f"kernel families, {a.model} {a.dtype}", tuple(fb),

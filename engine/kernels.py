@@ -50,6 +50,9 @@ class Kernels(Protocol):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
+    def add_rms_norm(self, x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -70,6 +73,12 @@ class TorchKernels:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # the residual add, then the next sublayer's norm: (x + d, norm(x + d))
+        x = x + d
+        return x, self.rms_norm(x, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -95,6 +104,10 @@ class TritonKernels(TorchKernels):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._t.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._t.add_rms_norm(x, d, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._t.silu_mul(gate_up)

@@ -83,26 +83,35 @@ class Transformer:
         fixed) but are not counted as routed tokens.
         """
         x = F.embedding(tokens, self.w.embed)                  # [M, hidden]
+        # a layer's FFN output is added to the residual by the next layer's first
+        # norm (one kernel for both); the last one here
+        pending: torch.Tensor | None = None
         for i, layer in enumerate(self.w.layers):
-            x = self._layer(i, layer, x, positions, attend, n_real, expert_counts)
-        return x
+            x, pending = self._layer(i, layer, x, pending, positions, attend, n_real,
+                                     expert_counts)
+        return x if pending is None else x + pending
 
-    def _layer(self, i: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
-               attend: AttendFn, n_real: int, expert_counts: torch.Tensor | None) -> torch.Tensor:
+    def _layer(self, i: int, layer: LayerWeights, x: torch.Tensor, pending: torch.Tensor | None,
+               positions: torch.Tensor, attend: AttendFn, n_real: int,
+               expert_counts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream, this layer's FFN output still to be added to it)."""
         cfg, k = self.cfg, self.k
-        h = k.rms_norm(x, layer.attn_norm, cfg.rms_eps)
+        if pending is None:
+            h = k.rms_norm(x, layer.attn_norm, cfg.rms_eps)
+        else:
+            x, h = k.add_rms_norm(x, pending, layer.attn_norm, cfg.rms_eps)
         qkv = k.linear(h, layer.qkv_t, layer.bqkv).view(x.shape[0], -1, cfg.head_dim)
         qk = k.rope(qkv[:, : self._qk_heads], positions, self.rope.cos,
                     self.rope.sin)                                  # [M, H + Hkv, D]
         q, kk = qk[:, : self._q_heads], qk[:, self._q_heads:]
         v = qkv[:, self._qk_heads:]                                  # [M, Hkv, D]
-        x = x + k.linear(attend(i, q, kk, v), layer.o_t)
-        h = k.rms_norm(x, layer.ffn_norm, cfg.rms_eps)
+        x, h = k.add_rms_norm(x, k.linear(attend(i, q, kk, v), layer.o_t), layer.ffn_norm,
+                              cfg.rms_eps)
         if isinstance(layer.ffn, DenseFFNWeights):
-            return x + dense_ffn(h, layer.ffn, k)
+            return x, dense_ffn(h, layer.ffn, k)
         counts = expert_counts[i] if expert_counts is not None else None
         assert cfg.moe is not None
-        return x + moe_ffn(h, layer.ffn, cfg.moe.top_k, n_real, counts, k)
+        return x, moe_ffn(h, layer.ffn, cfg.moe.top_k, n_real, counts, k)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, V] in fp32

@@ -42,6 +42,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _add_rms_norm_kernel(X, D, W, XO, Y, s_x, s_d, s_xo, s_y, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    mask = i < n
+    # the residual sum rounds to the model dtype first (what ``x + d`` stores),
+    # then the statistic is _rms_norm_kernel's on that stored value
+    s = (tl.load(X + row * s_x + i, mask=mask, other=0.0).to(tl.float32)
+         + tl.load(D + row * s_d + i, mask=mask, other=0.0).to(tl.float32))
+    s = s.to(XO.dtype.element_ty)
+    tl.store(XO + row * s_xo + i, s, mask=mask)
+    x = s.to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+    y = (x * r).to(Y.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + i, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * s_y + i, (w * y).to(Y.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + d, rms_norm(x + d)) in one launch instead of two: the residual add of
+    one sublayer and the norm that opens the next."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if d.stride(-1) != 1:
+        d = d.contiguous()
+    m, n = x.shape
+    xo = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _add_rms_norm_kernel[(m,)](x, d, weight, xo, y, x.stride(0), d.stride(0), xo.stride(0),
+                                   y.stride(0), n, eps, BLOCK=triton.next_power_of_2(n),
+                                   num_warps=8 if n >= 2048 else 4)
+    return xo, y
+
+
+@triton.jit
 def _silu_mul_kernel(GU, Y, s_g, s_y, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -11,7 +11,12 @@ device, in one process (for one planned device call):
   others (the fold's cost); decode rows at batch 1 / 8 / 64 and context 256 /
   4k / 32k against the ``triton`` family's paged kernel.
 
-``python3 -m engine.triton_tune gemm attn --json OUT.json``: a table on stdout,
+- ``decode``: the decode-sized plans (M = 1, 8, 64) on the llama-8b-shape
+  layer weights: each candidate's rows against the shipped 2,048-row call bit
+  for bit (at two row offsets), then its weight-streaming rate in GB/s beside
+  cuBLAS and the shipped table.
+
+``python3 -m engine.triton_tune gemm attn decode --json OUT.json``: a table on stdout,
 everything in the JSON. Times are medians of ``triton.testing.do_bench``.
 ``--smoke`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` with tiny
 shapes in fp16 (one untimed-quality run each), to check it before device time.
@@ -24,7 +29,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -43,6 +48,24 @@ CANDIDATES = (
     tg.GemmPlan(128, 256, 8, 3), tg.GemmPlan(128, 256, 8, 4, group_m=16),
     tg.GemmPlan(128, 256, 8, 3, persistent=True), tg.GemmPlan(128, 128, 8, 4, persistent=True),
 )
+
+# decode-sized M (<= 64): the shipped picks and their neighbours (narrow column
+# tiles, weight-major tiles, 128-deep K stages, TMA)
+DECODE_CANDIDATES = (
+    tg.GemmPlan(64, 32, 4, 8), tg.GemmPlan(64, 32, 4, 6, bk=128), tg.GemmPlan(64, 32, 4, 8, bk=128),
+    tg.GemmPlan(64, 16, 4, 8, bk=128), tg.GemmPlan(64, 64, 4, 6, bk=128),
+    *(tg.GemmPlan(64, 64, 4, st, swap=True) for st in (8, 10, 12)),
+    *(tg.GemmPlan(64, 64, 4, st, swap=True, bk=128) for st in (4, 6, 8)),
+    tg.GemmPlan(64, 64, 4, 4, swap=True, bk=256),
+    *(tg.GemmPlan(64, 128, 4, st, swap=True) for st in (4, 6)),
+    *(tg.GemmPlan(64, 128, 4, st, swap=True, bk=128) for st in (3, 4)),
+    *(tg.GemmPlan(64, 64, 4, st, swap=True, persistent=True, bk=128) for st in (4, 6)),
+    tg.GemmPlan(64, 128, 4, 4, swap=True, persistent=True),
+)
+
+
+def at_m(p: tg.GemmPlan, m: int) -> tg.GemmPlan:
+    return replace(p, bm=tg.x_tile(m)) if p.swap else p
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +130,45 @@ def tune_gemm(su: Setup) -> dict[str, object]:
         rows["shipped_ms"] = shipped
         _log(f"{name:<8} {'shipped table':<22} {'True':>9} " +
              " ".join(f"{cublas[m] / shipped[m]:>8.2f}x" for m in M_TIMED))
+        out[name] = rows
+    return out
+
+
+def tune_decode(su: Setup) -> dict[str, object]:
+    """Decode-sized M (1, 8, 64): each candidate's rows against the shipped
+    2,048-row call bit for bit, then its weight-streaming rate (GB/s)."""
+    dev, _ms = su.dev, su.ms
+    g = torch.Generator(device=dev).manual_seed(1)
+    ms_ = (1, 8, 64)
+    out: dict[str, object] = {}
+    for name, (k, n) in LLAMA.items():
+        if name == "lm_head":
+            continue
+        k, n = k // su.shrink, n // su.shrink
+        w_t = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(su.dtype).t()
+        x = torch.randn(su.m_canon, k, device=dev, generator=g).to(su.dtype)
+        canon = tg.linear(x, w_t)
+        gb = n * k * 2 / 1e6                      # weight bytes / 1e6: GB/s from ms
+        rows: dict[str, object] = {}
+        cublas = {m: _ms(partial(torch.mm, x[:m], w_t)) for m in ms_}
+        shipped = {m: _ms(partial(tg.linear, x[:m], w_t)) for m in ms_}
+        rows["cublas_ms"], rows["shipped_ms"] = cublas, shipped
+        for label, t in (("cuBLAS", cublas), ("shipped", shipped)):
+            _log(f"{name:<8} {label:<28} {'-':>5} " + " ".join(f"{gb / t[m]:>7.0f}" for m in ms_))
+        for p in DECODE_CANDIDATES:
+            label = (f"{'swap ' if p.swap else ''}{p.bm}x{p.bn} w{p.warps} s{p.stages} k{p.bk}"
+                     + (" tma" if p.persistent else ""))
+            try:
+                same = all(torch.equal(tg.linear(x[a:a + m], w_t, plan=at_m(p, m)),
+                                       canon[a:a + m])
+                           for m in (1, 3, 8, 16, 17, 33, 64) for a in (0, 100))
+                t = {m: _ms(partial(tg.linear, x[:m], w_t, plan=at_m(p, m))) for m in ms_}
+            except Exception as e:           # a plan the compiler refuses: say so, go on
+                _log(f"{name:<8} {label:<28} failed: {type(e).__name__}: {e}"[:200])
+                continue
+            rows[label] = {"same_bits": same, "ms": t}
+            _log(f"{name:<8} {label:<28} {same!s:>5} "
+                 + " ".join(f"{gb / t[m]:>7.0f}" for m in ms_))
         out[name] = rows
     return out
 
@@ -176,7 +238,7 @@ def tune_attention(su: Setup) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", nargs="+", choices=["gemm", "attn"])
+    p.add_argument("what", nargs="+", choices=["gemm", "attn", "decode"])
     p.add_argument("--json", default="")
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
     a = p.parse_args(argv)
@@ -184,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     res: dict[str, object] = {"device": torch.cuda.get_device_name() if not a.smoke else "cpu",
                               "triton": triton.__version__, "torch": torch.__version__}
     for what in a.what:
-        res[what] = {"gemm": tune_gemm, "attn": tune_attention}[what](su)
+        res[what] = {"gemm": tune_gemm, "attn": tune_attention, "decode": tune_decode}[what](su)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -33,7 +33,7 @@ if [ "$what" = kernels ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider --noconftest tests/engine/test_gpu_invariant.py \
     tests/engine/test_gpu.py > "$OUT/pytest_gpu.log" 2>&1; echo "gpu tests rc=$?"
   tail -n 15 "$OUT/pytest_gpu.log"
-  timeout 150 python3 -m engine.triton_tune gemm attn --json "$OUT/tune.json" \
+  timeout 200 python3 -m engine.triton_tune gemm attn decode --json "$OUT/tune.json" \
     > "$OUT/tune.log" 2>&1; echo "tune rc=$?"
   grep -E "shipped|cuBLAS|failed|attn" "$OUT/tune.log"
   timeout 230 python3 -m benchmarks.kernels --model llama-8b-shape --json "$OUT/bench_kernels.json" \
