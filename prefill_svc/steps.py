@@ -280,6 +280,9 @@ class StepLoop:
                 log.warning("KV of prefilled request %s not copied out: %s", e.request_id, res)
             self._release(e.payload)
         if out.tokens:
+            log.debug("step: %d prompts, %d tokens in %.3fs; %d admitted, %d done, %d waiting",
+                      len(out.remaining), out.tokens, out.seconds, len(out.admitted),
+                      len(out.done), s.queue)
             self._stats.steps_total += 1
             self._stats.step_tokens_total += out.tokens
             s.tokens_per_s = self._observe(out.tokens, out.seconds)
