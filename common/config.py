@@ -265,6 +265,7 @@ class RouterSection:
 
 
 PREFILL_POLICIES = ("fcfs", "src")    # prefill_svc/policy.py registers each
+PREFILL_AGING = ("share", "strict")   # prefill_svc/policy.py registers each
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,15 +274,17 @@ class PrefillSection:
     one loop, a token budget per step, a bounded waiting queue, an ordering
     policy. ``src`` (shortest remaining compute: prompt minus cached tokens)
     lets a returning agent turn pass cold prompts; requests that have waited
-    ``max_delay_s`` take half of every step first (aging), so none starves and
-    none holds a whole step."""
+    ``max_delay_s`` take a share of every step first (aging ``share``: none
+    starves and none holds a whole step; ``strict``: the oldest take the whole
+    step, a bound on the tail at the median's cost)."""
 
     policy: str = "src"
     step_tokens: int = 512          # tokens computed per step, over every running prompt
     max_running: int = 16           # prompts being computed at once (each holds its KV)
     max_waiting: int = 64           # requests waiting; more -> RESOURCE_EXHAUSTED
     max_waiting_tokens: int = 131_072   # tokens to compute waiting; more -> RESOURCE_EXHAUSTED
-    max_delay_s: float = 10.0       # after this wait a request takes half of each step first
+    max_delay_s: float = 10.0       # after this wait a request takes a share of each step first
+    aging: str = "share"            # share: one share per aged request; strict: the whole step
 
     def __post_init__(self) -> None:
         if self.policy not in PREFILL_POLICIES:
@@ -290,6 +293,9 @@ class PrefillSection:
         for name in ("step_tokens", "max_running", "max_waiting", "max_waiting_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"prefill.{name} must be >= 1, got {getattr(self, name)}")
+        if self.aging not in PREFILL_AGING:
+            raise ConfigError(f"prefill.aging must be one of {list(PREFILL_AGING)}, "
+                              f"got {self.aging!r}")
         if not self.max_delay_s >= 0:
             raise ConfigError(f"prefill.max_delay_s must be >= 0, got {self.max_delay_s}")
 

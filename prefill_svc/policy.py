@@ -11,8 +11,15 @@ token budget.
   few new tokens passes cold prompts, and a short chat passes a long
   document.
 
-Starvation is bounded by the scheduler, not the key: a request that has
-waited ``max_delay_s`` gets a share of every step first (prefill_svc/scheduler.py).
+Starvation is bounded by the scheduler, not the key: requests that have
+waited ``max_delay_s`` take part of every step first (prefill_svc/scheduler.py),
+how much by the aging rule (``[prefill].aging``):
+
+- ``share`` (default): each aged request one share, all the others one share
+  together; an old prompt advances at least at half speed and never holds a
+  whole step, so turns arriving behind a cold long context still go.
+- ``strict``: the aged take the whole step, oldest first; the tail is bounded
+  tighter, and everything younger waits for them.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from common.config import PREFILL_POLICIES, ConfigError
+from common.config import PREFILL_AGING, PREFILL_POLICIES, ConfigError
 
 
 class Ranked(Protocol):
@@ -48,3 +55,12 @@ def policy(name: str) -> PolicyKey:
         return POLICIES[name]
     except KeyError:
         raise ConfigError(f"unknown prefill policy {name!r}; known: {sorted(POLICIES)}") from None
+
+
+# Tokens of a step (``budget``) the aged requests take first, given their shares.
+AgingRule = Callable[[int, int], int]
+AGING: dict[str, AgingRule] = {
+    "share": lambda budget, shares: budget * shares // (shares + 1),
+    "strict": lambda budget, shares: budget if shares else 0,
+}
+assert set(AGING) == set(PREFILL_AGING), "common.config.PREFILL_AGING is stale"

@@ -18,8 +18,9 @@ requests and step results and runs its plans on the engine thread.
   request is admitted only while fewer than ``max_running`` run and the KV
   pool has its blocks; the first one that does not fit stops admissions for
   this step (no small request overtakes it into the pool for ever).
-- Aging: each request that has waited ``max_delay_s`` has one share of the
-  step and all the others one share together; the aged take theirs first
+- Aging (``aging = "share"``, prefill_svc/policy.py has the rules): each
+  request that has waited ``max_delay_s`` has one share of the step and all
+  the others one share together; the aged take theirs first
   (oldest first), then the policy order takes the rest. A request held for a
   running prompt (below) lends its share to that prompt. An old long prompt
   thus advances at least at half speed, faster the more turns wait for it,
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import PrefillSection
-from prefill_svc.policy import policy
+from prefill_svc.policy import AGING, policy
 
 MIN_RETRY_MS = 10
 MAX_RETRY_MS = 60_000
@@ -79,7 +80,7 @@ class Busy:
 
 
 class Scheduler:
-    __slots__ = ("_key", "cfg", "running", "tokens_per_s", "waiting")
+    __slots__ = ("_aged_take", "_key", "cfg", "running", "tokens_per_s", "waiting")
 
     def __init__(self, cfg: PrefillSection, tokens_per_s: float) -> None:
         self.cfg = cfg
@@ -87,6 +88,7 @@ class Scheduler:
         self.waiting: dict[str, Entry] = {}         # arrival order
         self.running: dict[str, Entry] = {}
         self._key = policy(cfg.policy)
+        self._aged_take = AGING[cfg.aging]
 
     # -- admission to the queue ---------------------------------------------
 
@@ -149,7 +151,7 @@ class Scheduler:
             arrival, shares, _ = lent.get(to.request_id, (to.arrival, 0, to))
             lent[to.request_id] = (min(arrival, e.arrival), shares + 1, to)
         shares = sum(n for _, n, _ in lent.values())
-        share = budget * shares // (shares + 1)
+        share = self._aged_take(budget, shares)
         for _, _, e in sorted(lent.values(), key=lambda t: t[0]):
             if share <= 0:
                 break

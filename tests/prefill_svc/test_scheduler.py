@@ -74,6 +74,12 @@ def test_an_aged_prompt_takes_half_of_each_step_first_and_never_the_whole_step()
     _keyed(s5, "resend2", 2.0, [*ctx, b"b" * 16])
     ready(s5, "turn", 9.0, 300)
     assert s5.plan(free_blocks=1000, now=10.0).budgets == {"first": 384, "turn": 128}
+    # aging = "strict": the aged take the whole step, oldest first.
+    s6 = sched(policy="src", step_tokens=512, max_delay_s=4.0, aging="strict")
+    held = ready(s6, "long", 0.0, 6000)
+    s6.admitted(held, 6000)
+    ready(s6, "turn", 5.0, 60)
+    assert s6.plan(free_blocks=1000, now=6.0).budgets == {"long": 512}
     # An aged one the pool cannot hold yet stops admissions behind it.
     s4 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
     ready(s4, "big", 0.0, 3000, blocks=50)
@@ -125,6 +131,8 @@ def test_prefill_section_validates() -> None:
         PrefillSection(policy="lifo")
     with pytest.raises(ConfigError, match="step_tokens"):
         PrefillSection(step_tokens=0)
+    with pytest.raises(ConfigError, match=r"aging must be one of \['share', 'strict'\]"):
+        PrefillSection(aging="lifo")
 
 
 def _keyed(s: Scheduler, rid: str, arrival: float, keys: list[bytes], cached: int = 0) -> Entry:
