@@ -1394,8 +1394,12 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
         item0[i + 1] = item0[i] + (rows + a.rows_per_item - 1) / a.rows_per_item * per_block;
     }
     a.item0 = item0;
+    /* A second thread for as few as two items once an item is long enough to
+     * repay waking it (~10 us): one decode row over a long context is three
+     * items (one per KV head), which a grain of 2 left to one thread. */
+    const int64_t grain = a.heads_per_pass * max_keys * D >= (1 << 18) ? 1 : 2;
     Py_BEGIN_ALLOW_THREADS
-    parallel_run(attn_task, &a, item0[nseg], 2);
+    parallel_run(attn_task, &a, item0[nseg], grain);
     Py_END_ALLOW_THREADS
     free(a.scratch);
     free(item0);
