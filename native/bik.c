@@ -902,7 +902,8 @@ __attribute__((target("avx2,fma"))) static inline __m256 tree8x8(const float *h)
 
 /* Dot products of P pairs with J keys (j, j+1, ...): P x J independent FMA
  * chains per half instead of one pair's two, each key row loaded once for the
- * P pairs (AVX2 has 16 registers: 3 x 3 accumulators, 3 keys and 3 queries).
+ * P pairs (3 x 3 accumulators, 3 keys and a query fit AVX2's 16 registers;
+ * 3 x 2 and 2 x 4 tiles, or both halves at once, measured slower).
  * Each chain is one lane half's 8 partials over d = half*8 + l + 16c in c
  * order, as in attend_one_scalar; the halves run one after the other and meet
  * as lo + hi (the tree's first level) in h[p] + (t + i) * 8. */
@@ -1394,9 +1395,10 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
         item0[i + 1] = item0[i] + (rows + a.rows_per_item - 1) / a.rows_per_item * per_block;
     }
     a.item0 = item0;
-    /* A second thread for as few as two items once an item is long enough to
-     * repay waking it (~10 us): one decode row over a long context is three
-     * items (one per KV head), which a grain of 2 left to one thread. */
+    /* A second thread for as few as two items once one row of an item is
+     * 2^18 multiply-adds or more (far above the cost of a hand-off): one decode
+     * row over a long context is three items (one per KV head), which a grain
+     * of 2 left to one thread. */
     const int64_t grain = a.heads_per_pass * max_keys * D >= (1 << 18) ? 1 : 2;
     Py_BEGIN_ALLOW_THREADS
     parallel_run(attn_task, &a, item0[nseg], grain);
