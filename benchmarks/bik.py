@@ -1,9 +1,10 @@
 """Micro-benchmark of the batch-invariant kernels (engine/bik.py): GEMM at the
 SmolLM2 prefill and decode shapes against torch.mm (MKL), attention at 1.5k
-keys, and optionally cold TTFT; with ``--against OLD.so`` every figure is also
-taken on another build of the kernels in the same process, the two timed in
-alternation (on a shared host the load moves between runs; alternating keeps
-the ratio fair). Timing is the best of several rounds.
+keys and over an agent's 5.5k-token context (30 to 512 new rows), and
+optionally cold TTFT; with ``--against OLD.so`` every figure is also taken on
+another build of the kernels in the same process, the two timed in alternation
+(on a shared host the load moves between runs; alternating keeps the ratio
+fair). Timing is the best of several rounds.
 
     python -m benchmarks.bik [--against /path/to/old/_bik.so] [--ttft] [--json]
         [--threads 1]   # one thread, timed by its CPU time: steady on a loaded host
@@ -28,6 +29,8 @@ PREFILL_SHAPES = ((512, 576, 576), (512, 576, 192), (512, 576, 3072), (512, 1536
 DECODE_SHAPES = tuple((m, k, n) for m in (1, 8) for k, n in ((576, 576), (576, 3072),
                                                             (1536, 576)))
 HEADS, KV_HEADS, HEAD_DIM, KEYS = 9, 3, 64, 1493
+# Agent traffic: a turn's new rows over a cached context of AGENT_KEYS tokens.
+AGENT_KEYS, AGENT_ROWS = 5504, (30, 60, 128, 512)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,17 @@ def _attention(opts: BenchBikOptions, res: BenchBikResult) -> None:
                for name, ctx in _builds(opts).items()}
         for name, t in _best(fns, reps, opts.rounds).items():
             res.values[f"attend_{what}_{name}_ns_per_row_head_key"] = t / pairs * 1e9
+    kv = torch.randn(2, KV_HEADS, AGENT_KEYS + 8, HEAD_DIM, generator=g)
+    for rows in AGENT_ROWS:
+        q = torch.randn(rows, HEADS, HEAD_DIM, generator=g)
+        o = torch.empty(rows, HEADS * HEAD_DIM)
+        segs = [bik.AttnSegment(0, rows, AGENT_KEYS - rows, kv)]
+        # 2 * D flops per (row, head, key) for the score, 2 * D for the values
+        flops = 4 * HEAD_DIM * HEADS * sum(AGENT_KEYS - rows + r + 1 for r in range(rows))
+        fns = {name: _on(ctx, lambda q=q, s=segs, o=o: bik.attend(q, s, KV_HEADS, 0, o))
+               for name, ctx in _builds(opts).items()}
+        for name, t in _best(fns, 1 if rows > 128 else 3, opts.rounds).items():
+            res.values[f"attend_ctx{AGENT_KEYS}_rows{rows}_{name}_gflops"] = flops / t / 1e9
 
 
 def _ttft(opts: BenchBikOptions, res: BenchBikResult) -> None:

@@ -848,8 +848,11 @@ static int64_t pairs512(int64_t D) {
  * lanes at a time. A 16-lane partial vector is two __m256 (lanes 0-7, 8-15):
  * each lane's FMA chain over d = lane, lane + 16, ... is unchanged, and the
  * halving tree is the AVX-512 tail's (lo + hi, then 4, 2, 1), so the bits
- * equal the scalar and AVX-512 paths'. One pair at a time (AVX2 machines have
- * 16 vector registers: a 64-wide query and its accumulators fill them). */
+ * equal the scalar and AVX-512 paths'. What changes is only the schedule: the
+ * pairs of a work item (the heads of one KV head, consecutive rows) share each
+ * load of K and V, and several keys' and pairs' chains are interleaved so FMA
+ * latency no longer bounds the loops (before: one pair at a time, two
+ * dependent chains per key, 20-40 % of the machine). */
 __attribute__((target("avx2,fma"))) static inline __m256 exp256(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
@@ -863,76 +866,241 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-/* Halving tree of the 16 lanes lo (0-7) and hi (8-15): lane j += lane j + w. */
-__attribute__((target("avx2,fma"))) static inline float tree256(__m256 lo, __m256 hi) {
-    __m256 h8 = _mm256_add_ps(lo, hi);
+/* Halving tree of one key's 8 sums h[l] = lane l + lane l+8 (the tree's first
+ * level, done when the two halves met): then 4, 2, 1 as tree16. */
+__attribute__((target("avx2,fma"))) static inline float tree8(const float *h) {
+    __m256 h8 = _mm256_loadu_ps(h);
     __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
     __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
     __m128 h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1));
     return _mm_cvtss_f32(h1);
 }
 
-/* One (row, head) pair: scores, weights and their sum, weighted values. NV =
- * head_dim / 16 known at compile time keeps the query in registers (0 = any). */
-#define DEF_ATTEND256(NV) \
-__attribute__((target("avx2,fma"))) static void attend256_##NV( \
-    const attn_args *a, const float *q, const float *K, const float *V, int64_t nk, \
-    float *sc, float *o) { \
-    const int64_t D = NV > 0 ? NV * LANES : a->D; \
-    const int64_t nv = D / LANES; \
-    __m256 qlo[8], qhi[8]; \
-    for (int64_t c = 0; c < nv && c < 8; c++) { \
-        qlo[c] = _mm256_loadu_ps(q + c * LANES); \
-        qhi[c] = _mm256_loadu_ps(q + c * LANES + 8); \
-    } \
-    float mx = -INFINITY; \
-    for (int64_t j = 0; j < nk; j++) { \
-        const float *kj = K + j * D; \
-        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps(); \
-        for (int64_t c = 0; c < nv; c++) { \
-            __m256 ql = c < 8 ? qlo[c] : _mm256_loadu_ps(q + c * LANES); \
-            __m256 qh = c < 8 ? qhi[c] : _mm256_loadu_ps(q + c * LANES + 8); \
-            lo = _mm256_fmadd_ps(ql, _mm256_loadu_ps(kj + c * LANES), lo); \
-            hi = _mm256_fmadd_ps(qh, _mm256_loadu_ps(kj + c * LANES + 8), hi); \
+/* tree8 of 8 consecutive keys (h: 8 x 8 sums) at once, sums in key order:
+ * the same adds with the same operands, but each level's adds for all keys in
+ * a few full-width instructions (7 adds instead of 24 half-empty ones). Level
+ * w=4 pairs the 128-bit halves of two keys, w=2 and w=1 pick lanes with
+ * shuffles; the last level leaves keys 0 2 4 6 1 3 5 7, put back in order. */
+__attribute__((target("avx2,fma"))) static inline __m256 tree8x8(const float *h) {
+    __m256 b[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 x = _mm256_loadu_ps(h + 16 * i), y = _mm256_loadu_ps(h + 16 * i + 8);
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20),
+                             _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x44),
+                              _mm256_shuffle_ps(b[0], b[1], 0xee));
+    __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(b[2], b[3], 0x44),
+                              _mm256_shuffle_ps(b[2], b[3], 0xee));
+    __m256 e = _mm256_add_ps(_mm256_shuffle_ps(c0, c1, 0x88), _mm256_shuffle_ps(c0, c1, 0xdd));
+    return _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+#define ATT_KB 64   /* keys per block: 16 KiB of K or V (D = 64) stays in L1 */
+#define ATT_PS 3    /* pairs of one score tile */
+#define ATT_PV 6    /* pairs of one value tile */
+
+/* Dot products of P pairs with J keys (j, j+1, ...): P x J independent FMA
+ * chains per half instead of one pair's two, each key row loaded once for the
+ * P pairs (3 x 3 accumulators, 3 keys and a query fit AVX2's 16 registers;
+ * 3 x 2 and 2 x 4 tiles, or both halves at once, measured slower).
+ * Each chain is one lane half's 8 partials over d = half*8 + l + 16c in c
+ * order, as in attend_one_scalar; the halves run one after the other and meet
+ * as lo + hi (the tree's first level) in h[p] + (t + i) * 8. */
+#define DEF_DOTS256(P, J) \
+__attribute__((target("avx2,fma"))) static inline void dots256_##P##_##J( \
+    const float *const *q, const float *K, int64_t D, int64_t j, float *const *h, int64_t t) { \
+    __m256 acc[P][J]; \
+    for (int half = 0; half < 2; half++) { \
+        for (int p = 0; p < P; p++) \
+            for (int i = 0; i < J; i++) acc[p][i] = _mm256_setzero_ps(); \
+        for (int64_t c = 8 * half; c < D; c += LANES) { \
+            __m256 kv[J]; \
+            for (int i = 0; i < J; i++) kv[i] = _mm256_loadu_ps(K + (j + i) * D + c); \
+            for (int p = 0; p < P; p++) { \
+                __m256 qv = _mm256_loadu_ps(q[p] + c); \
+                for (int i = 0; i < J; i++) acc[p][i] = _mm256_fmadd_ps(qv, kv[i], acc[p][i]); \
+            } \
         } \
-        float v = tree256(lo, hi) * a->scale; \
-        sc[j] = v; \
-        if (v > mx) mx = v; \
-    } \
-    const __m256 mxv = _mm256_set1_ps(mx); \
-    __m256 dlo = _mm256_setzero_ps(), dhi = _mm256_setzero_ps(); \
-    int64_t j = 0; \
-    for (; j + LANES <= nk; j += LANES) { \
-        __m256 el = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mxv)); \
-        __m256 eh = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j + 8), mxv)); \
-        _mm256_storeu_ps(sc + j, el); \
-        _mm256_storeu_ps(sc + j + 8, eh); \
-        dlo = _mm256_add_ps(dlo, el); \
-        dhi = _mm256_add_ps(dhi, eh); \
-    } \
-    float part[LANES]; \
-    _mm256_storeu_ps(part, dlo); \
-    _mm256_storeu_ps(part + 8, dhi); \
-    for (int64_t l = 0; j < nk; j++, l++) { \
-        sc[j] = exp_scalar(sc[j] - mx); \
-        part[l] = part[l] + sc[j]; \
-    } \
-    const __m256 tv = _mm256_set1_ps(tree16(part)); \
-    for (int64_t c0 = 0; c0 < 2 * nv; c0 += 8) { \
-        const int64_t cn = 2 * nv - c0 < 8 ? 2 * nv - c0 : 8; \
-        __m256 ov[8]; \
-        for (int64_t c = 0; c < cn; c++) ov[c] = _mm256_setzero_ps(); \
-        for (int64_t k = 0; k < nk; k++) { \
-            const float *vk = V + k * D + c0 * 8; \
-            __m256 e = _mm256_set1_ps(sc[k]); \
-            for (int64_t c = 0; c < cn; c++) \
-                ov[c] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vk + c * 8), ov[c]); \
-        } \
-        for (int64_t c = 0; c < cn; c++) \
-            _mm256_storeu_ps(o + (c0 + c) * 8, _mm256_div_ps(ov[c], tv)); \
+        for (int p = 0; p < P; p++) \
+            for (int i = 0; i < J; i++) { \
+                float *dst = h[p] + (t + i) * 8; \
+                _mm256_storeu_ps(dst, half ? _mm256_add_ps(_mm256_loadu_ps(dst), acc[p][i]) \
+                                           : acc[p][i]); \
+            } \
     } \
 }
-DEF_ATTEND256(0) DEF_ATTEND256(1) DEF_ATTEND256(2) DEF_ATTEND256(4)
+DEF_DOTS256(1, 1) DEF_DOTS256(2, 1) DEF_DOTS256(3, 1)
+DEF_DOTS256(1, 3) DEF_DOTS256(2, 3) DEF_DOTS256(3, 3)
+
+/* Keys [j0, j1) of P pairs (P <= ATT_PS), 3 at a time, then one at a time. */
+__attribute__((target("avx2,fma"))) static void dots256(
+    int P, const float *const *q, const float *K, int64_t D, int64_t j0, int64_t j1,
+    float *const *h, int64_t kb) {
+    int64_t j = j0;
+    for (; j + 3 <= j1; j += 3) {
+        if (P == 3) dots256_3_3(q, K, D, j, h, j - kb);
+        else if (P == 2) dots256_2_3(q, K, D, j, h, j - kb);
+        else dots256_1_3(q, K, D, j, h, j - kb);
+    }
+    for (; j < j1; j++) {
+        if (P == 3) dots256_3_1(q, K, D, j, h, j - kb);
+        else if (P == 2) dots256_2_1(q, K, D, j, h, j - kb);
+        else dots256_1_1(q, K, D, j, h, j - kb);
+    }
+}
+
+/* Scores of np pairs that read the same keys (rows of one sequence with the
+ * same first key, heads of one KV head), each exactly what attend_one_scalar
+ * computes: per key the 16 lane partials, the halving tree, times scale. Key
+ * blocks run outermost so a block of K is read from L2/L3 once and from L1 by
+ * every tile of pairs. The maximum is taken lane-wise with the scalar loop's
+ * rule (a score replaces the running maximum only when greater), so it is the
+ * same value (a zero's sign aside, which exp(s - max) does not see). */
+__attribute__((target("avx2,fma"))) static void scores256(
+    const attn_args *a, const float *const *q, const float *K, const int64_t *nk, int np,
+    float *const *sc, float *mx) {
+    const int64_t D = a->D;
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    float hbuf[ATT_PS][ATT_KB * 8];
+    __m256 mxv[ATT_NPMAX];
+    float mxs[ATT_NPMAX];
+    int64_t nkmax = 0;
+    for (int p = 0; p < np; p++) {
+        mxv[p] = _mm256_set1_ps(-INFINITY);
+        mxs[p] = -INFINITY;
+        if (nk[p] > nkmax) nkmax = nk[p];
+    }
+    for (int64_t kb = 0; kb < nkmax; kb += ATT_KB)
+        for (int p0 = 0; p0 < np; p0 += ATT_PS) {
+            const int P = np - p0 < ATT_PS ? np - p0 : ATT_PS;
+            float *h[ATT_PS];
+            int64_t end[ATT_PS], joint = kb + ATT_KB;
+            for (int p = 0; p < P; p++) {
+                h[p] = hbuf[p];
+                end[p] = nk[p0 + p] < kb + ATT_KB ? nk[p0 + p] : kb + ATT_KB;
+                if (end[p] < joint) joint = end[p];
+            }
+            if (joint < kb) joint = kb;
+            /* Keys every pair of the tile has together, then each pair's own. */
+            dots256(P, q + p0, K, D, kb, joint, h, kb);
+            for (int p = 0; p < P; p++)
+                if (end[p] > joint) dots256(1, q + p0 + p, K, D, joint, end[p], h + p, kb);
+            for (int p = 0; p < P; p++) {
+                const int64_t n = end[p] - kb;
+                float *s = sc[p0 + p] + kb;
+                int64_t t = 0;
+                for (; t + 8 <= n; t += 8) {
+                    __m256 v = _mm256_mul_ps(tree8x8(h[p] + t * 8), scale);
+                    _mm256_storeu_ps(s + t, v);
+                    mxv[p0 + p] = _mm256_max_ps(v, mxv[p0 + p]);
+                }
+                for (; t < n; t++) {
+                    float v = tree8(h[p] + t * 8) * a->scale;
+                    s[t] = v;
+                    if (v > mxs[p0 + p]) mxs[p0 + p] = v;
+                }
+            }
+        }
+    for (int p = 0; p < np; p++) {
+        float lanes[8], m = mxs[p];
+        _mm256_storeu_ps(lanes, mxv[p]);
+        for (int l = 0; l < 8; l++)
+            if (lanes[l] > m) m = lanes[l];
+        mx[p] = m;
+    }
+}
+
+/* Softmax weights exp(s - max) in place and their sum (16 lane partials over
+ * the key index as two vectors, then the halving tree). */
+__attribute__((target("avx2,fma"))) static float expsum256(float *sc, int64_t nk, float mx) {
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 dlo = _mm256_setzero_ps(), dhi = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + LANES <= nk; j += LANES) {
+        __m256 el = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mxv));
+        __m256 eh = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j + 8), mxv));
+        _mm256_storeu_ps(sc + j, el);
+        _mm256_storeu_ps(sc + j + 8, eh);
+        dlo = _mm256_add_ps(dlo, el);
+        dhi = _mm256_add_ps(dhi, eh);
+    }
+    float part[LANES];
+    _mm256_storeu_ps(part, dlo);
+    _mm256_storeu_ps(part + 8, dhi);
+    for (int64_t l = 0; j < nk; j++, l++) {
+        sc[j] = exp_scalar(sc[j] - mx);
+        part[l] = part[l] + sc[j];
+    }
+    return tree16(part);
+}
+
+/* Weighted values of P pairs (P <= ATT_PV) for the 16 output elements at c,
+ * keys [j0, j1): each element's FMA chain goes on from the running sum parked
+ * in o (exact: a float stored and loaded back is the same float), key by key
+ * in order. 2P independent chains, each value row loaded once for all P. */
+#define DEF_VALUES256(P) \
+__attribute__((target("avx2,fma"))) static void values256_##P( \
+    const float *V, int64_t D, int64_t c, int64_t j0, int64_t j1, float *const *sc, \
+    float *const *o) { \
+    __m256 lo[P], hi[P]; \
+    for (int p = 0; p < P; p++) { \
+        lo[p] = _mm256_loadu_ps(o[p] + c); \
+        hi[p] = _mm256_loadu_ps(o[p] + c + 8); \
+    } \
+    for (int64_t j = j0; j < j1; j++) { \
+        const __m256 vl = _mm256_loadu_ps(V + j * D + c), vh = _mm256_loadu_ps(V + j * D + c + 8); \
+        for (int p = 0; p < P; p++) { \
+            const __m256 e = _mm256_set1_ps(sc[p][j]); \
+            lo[p] = _mm256_fmadd_ps(e, vl, lo[p]); \
+            hi[p] = _mm256_fmadd_ps(e, vh, hi[p]); \
+        } \
+    } \
+    for (int p = 0; p < P; p++) { \
+        _mm256_storeu_ps(o[p] + c, lo[p]); \
+        _mm256_storeu_ps(o[p] + c + 8, hi[p]); \
+    } \
+}
+DEF_VALUES256(1) DEF_VALUES256(2) DEF_VALUES256(3)
+DEF_VALUES256(4) DEF_VALUES256(5) DEF_VALUES256(6)
+
+typedef void (*values256_fn)(const float *, int64_t, int64_t, int64_t, int64_t, float *const *,
+                             float *const *);
+static const values256_fn VALUES256[ATT_PV] = {values256_1, values256_2, values256_3,
+                                               values256_4, values256_5, values256_6};
+
+/* The numerators of np pairs over the same V, by key blocks (a block of V is
+ * read from L2/L3 once and from L1 by every tile and 16-element slice), then
+ * the division by each pair's denominator. */
+__attribute__((target("avx2,fma"))) static void values256(
+    int64_t D, const float *V, const int64_t *nk, int np, float *const *sc,
+    const float *total, float *const *o) {
+    int64_t nkmax = 0;
+    for (int p = 0; p < np; p++) {
+        memset(o[p], 0, sizeof(float) * (size_t)D);
+        if (nk[p] > nkmax) nkmax = nk[p];
+    }
+    for (int64_t kb = 0; kb < nkmax; kb += ATT_KB)
+        for (int p0 = 0; p0 < np; p0 += ATT_PV) {
+            const int P = np - p0 < ATT_PV ? np - p0 : ATT_PV;
+            int64_t end[ATT_PV], joint = kb + ATT_KB;
+            for (int p = 0; p < P; p++) {
+                end[p] = nk[p0 + p] < kb + ATT_KB ? nk[p0 + p] : kb + ATT_KB;
+                if (end[p] < joint) joint = end[p];
+            }
+            if (joint < kb) joint = kb;
+            for (int64_t c = 0; c < D; c += LANES) {
+                if (joint > kb) VALUES256[P - 1](V, D, c, kb, joint, sc + p0, o + p0);
+                for (int p = 0; p < P; p++)
+                    if (end[p] > joint) values256_1(V, D, c, joint, end[p], sc + p0 + p, o + p0 + p);
+            }
+        }
+    for (int p = 0; p < np; p++) {
+        const __m256 tv = _mm256_set1_ps(total[p]);
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(o[p] + d, _mm256_div_ps(_mm256_loadu_ps(o[p] + d), tv));
+    }
+}
 
 /* SwiGLU and RMSNorm on AVX2: the AVX-512 tasks' operations, 8 lanes at a time
  * (RMSNorm's 16 lane partials as two vectors). */
@@ -986,16 +1154,6 @@ __attribute__((target("avx2,fma"))) static void norm_task256(void *ctx, int64_t 
     }
 }
 
-typedef void (*attend256_fn)(const attn_args *, const float *, const float *, const float *,
-                             int64_t, float *, float *);
-static attend256_fn attend256_for(int64_t nv) {
-    switch (nv) {
-    case 1: return attend256_1;
-    case 2: return attend256_2;
-    case 4: return attend256_4;
-    default: return attend256_0;
-    }
-}
 #endif
 
 /* The first key a query at position p attends to. */
@@ -1059,8 +1217,9 @@ static void attn_task(void *ctx, int64_t i0, int64_t i1, int tid) {
                 continue;
             }
             if (g_isa == ISA_AVX2 && D % LANES == 0) {
-                attend256_fn one = attend256_for(D / LANES);
-                for (int i = 0; i < np; i++) one(a, qs[i], K, V, nks[i], scs[i], outs[i]);
+                scores256(a, qs, K, nks, np, scs, mx);
+                for (int i = 0; i < np; i++) totals[i] = expsum256(scs[i], nks[i], mx[i]);
+                values256(D, V, nks, np, scs, totals, outs);
                 continue;
             }
 #endif
@@ -1236,8 +1395,13 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
         item0[i + 1] = item0[i] + (rows + a.rows_per_item - 1) / a.rows_per_item * per_block;
     }
     a.item0 = item0;
+    /* A second thread for as few as two items once one row of an item is
+     * 2^18 multiply-adds or more (far above the cost of a hand-off): one decode
+     * row over a long context is three items (one per KV head), which a grain
+     * of 2 left to one thread. */
+    const int64_t grain = a.heads_per_pass * max_keys * D >= (1 << 18) ? 1 : 2;
     Py_BEGIN_ALLOW_THREADS
-    parallel_run(attn_task, &a, item0[nseg], 2);
+    parallel_run(attn_task, &a, item0[nseg], grain);
     Py_END_ALLOW_THREADS
     free(a.scratch);
     free(item0);

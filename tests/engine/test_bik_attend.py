@@ -85,3 +85,40 @@ def test_rope_is_torch_rope_bit_for_bit() -> None:
     assert torch.equal(bik.rope(qkv[:, :12], pos, table.cos, table.sin), want)
     with pytest.raises(ValueError, match="outside the table"):
         bik.rope(qkv[:, :12], pos + 4096, table.cos, table.sin)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(9, 3, 64), (8, 2, 64), (4, 2, 32), (3, 3, 16), (6, 2, 48), (2, 1, 128)])
+@pytest.mark.parametrize("window", [0, 45])
+def test_attention_tiles_give_the_scalar_bits(heads: int, kv_heads: int, head_dim: int,
+                                              window: int) -> None:
+    """The SIMD attention's tiles (several keys and several (row, head) pairs
+    per pass, key blocks of 64, the 8-key halving tree) against the scalar
+    path bit for bit: key counts on and off every tile edge (3 keys, 8 keys,
+    64-key blocks), rows of one tile with different key counts, GQA groups of
+    1 to 4 heads, several segments, and rows whose scores tie at a signed zero
+    or push the weights to the exp clamp."""
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim + window)
+    # (rows, first position): keys 191..203 across a block edge, one row just
+    # past a block, rows with fewer keys than one tile, 123..129 across 128.
+    shapes = [(13, 190), (1, 64), (5, 0), (7, 122)]
+    rows = sum(r for r, _ in shapes)
+    q = torch.randn(rows, heads, head_dim, generator=g)
+    q[0] = 0.0                    # every score +0
+    q[1] = -0.0                   # every score a signed zero
+    q[2] *= 40.0                  # weights down to exp's clamp
+    segs, r0 = [], 0
+    for r, start in shapes:
+        kv = torch.randn(2, kv_heads, start + r + 3, head_dim, generator=g)
+        segs.append(bik.AttnSegment(r0, r, start, kv))
+        r0 += r
+    before = bik.current_path()
+    try:
+        bik.use_path("scalar")
+        want = _attend(q, segs, kv_heads, window)
+        for path in bik.paths():
+            bik.use_path(path)
+            assert torch.equal(_attend(q, segs, kv_heads, window), want), path
+    finally:
+        bik.use_path(before)
+    assert torch.isfinite(want).all()
