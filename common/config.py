@@ -274,9 +274,9 @@ class PrefillSection:
     one loop, a token budget per step, a bounded waiting queue, an ordering
     policy. ``src`` (shortest remaining compute: prompt minus cached tokens)
     lets a returning agent turn pass cold prompts; requests that have waited
-    ``max_delay_s`` take a share of every step first (aging ``share``: none
-    starves and none holds a whole step; ``strict``: the oldest take the whole
-    step, a bound on the tail at the median's cost)."""
+    ``max_delay_s`` go first (aging ``strict``: the whole step, oldest first;
+    ``share``: one share of each step per aged request, so none holds a whole
+    step)."""
 
     policy: str = "src"
     step_tokens: int = 512          # tokens computed per step, over every running prompt
@@ -284,7 +284,7 @@ class PrefillSection:
     max_waiting: int = 64           # requests waiting; more -> RESOURCE_EXHAUSTED
     max_waiting_tokens: int = 131_072   # tokens to compute waiting; more -> RESOURCE_EXHAUSTED
     max_delay_s: float = 10.0       # after this wait a request takes a share of each step first
-    aging: str = "share"            # share: one share per aged request; strict: the whole step
+    aging: str = "strict"           # strict: the aged take the whole step; share: one share each
 
     def __post_init__(self) -> None:
         if self.policy not in PREFILL_POLICIES:

@@ -15,11 +15,14 @@ Starvation is bounded by the scheduler, not the key: requests that have
 waited ``max_delay_s`` take part of every step first (prefill_svc/scheduler.py),
 how much by the aging rule (``[prefill].aging``):
 
-- ``share`` (default): each aged request one share, all the others one share
-  together; an old prompt advances at least at half speed and never holds a
-  whole step, so turns arriving behind a cold long context still go.
-- ``strict``: the aged take the whole step, oldest first; the tail is bounded
-  tighter, and everything younger waits for them.
+- ``strict`` (default): the aged take the whole step, oldest first; the tail
+  is bounded tightest, and everything younger waits for them.
+- ``share``: each aged request one share, all the others one share together;
+  an old prompt advances at least at half speed and never holds a whole step,
+  so turns arriving behind a cold long context still go, at the old prompt's
+  (and the turns held for it) expense. On the agent replay of
+  docs/BENCHMARKS.md it lost to ``strict`` at p50, p90 and p99 alike: the
+  turns held for the long prompt outnumbered the ones it delayed.
 """
 
 from __future__ import annotations

@@ -18,15 +18,11 @@ requests and step results and runs its plans on the engine thread.
   request is admitted only while fewer than ``max_running`` run and the KV
   pool has its blocks; the first one that does not fit stops admissions for
   this step (no small request overtakes it into the pool for ever).
-- Aging (``aging = "share"``, prefill_svc/policy.py has the rules): each
-  request that has waited ``max_delay_s`` has one share of the step and all
-  the others one share together; the aged take theirs first
-  (oldest first), then the policy order takes the rest. A request held for a
-  running prompt (below) lends its share to that prompt. An old long prompt
-  thus advances at least at half speed, faster the more turns wait for it,
-  yet never holds the whole step: when it did, every agent turn arriving
-  behind a cold 5.5k-token context waited for all of it (15-24 s for turns
-  with a few dozen new tokens).
+- Aging (prefill_svc/policy.py has the rules): requests that have waited
+  ``max_delay_s`` take their part of the step first, oldest first, and the
+  policy order takes the rest: all of it with ``strict`` (the default); with
+  ``share``, one share per aged request and one for all the others together,
+  a request held for a running prompt (below) lending that prompt its share.
 - A ready request whose prompt shares at least ``HOLD_MIN_TOKENS`` of
   uncached prefix with blocks a running prompt is computing right now waits
   for that prompt instead of computing the same blocks beside it (an agent

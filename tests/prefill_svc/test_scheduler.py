@@ -40,10 +40,10 @@ def test_src_lets_a_warm_turn_pass_a_cold_prompt() -> None:
 
 
 def test_an_aged_prompt_takes_half_of_each_step_first_and_never_the_whole_step() -> None:
-    """A cold long context that has waited max_delay_s advances at least at half
-    speed, and agent turns arriving behind it still go in the same step (when
-    aging gave it the whole step, each such turn waited for all of it)."""
-    s = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    """aging = "share": a cold long context that has waited max_delay_s advances
+    at least at half speed, and agent turns arriving behind it still go in the
+    same step; "strict" (the default) gives the aged the whole step."""
+    s = sched(policy="src", step_tokens=512, max_delay_s=4.0, aging="share")
     long = ready(s, "long", 0.0, 6000)
     s.admitted(long, 6000)
     ready(s, "turn", 5.0, 60)
@@ -52,12 +52,12 @@ def test_an_aged_prompt_takes_half_of_each_step_first_and_never_the_whole_step()
     assert p.budgets == {"long": 256, "turn": 60, "cold": 196}
     assert next(iter(p.budgets)) == "long"              # its share is taken first
     # Alone, it still gets the whole step.
-    s2 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    s2 = sched(policy="src", step_tokens=512, max_delay_s=4.0, aging="share")
     solo = ready(s2, "long", 0.0, 6000)
     s2.admitted(solo, 6000)
     assert s2.plan(free_blocks=1000, now=6.0).budgets == {"long": 512}
     # Several aged ones share the half in arrival order; the policy takes the rest.
-    s3 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    s3 = sched(policy="src", step_tokens=512, max_delay_s=4.0, aging="share")
     ready(s3, "old2", 1.0, 200)
     ready(s3, "old1", 0.0, 200)
     ready(s3, "new", 9.0, 100)
@@ -66,7 +66,7 @@ def test_an_aged_prompt_takes_half_of_each_step_first_and_never_the_whole_step()
     assert [e.request_id for e in p3.admit] == ["old1", "old2", "new"]
     # Resends held for the running long prompt lend it their shares: with two
     # aged ones waiting on it, it takes 3/4 of the step first.
-    s5 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    s5 = sched(policy="src", step_tokens=512, max_delay_s=4.0, aging="share")
     ctx = [bytes([i]) * 16 for i in range(80)]
     first = _keyed(s5, "first", 0.0, ctx)
     s5.admitted(first, 64 * 80)
@@ -74,14 +74,14 @@ def test_an_aged_prompt_takes_half_of_each_step_first_and_never_the_whole_step()
     _keyed(s5, "resend2", 2.0, [*ctx, b"b" * 16])
     ready(s5, "turn", 9.0, 300)
     assert s5.plan(free_blocks=1000, now=10.0).budgets == {"first": 384, "turn": 128}
-    # aging = "strict": the aged take the whole step, oldest first.
-    s6 = sched(policy="src", step_tokens=512, max_delay_s=4.0, aging="strict")
+    # aging = "strict" (the default): the aged take the whole step, oldest first.
+    s6 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
     held = ready(s6, "long", 0.0, 6000)
     s6.admitted(held, 6000)
     ready(s6, "turn", 5.0, 60)
     assert s6.plan(free_blocks=1000, now=6.0).budgets == {"long": 512}
     # An aged one the pool cannot hold yet stops admissions behind it.
-    s4 = sched(policy="src", step_tokens=512, max_delay_s=4.0)
+    s4 = sched(policy="src", step_tokens=512, max_delay_s=4.0, aging="share")
     ready(s4, "big", 0.0, 3000, blocks=50)
     ready(s4, "small", 9.0, 10, blocks=1)
     assert s4.plan(free_blocks=10, now=10.0).admit == ()
