@@ -32,7 +32,9 @@ from engine.errors import ModelConfigError
 # 1 - the worst same-run ratio of llama-8b-shape bf16 prefill at 4k/16k/32k and
 # decode at b1/8/64 (python3 -m benchmarks.kernels --model llama-8b-shape;
 # docs/bench-notes/h6-gpu.md). None: not measured yet, so ``auto`` keeps triton.
-TRITON_BI_COST: float | None = None
+# 0.083: tbi2 with two-stage decode programs, prefill 4k / decode b1/8/64 of one
+# run on 2026-12-02 (0.981 / 0.980 / 1.026 / 0.917; docs/BENCHMARKS.md issue 21).
+TRITON_BI_COST: float | None = 0.083
 AUTO_MAX_COST = 0.10        # issue 21: exactness is the default when it costs <= 10 %
 
 

@@ -52,6 +52,12 @@ KEY_TILE = 64                 # keys per tile
 KEY_SPLIT = 1024              # keys per split (a multiple of KEY_TILE)
 PREFILL_ROWS = 128            # rows per prefill program: 8 warps, 2 warpgroups along M
 DECODE_ROWS = 64              # rows per decode program: 4 warps, 1 warpgroup
+# Decode programs pipeline two stages, not three: on the H200 (graph-timed,
+# 288 keys) 18.4 / 14.9 / 37.1 against 19.3 / 15.4 / 41.2 us a layer at b1/8/64,
+# same bits (stages only schedule the loads). A 16-row one-warp tile (mma.sync,
+# also bit-identical to the prefill rows there) lost at short contexts and small
+# batch (50 us at b64), its tile's latency on one warp's tensor core.
+DECODE_STAGES = 2
 LOG2E = 1.4426950408889634
 
 
@@ -258,7 +264,8 @@ def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor
         sm[0], sm[1], sm[2], window, LOG2E / dim ** 0.5, block_tokens,
         G=group, GP=gp, TQ=tile_tokens(group, rows), D=dim, BN=KEY_TILE,
         TPS=split // KEY_TILE, PARTS=parts, PREC=_prec(q.dtype),
-        num_warps=rows // 16, enable_fp_fusion=False)
+        num_warps=rows // 16, num_stages=DECODE_STAGES if decode else 3,
+        enable_fp_fusion=False)
     if parts > 1:
         _fold_parts[(n_tiles, kv_heads)](acc, ml, out, sa[0], sa[1], sa[2], sm[0], sm[1],
                                          sm[2], out.stride(0), G=group, GP=gp, D=dim,
