@@ -34,6 +34,9 @@ from engine.errors import ModelConfigError
 # docs/bench-notes/h6-gpu.md). None: not measured yet, so ``auto`` keeps triton.
 # 0.083: tbi2 with two-stage decode programs, prefill 4k / decode b1/8/64 of one
 # run on 2026-12-02 (0.981 / 0.980 / 1.026 / 0.917; docs/BENCHMARKS.md issue 21).
+# tbi3 (decode shares after the first hold one split each) runs the same work
+# for every row with no more splits than shares, the benchmark's 256-key decode
+# included, so the figure carries over; longer b8 rows now load the first share.
 TRITON_BI_COST: float | None = 0.083
 AUTO_MAX_COST = 0.10        # issue 21: exactness is the default when it costs <= 10 %
 

@@ -17,10 +17,14 @@ head, so K/V are never repeated) walks all its splits itself. A decode program
 (``DECODE_ROWS`` rows, one token) takes a contiguous share of its row's splits
 and folds them; a second kernel folds the shares in order (``_fold_parts``).
 Both give the prefill bits: folding into the fresh state is exact (0 x 0 + a x 1
-= a), so ((fresh + A) + B) + C, (fresh + (fresh + A) + B) + (fresh + C) and any
-other grouping of contiguous shares are the same numbers. So decode at batch 1
-spreads a 32k context over the whole GPU (flash-decoding) and still returns
-the bits a prefill of the same token would.
+= a), so ((fresh + A) + B) + C and (fresh + ((fresh + A) + B)) + (fresh + C) are
+the same numbers — but a fold is not associative, so a share after the first
+holds exactly one split ((A + B) + (C + D) is not ((A + B) + C) + D: a share
+of two splits there broke decode rows' bits at batch 8 past 4k keys, found on
+the H200). The first share takes the splits the others cannot. So decode at
+batch 1 spreads a 32k context over the whole GPU (flash-decoding) and still
+returns the bits a prefill of the same token would; past ``parts`` splits the
+first share is the longest.
 
 Tiles or splits a row cannot see (past its position, before its sliding window,
 or beyond its own keys inside a shared tile) leave its state unchanged bit for
@@ -158,11 +162,18 @@ def _attn_kernel(Q, KP, VP, TBL, SEG, TILE, OUT, ACC, ML,
     ta = lo // BN                                    # key tiles [ta, tb)
     tb = hi // BN + 1
     if PARTS > 0:                                    # this program's share of the splits
+        # The shares are folded in order afterwards, and a fold is not
+        # associative: a later share holding two splits gives T + (D + E), not
+        # the prefill's (T + D) + E. So every share but the first holds one
+        # split, and the first holds the rest (its own left fold from a fresh
+        # state is exactly the prefill's prefix).
         s0 = ta // TPS
-        per = tl.cdiv((tb - 1) // TPS + 1 - s0, PARTS)
-        sa = s0 + tl.program_id(2) * per
+        extra = tl.maximum((tb - 1) // TPS + 1 - s0 - PARTS, 0)
+        part = tl.program_id(2)
+        sa = s0 + part + tl.where(part > 0, extra, 0)
+        se = sa + 1 + tl.where(part == 0, extra, 0)
         ta = tl.minimum(tl.maximum(ta, sa * TPS), tb)
-        tb = tl.maximum(tl.minimum(tb, (sa + per) * TPS), ta)
+        tb = tl.maximum(tl.minimum(tb, se * TPS), ta)
     # tiles every row sees whole: past the window's start, not past the first row
     fa = ta
     if window > 0:

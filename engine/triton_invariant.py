@@ -37,7 +37,7 @@ __all__ = ["KERNEL_ID", "AttnSegment", "DecodeAttention", "InvariantAttention", 
 # Part of the model fingerprint (engine/kernels.py): it names every choice that
 # decides bits (K tile, key tile, key split, the fold), so blocks of two versions
 # never mix. Bump the leading version when the arithmetic changes otherwise.
-KERNEL_ID = f"tbi2-k{BK}-t{KEY_TILE}-s{KEY_SPLIT}"
+KERNEL_ID = f"tbi3-k{BK}-t{KEY_TILE}-s{KEY_SPLIT}"
 
 
 class DecodeAttention:

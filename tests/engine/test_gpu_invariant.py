@@ -150,6 +150,19 @@ def test_attention_row_is_the_same_in_any_chunk_batch_and_as_decode(
         InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
                            heads, parts=parts)(0, q[at], window, out, acc, ml)
         assert torch.equal(out, whole[at]), (n, parts)
+    # more splits than shares (21 splits of 128 keys): a share after the first
+    # holding several splits folded out of the prefill's order
+    fine = torch.empty(T, heads * dim, device="cuda", dtype=torch.bfloat16)
+    InvariantAttention(pool, [AttnSegment(0, T, 0, table)], heads, split=128)(
+        0, q, window, fine)
+    at = list(range(T - 64, T))
+    for parts in (2, 4, 8):
+        out = torch.empty(len(at), heads * dim, device="cuda", dtype=torch.bfloat16)
+        acc = torch.full((len(at), parts, heads, dim), float("nan"), device="cuda")
+        ml = torch.full((len(at), parts, heads, 2), float("nan"), device="cuda")
+        InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
+                           heads, parts=parts, split=128)(0, q[at], window, out, acc, ml)
+        assert torch.equal(out, fine[at]), ("splits > shares", parts)
 
 
 # ------------------------------------------------- (c) the engine, end to end
