@@ -150,12 +150,14 @@ def check_attention() -> None:
             InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
                                heads, parts=n_parts, split=split)(0, q[at], window, out, acc, ml)
             assert torch.equal(out, whole[at]), (window, n_parts)
+        if window:
+            continue                         # a window of 50 keys spans at most 2 splits
         # fp32, whose outputs show a fold's rounding (fp16 hides most of it)
         pool32, q32 = pool.float(), q.float()
         whole64 = torch.full((t, heads * dim), float("nan"))
         InvariantAttention(pool32, [AttnSegment(0, t, 0, table)], heads, split=KEY_TILE)(
             0, q32, window, whole64)
-        late = list(range(t - 100, t))       # rows with 4-5 splits: more than shares
+        late = list(range(t - 48, t))        # rows with 5 splits: more than shares
         for n_parts in (2, 3):
             out = torch.full((len(late), heads * dim), float("nan"))
             acc = torch.full((len(late), n_parts, heads, dim), float("nan"))
