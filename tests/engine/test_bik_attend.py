@@ -20,6 +20,23 @@ def _attend(q: torch.Tensor, segs: list[bik.AttnSegment], kv_heads: int,
     return out
 
 
+def _queries(g: torch.Generator, shapes: list[tuple[int, int]], heads: int,
+             head_dim: int) -> torch.Tensor:
+    return torch.randn(sum(r for r, _ in shapes), heads, head_dim, generator=g)
+
+
+def _segments(g: torch.Generator, shapes: list[tuple[int, int]], kv_heads: int,
+              head_dim: int, spare: int) -> list[bik.AttnSegment]:
+    """One segment per (rows, first position), each with its own random KV of
+    ``spare`` slots past its last row, rows laid out in order."""
+    segs, r0 = [], 0
+    for r, start in shapes:
+        kv = torch.randn(2, kv_heads, start + r + spare, head_dim, generator=g)
+        segs.append(bik.AttnSegment(r0, r, start, kv))
+        r0 += r
+    return segs
+
+
 @pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
 @pytest.mark.parametrize("window", [0, 37])
 def test_every_simd_path_gives_the_same_bits(head_dim: int, window: int) -> None:
@@ -28,13 +45,8 @@ def test_every_simd_path_gives_the_same_bits(head_dim: int, window: int) -> None
     # (rows, first position): a prefill chunk deep in a long context, a decode
     # row, a chunk from position 0, and one ending off a 16-key boundary.
     shapes = [(21, 1472), (1, 300), (40, 0), (9, 71)]
-    rows = sum(r for r, _ in shapes)
-    q = torch.randn(rows, heads, head_dim, generator=g)
-    segs, r0 = [], 0
-    for r, start in shapes:
-        kv = torch.randn(2, kv_heads, start + r + 8, head_dim, generator=g)
-        segs.append(bik.AttnSegment(r0, r, start, kv))
-        r0 += r
+    q = _queries(g, shapes, heads, head_dim)
+    segs = _segments(g, shapes, kv_heads, head_dim, spare=8)
     before = bik.current_path()
     results = {}
     try:
@@ -102,16 +114,11 @@ def test_attention_tiles_give_the_scalar_bits(heads: int, kv_heads: int, head_di
     # (rows, first position): keys 191..203 across a block edge, one row just
     # past a block, rows with fewer keys than one tile, 123..129 across 128.
     shapes = [(13, 190), (1, 64), (5, 0), (7, 122)]
-    rows = sum(r for r, _ in shapes)
-    q = torch.randn(rows, heads, head_dim, generator=g)
+    q = _queries(g, shapes, heads, head_dim)
     q[0] = 0.0                    # every score +0
     q[1] = -0.0                   # every score a signed zero
     q[2] *= 40.0                  # weights down to exp's clamp
-    segs, r0 = [], 0
-    for r, start in shapes:
-        kv = torch.randn(2, kv_heads, start + r + 3, head_dim, generator=g)
-        segs.append(bik.AttnSegment(r0, r, start, kv))
-        r0 += r
+    segs = _segments(g, shapes, kv_heads, head_dim, spare=3)
     before = bik.current_path()
     try:
         bik.use_path("scalar")
