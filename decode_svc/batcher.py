@@ -152,7 +152,7 @@ class Batcher:
             await asyncio.gather(*self._finishing, return_exceptions=True)
 
     async def generate(self, seq_id: str, make_live: Callable[[], None], *, prompt_tokens: int,
-                       kv_blocks: int, stop: tuple[str, ...] = (),
+                       kv_blocks: int, held_blocks: int = 0, stop: tuple[str, ...] = (),
                        on_finish: FinishHook | None = None,
                        t0: float | None = None, stream: TextStream | None = None,
                        first_shown: bool = False) -> AsyncIterator[TokenEvent]:
@@ -169,13 +169,16 @@ class Batcher:
 
         ``first_shown``: the caller already sent the first token's event
         (decode_svc.first_event) through ``stream``; it is then not sent again
-        unless it turned out to end the sequence."""
+        unless it turned out to end the sequence.
+
+        ``held_blocks``: of ``kv_blocks``, those the caller reserved already
+        (``KVGate.reserve_now``: its G1 prefix, pinned); this call owns that
+        reservation from now on, whatever happens."""
         t0 = time.monotonic() if t0 is None else t0
-        self.gate.check(kv_blocks)
         self._waiting += 1
         waited = tracing.now()
         try:
-            await self.gate.acquire(kv_blocks)
+            await self.gate.acquire(kv_blocks, held=held_blocks)
         finally:
             self._waiting -= 1
         self._held[seq_id] = kv_blocks

@@ -59,9 +59,21 @@ class KVGate:
             raise NeverFits(f"needs {blocks} KV blocks but the whole pool holds "
                             f"{self.capacity}")
 
-    async def acquire(self, blocks: int) -> None:
-        """Wait for a slot and ``blocks`` blocks; a caller cancelled while
-        waiting leaves the queue (or gives back a grant it had not seen yet)."""
+    async def acquire(self, blocks: int, *, held: int = 0) -> None:
+        """Wait for a slot and ``blocks`` blocks, ``held`` of them reserved
+        already (``reserve_now``); a caller cancelled while waiting leaves the
+        queue (or gives back a grant it had not seen yet), and gives back
+        ``held`` either way, so the grant holds all ``blocks`` or none."""
+        if not 0 <= held <= blocks:
+            raise ValueError(f"held must be within 0..{blocks}, got {held}")
+        try:
+            await self._acquire(blocks - held)
+        except BaseException:
+            if held:
+                self.release_blocks(held)
+            raise
+
+    async def _acquire(self, blocks: int) -> None:
         self.check(blocks)
         if not self._queue and self._fits(blocks):
             self._take(blocks)
@@ -80,6 +92,16 @@ class KVGate:
                     self._queue.remove(waiter)
                 self._pump()               # it may have been the head holding others back
             raise
+
+    def reserve_now(self, blocks: int) -> bool:
+        """Reserve ``blocks`` at once, without a slot and ahead of the queue, or
+        refuse (False): blocks a waiting call pins in the pool (decode's G1
+        prefix of its prompt) must be counted before anything else is promised.
+        They join that call's grant later (``acquire(..., held=blocks)``)."""
+        if blocks < 0 or self.reserved + blocks > self.capacity:
+            return False
+        self.reserved += blocks
+        return True
 
     def release_slot(self) -> None:
         self.slots_used -= 1

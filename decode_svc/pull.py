@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Pulled:
-    kv: torch.Tensor                # [layers, 2, kv_heads, L, head_dim]
+    kv: torch.Tensor                # [layers, 2, kv_heads, L - first, head_dim]
     path: str                       # "shm" | "stream"
     seconds: float
     nbytes: int
@@ -75,17 +75,18 @@ class KVPuller:
         return self._stubs[address][1]
 
     async def pull(self, handle: prefill_pb2.KVHandle, shape: KVShape, *,
-                   budget_s: float | None = None) -> Pulled:
-        """The handle's KV, verified. ``budget_s``: what is left of the request's
-        deadline (None: no deadline), which bounds the pull below its own."""
+                   budget_s: float | None = None, first: int = 0) -> Pulled:
+        """The handle's KV from prompt token ``first`` on, verified. ``budget_s``:
+        what is left of the request's deadline (None: no deadline), which bounds
+        the pull below its own."""
         t0 = time.perf_counter()
         n = len(handle.prompt_ids)
         timeout = self._timeout_s if budget_s is None else max(0.001, min(self._timeout_s,
                                                                          budget_s))
         shm = self._use_shm and is_local_host(_host_of(handle.prefill_address))
-        asm = await self._pull_once(handle, shape, n, shm, timeout)
+        asm = await self._pull_once(handle, shape, n, first, shm, timeout)
         if asm is None:                     # shm file not usable here: stream it
-            asm = await self._pull_once(handle, shape, n, False,
+            asm = await self._pull_once(handle, shape, n, first, False,
                                         timeout - (time.perf_counter() - t0))
             shm = False
         assert asm is not None
@@ -94,10 +95,11 @@ class KVPuller:
                       kv.numel() * kv.element_size())
 
     async def _pull_once(self, handle: prefill_pb2.KVHandle, shape: KVShape, n: int,
-                         shm: bool, timeout_s: float) -> KVAssembler | None:
-        asm = KVAssembler(shape, n, seed=handle.kv_seed, shm_dir=self._shm_dir)
+                         first: int, shm: bool, timeout_s: float) -> KVAssembler | None:
+        asm = KVAssembler(shape, n, seed=handle.kv_seed, shm_dir=self._shm_dir, first=first)
         call = self._stub(handle.prefill_address).PullKV(
-            prefill_pb2.PullKVRequest(request_id=handle.ctx.request_id, use_shm=shm),
+            prefill_pb2.PullKVRequest(request_id=handle.ctx.request_id, use_shm=shm,
+                                      start_token=first),
             timeout=max(0.001, timeout_s))
         async for chunk in call:
             if chunk.shm_name and not asm.shm_usable(chunk.shm_name):

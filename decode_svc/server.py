@@ -36,6 +36,7 @@ from decode_svc.config import DecodeConfig
 from decode_svc.experts import ExpertLoad, ExpertPlacement
 from decode_svc.first_event import EarlyFirst, early_first
 from decode_svc.kv_gate import NeverFits
+from decode_svc.prefix_hold import PrefixHold, PrefixHolds
 from decode_svc.pull import KVPuller
 from decode_svc.stopping import TextStream
 from kvstore.keys import chain_keys
@@ -63,6 +64,7 @@ class DecodeStats:
     requests_total: dict[str, int] = field(default_factory=dict)    # finish reason / status
     kv_sources_total: dict[str, int] = field(default_factory=dict)  # shm / stream / warehouse
     pull_bytes_total: int = 0
+    g1_prefix_tokens_total: int = 0      # prompt tokens decode's own G1 held (not pulled)
     pull_seconds_total: float = 0.0
     rebuilt_tokens_total: int = 0        # recomputed during rebuilds from the warehouse
     rebuilds_total: dict[str, int] = field(default_factory=dict)   # why the pull was not used
@@ -108,6 +110,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.experts = _expert_load(cfg, mc)
         self.batcher = Batcher(engine, self.thread, max_seqs=cfg.max_seqs,
                                after_step=self._after_step if self.experts else None)
+        self.prefixes = PrefixHolds(engine, self.thread, self.batcher.gate)
         security = cfg.endpoint.security_for("decode")
         self.secret = security.require_secret()  # keys tenant salts (kvstore.keys)
         self.puller = KVPuller(cfg.endpoint, timeout_s=cfg.pull_timeout_s,
@@ -247,13 +250,33 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 yield self._event(decode_pb2.DecodeEvent(
                     token_ids=[early.token], text=stream.delta(early.text, False),
                     t_s=time.monotonic() - t0))
-            with tracing.span("handoff", prefill=handle.prefill_address):
-                make_live = await self._obtain_kv(handle, chk, budget_s)
+            keys = self._keys(chk)
+            hold = None if chk.stale else await self.prefixes.hold(keys, len(chk.tokens))
+            try:
+                with tracing.span("handoff", prefill=handle.prefill_address):
+                    make_live = await self._obtain_kv(handle, chk, budget_s, hold, keys)
+            except BaseException:
+                if hold is not None:
+                    self.prefixes.release(hold)
+                raise
         except BaseException:
             # The caller left (or the rebuild failed) before the KV was here: free
             # the prefill's buffer now rather than when it needs the room.
             self._release_later(handle)
             raise
+        try:
+            async with contextlib.aclosing(self._generate(handle, chk, kv_blocks, t0, stream,
+                                                          early, make_live, hold)) as events:
+                async for out in events:
+                    yield out
+        finally:
+            if hold is not None:
+                self.prefixes.release(hold)
+
+    async def _generate(self, handle: prefill_pb2.KVHandle, chk: _Checked, kv_blocks: int,
+                        t0: float, stream: TextStream, early: EarlyFirst | None,
+                        make_live: Callable[[str], None], hold: PrefixHold | None
+                        ) -> AsyncIterator[decode_pb2.DecodeEvent]:
         seq_id = f"{chk.ctx.request_id}#{next(self._ids)}"
         written: asyncio.Event | None = None
         on_finish = None
@@ -263,7 +286,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         t_decode = tracing.now()
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
-                kv_blocks=kv_blocks, stop=chk.sampling.stop, on_finish=on_finish, t0=t0,
+                kv_blocks=kv_blocks, held_blocks=hold.hand_over() if hold is not None else 0,
+                stop=chk.sampling.stop, on_finish=on_finish, t0=t0,
                 stream=stream, first_shown=early is not None):
             if ev.finish_reason == "error":
                 raise RuntimeError("the decode step failed; see the decode instance's log")
@@ -322,23 +346,35 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                          model_fingerprint=self.model.fingerprint_hex)
         return _Checked(ctx, tokens, sampling, stale)
 
+    def _keys(self, chk: _Checked) -> list[bytes]:
+        """Chain keys of the prompt's full blocks, computed here (tenant-salted),
+        never taken from the handle: they name the KV decode's G1 serves."""
+        return chain_keys(chk.tokens, block_tokens=self.block_tokens, tenant=chk.ctx.tenant,
+                          fingerprint=self.engine.fingerprint, secret=self.secret)
+
     async def _obtain_kv(self, handle: prefill_pb2.KVHandle, chk: _Checked,
-                         budget_s: float | None) -> Callable[[str], None]:
+                         budget_s: float | None, hold: PrefixHold | None,
+                         keys: list[bytes]) -> Callable[[str], None]:
         """A function that makes the sequence live on the engine thread: the
-        pulled KV once every piece verified, else a rebuild (never an error for
+        pulled KV once every piece verified (only the tokens after ``hold``,
+        the prefix decode's own G1 holds), else a rebuild (never an error for
         KV that is gone, late or wrong: the request was already accepted)."""
         if chk.stale:
             self._rebuilt("stale_handle")
             self._release_later(handle)
             return await self._rebuild(handle, chk)
+        first = 0 if hold is None else hold.tokens(self.block_tokens)
         try:
-            pulled = await self.puller.pull(handle, self.shape, budget_s=budget_s)
+            pulled = await self.puller.pull(handle, self.shape, budget_s=budget_s,
+                                            first=first)
         except KVIntegrityError as exc:
             self.stats.kv_integrity_failures_total += 1
             log.warning("hand-off of %s from %s failed verification (%s); recomputing",
                         chk.ctx.request_id, handle.prefill_address, exc)
             self._rebuilt("integrity")
             self._release_later(handle)
+            if hold is not None:
+                self.prefixes.release(hold)
             return await self._rebuild(handle, chk)
         except (TimeoutError, grpc.RpcError, ValueError, OSError) as exc:
             gone = (isinstance(exc, grpc.aio.AioRpcError)
@@ -347,6 +383,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                      handle.prefill_address, exc)
             self._rebuilt("gone" if gone else "pull_failed")
             self._release_later(handle)
+            if hold is not None:
+                self.prefixes.release(hold)
             t = time.monotonic()
             rebuilt = await self._rebuild(handle, chk)
             self.stats.handoff_seconds["warehouse"].observe(time.monotonic() - t)
@@ -356,15 +394,19 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self._source(pulled.path)
         self.stats.pull_bytes_total += pulled.nbytes
         self.stats.pull_seconds_total += pulled.seconds
+        self.stats.g1_prefix_tokens_total += first
         self.stats.handoff_seconds[pulled.path].observe(pulled.seconds)
-        tracing.annotate(path=pulled.path, bytes=pulled.nbytes)
+        tracing.annotate(path=pulled.path, bytes=pulled.nbytes, g1_tokens=first)
 
         # Held only until adopt copied it: the sequence lives on in the KV cache,
         # and the pulled tensor (a /dev/shm mapping) need not live as long.
         held = [pulled.kv]
 
         def adopt(seq_id: str) -> None:
-            self.engine.adopt(seq_id, chk.tokens, held.pop(), handle.first_token, chk.sampling)
+            self.engine.adopt(seq_id, chk.tokens, held.pop(), handle.first_token, chk.sampling,
+                              prefix=hold.blocks if hold is not None else (), block_keys=keys)
+            if hold is not None:
+                hold.adopted = True
 
         return adopt
 
@@ -416,14 +458,12 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             try:
                 stored = await self._stored_prefix(prompt_keys, ctx)
                 try:
-                    first, blocks, tokens = await self.thread.call(self._canonical,
-                                                                   done.seq_id, stored)
+                    first, blocks, keys = await self.thread.call(self._canonical,
+                                                                 done.seq_id, stored, ctx.tenant)
                 finally:
                     self.batcher.release_kv(done.seq_id)   # freed: the next one may join
                 if blocks.shape[0] == 0 or not self.store.enabled:
                     return
-                keys = chain_keys(tokens, block_tokens=self.block_tokens, tenant=ctx.tenant,
-                                  fingerprint=self.engine.fingerprint, secret=self.secret)
                 n = int(blocks.shape[0])
                 self.stats.canonical_blocks_total += n
                 await self.writer.write_now(keys[first:first + n], blocks,
@@ -456,21 +496,28 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                                       ctx=ctx, touch=False)
         return len(keys) if res is None else res.matched_blocks
 
-    def _canonical(self, seq_id: str, stored: int) -> tuple[int, torch.Tensor, list[int]]:
+    def _canonical(self, seq_id: str, stored: int,
+                   tenant: str) -> tuple[int, torch.Tensor, list[bytes]]:
         """Engine thread: the canonical blocks of prompt + output (from block
-        ``stored`` on, when the warehouse lacks prompt blocks), then free."""
+        ``stored`` on, when the warehouse lacks prompt blocks) and the chain keys
+        of all its full blocks, then free it, keeping those blocks in G1 under
+        them (the session's next turn pulls only what follows)."""
+        keys: list[bytes] | None = None         # None: the prompt's keys (adopt)
         try:
             if not self.store.enabled:
                 return 0, torch.empty(0), []
             first, blocks = self.engine.canonical_blocks(seq_id)
+            keys = chain_keys(self.engine.seq_tokens(seq_id), block_tokens=self.block_tokens,
+                              tenant=tenant, fingerprint=self.engine.fingerprint,
+                              secret=self.secret)
             blocks = blocks.to("cpu")
             if stored < first:
                 # The prompt's blocks arrived from prefill's chunked path: canonical as held.
                 head = self.engine.export_blocks(seq_id, stored, first - stored).to("cpu")
                 first, blocks = stored, torch.cat([head, blocks])
-            return first, blocks, self.engine.seq_tokens(seq_id)
+            return first, blocks, keys
         finally:
-            self.engine.free(seq_id)
+            self.engine.free(seq_id, keep_keys=keys)
 
     async def _put(self, job: WriteJob) -> PutResult:
         return await self.store.put(job.keys, job.blocks, layout=job.layout,

@@ -370,15 +370,37 @@ class Engine(PrefillSteps):
         return self.storage.export_tokens(self._slots(s.table, start, end)).cpu()
 
     @torch.inference_mode()
+    def pin_prefix(self, block_keys: Seq[bytes]) -> list[int]:
+        """The blocks of the leading ``block_keys`` G1 holds, pinned (no longer
+        evictable) for a later ``adopt(prefix=...)``; ``unpin`` them if unused."""
+        held = self.blocks.match(block_keys)
+        self.blocks.acquire(held)
+        return held
+
+    def unpin(self, blocks: Seq[int]) -> None:
+        self.blocks.release(blocks)
+
     def adopt(self, seq_id: str, tokens: Seq[int], kv: torch.Tensor, first_token: int,
-              sampling: SamplingParams = GREEDY) -> None:
-        """Make a live sequence from KV computed elsewhere (kv covers all tokens)."""
+              sampling: SamplingParams = GREEDY, *, prefix: Seq[int] = (),
+              block_keys: Seq[bytes] | None = None) -> None:
+        """Make a live sequence from KV computed elsewhere.
+
+        ``prefix``: blocks from ``pin_prefix`` holding the leading tokens (their
+        pins become the sequence's on success, stay the caller's on an error);
+        ``kv`` covers the tokens after them. ``block_keys``: the prompt's chain
+        keys, under which ``free`` keeps its canonical blocks in G1 when it is
+        given no keys of its own (a session's next turn then pulls only its tail)."""
         if seq_id in self._seqs:
             raise EngineInputError(f"sequence {seq_id!r} is already live")
         toks = check_prompt(tokens, self.model_config)
         check_prompt([first_token], self.model_config)
+        B = self.config.block_tokens
+        start = len(prefix) * B
+        if start >= len(toks):
+            raise EngineInputError(f"a prefix of {len(prefix)} blocks leaves none of the "
+                                   f"{len(toks)} prompt tokens to adopt")
         L, _, H, _, D = self.layout.block_shape
-        want = (L, 2, H, len(toks), D)
+        want = (L, 2, H, len(toks) - start, D)
         if tuple(kv.shape) != want or kv.dtype != self.dtype:
             raise EngineInputError(f"adopted KV has shape {tuple(kv.shape)} {kv.dtype}; "
                                    f"expected {want} {self.dtype}")
@@ -386,15 +408,14 @@ class Engine(PrefillSteps):
         # into this sequence's sampling state (grammar, penalty counts).
         sampler = self._sampler(sampling)
         sampler.accept(first_token)
-        B = self.config.block_tokens
-        blocks = self.blocks.allocate(-(-len(toks) // B))
+        blocks = [*prefix, *self.blocks.allocate(-(-len(toks) // B) - len(prefix))]
         table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        self.storage.import_tokens(self._slots(table, 0, len(toks)), kv)
+        self.storage.import_tokens(self._slots(table, start, len(toks)), kv)
         self._seqs[seq_id] = Sequence(
             seq_id, [*toks, first_token], len(toks), len(toks), blocks, table, sampling,
             self._mirror(table, len(toks), self._capacity(len(toks))),
             canonical_full=len(toks) // self._canon_unit * self._canon_unit // B,
-            sampler=sampler)
+            sampler=sampler, keys=list(block_keys or ()))
 
     @torch.no_grad()
     def canonical_blocks(self, seq_id: str) -> tuple[int, torch.Tensor]:
@@ -424,7 +445,7 @@ class Engine(PrefillSteps):
 
     def free(self, seq_id: str, keep_keys: Seq[bytes] | None = None) -> None:
         """Release the sequence; its canonical full blocks stay in G1 under
-        ``keep_keys`` (key i names block i)."""
+        ``keep_keys`` (key i names block i; None: the keys it was adopted with)."""
         s = self._seqs.pop(seq_id, None)
         if s is None:
             raise EngineInputError(f"no live sequence {seq_id!r}")
@@ -436,7 +457,7 @@ class Engine(PrefillSteps):
             canon = min(canon, s.kv_len // B)
             if s.prefill.feed is not None:
                 s.prefill.feed.close()
-        for i, key in enumerate(keep_keys or ()):
+        for i, key in enumerate(s.keys if keep_keys is None else keep_keys):
             if i < canon:
                 self.blocks.cache(s.blocks[i], key)
             elif 0 <= i - s.canonical_full < len(s.shadow):

@@ -94,6 +94,8 @@ class Sequence:
     # Set from admission until the prompt's last token is computed (kv_len < prompt_len):
     # such a sequence takes prefill steps, never decode steps.
     prefill: PrefillState | None = None
+    # Chain keys of its leading full blocks, kept in G1 on a free given no keys.
+    keys: list[bytes] = field(default_factory=list)
 
     @property
     def generated(self) -> list[int]:

@@ -277,9 +277,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KVChunk]:
         await self._buffered(request.request_id)
         entry = self.buffer.get(request.request_id)
+        first = request.start_token
+        self.buffer.check_start(entry, first)
         if request.use_shm and self.buffer.shm_capable:
             try:
-                p = await asyncio.to_thread(self.buffer.shm_piece, entry)
+                p = await asyncio.to_thread(self.buffer.shm_piece, entry, first)
             except OSError as exc:               # /dev/shm full: stream instead
                 log.warning("shared-memory pull of %s failed (%s); streaming", entry.request_id,
                             exc)
@@ -290,7 +292,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                           size=p.size, checksum=p.checksum)
                 return
         self.stats.pulls_total["stream"] = self.stats.pulls_total.get("stream", 0) + 1
-        for p in self.buffer.pieces(entry):
+        for p in self.buffer.pieces(entry, first):
             yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,
                                       data=p.data, size=len(p.data), checksum=p.checksum)
 

@@ -50,12 +50,14 @@ class KVHandle(_message.Message):
     def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., layout: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., written_tiers: _Optional[_Iterable[str]] = ..., fetch_decision: _Optional[str] = ..., kv_seed: _Optional[int] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("request_id", "use_shm")
+    __slots__ = ("request_id", "use_shm", "start_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     USE_SHM_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     use_shm: bool
-    def __init__(self, request_id: _Optional[str] = ..., use_shm: _Optional[bool] = ...) -> None: ...
+    start_token: int
+    def __init__(self, request_id: _Optional[str] = ..., use_shm: _Optional[bool] = ..., start_token: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("start_token", "token_count", "data", "shm_name", "shm_offset", "size", "checksum")

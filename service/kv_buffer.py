@@ -31,7 +31,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -96,8 +96,8 @@ class BufferEntry:
     kv: torch.Tensor                # [layers, 2, kv_heads, n_tokens, head_dim], host, contiguous
     seed: int                       # the handle's kv_seed: keys the pieces' checksums
     put_at: float                   # buffer clock
-    shm_name: str = ""
-    shm_checksum: bytes = b""
+    # start token -> (file name, checksum): the KV from that token on, written on first use
+    shm: dict[int, tuple[str, bytes]] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -189,35 +189,49 @@ class KVBuffer:
                                 "instance (never prefilled here, or the instance restarted)")
         return entry
 
-    def pieces(self, entry: BufferEntry) -> Iterator[KVPiece]:
-        """The entry's KV as byte pieces of about ``chunk_bytes`` each."""
+    @staticmethod
+    def check_start(entry: BufferEntry, start: int) -> None:
+        """A pull from ``start`` on: decode holds the tokens before it already."""
+        if not 0 <= start < entry.n_tokens:
+            raise InvalidRequest(f"start_token {start} is outside the {entry.n_tokens} "
+                                 f"buffered tokens of request {entry.request_id!r}")
+
+    def pieces(self, entry: BufferEntry, first: int = 0) -> Iterator[KVPiece]:
+        """The entry's KV from token ``first`` on, as byte pieces of about
+        ``chunk_bytes`` each."""
+        self.check_start(entry, first)
         step = max(1, self._chunk_bytes // KVShape.of(entry.kv).token_nbytes)
-        for start in range(0, entry.n_tokens, step):
+        for start in range(first, entry.n_tokens, step):
             end = min(entry.n_tokens, start + step)
             data = _raw(entry.kv[:, :, :, start:end, :].contiguous()).tobytes()
             yield KVPiece(start, end - start, data=data,
                           checksum=kv_shm.piece_checksum(data, entry.seed))
 
-    def shm_piece(self, entry: BufferEntry) -> KVPiece:
-        """The whole entry as one private shared-memory file (written on first
-        use; its checksum taken from memory, never from the file). Safe to call
-        from a worker thread (the write is long: the event loop need not wait)."""
+    def shm_piece(self, entry: BufferEntry, first: int = 0) -> KVPiece:
+        """The entry's KV from token ``first`` on as one private shared-memory
+        file (written on first use; its checksum taken from memory, never from
+        the file). Safe to call from a worker thread (the write is long: the
+        event loop need not wait)."""
         if self._shm_dir is None:
             raise InvalidRequest("this prefill instance offers no shared-memory pulls")
+        self.check_start(entry, first)
         with self._shm_lock:
-            if not entry.shm_name:
-                raw = _raw(entry.kv)
-                entry.shm_checksum = kv_shm.piece_checksum(raw, entry.seed)
+            if first not in entry.shm:
+                tail = entry.kv if first == 0 else entry.kv[:, :, :, first:, :].contiguous()
+                raw = _raw(tail)
+                checksum = kv_shm.piece_checksum(raw, entry.seed)
                 name = kv_shm.create_private(self._shm_dir, memoryview(raw), self._names)
                 # Name first, then look: a drop after this line unlinks the file
                 # itself, one before it is seen here.
-                entry.shm_name = name
+                entry.shm[first] = (name, checksum)
                 if self._entries.get(entry.request_id) is not entry:
                     (self._shm_dir / name).unlink(missing_ok=True)
                     raise HandleExpired(f"KV handle of request {entry.request_id!r} was "
                                         "released while it was being pulled")
-        return KVPiece(0, entry.n_tokens, shm_name=entry.shm_name, size=entry.nbytes,
-                       checksum=entry.shm_checksum)
+        name, checksum = entry.shm[first]
+        n = entry.n_tokens - first
+        return KVPiece(first, n, shm_name=name, size=n * KVShape.of(entry.kv).token_nbytes,
+                       checksum=checksum)
 
     def release(self, request_id: str) -> bool:
         """Free a handle's KV; False when it was not held (released or dropped before)."""
@@ -241,7 +255,7 @@ class KVBuffer:
             self._drop(rid, "released")
 
     def stats(self) -> BufferStats:
-        shm = sum(1 for e in self._entries.values() if e.shm_name)
+        shm = sum(len(e.shm) for e in self._entries.values())
         c = self._counts
         return BufferStats(len(self._entries), self._bytes, c["released"], c["evicted"],
                            c["abandoned"], c["unbuffered"], shm)
@@ -252,8 +266,9 @@ class KVBuffer:
         self._counts[why] += 1
         self._remember(request_id, {"evicted": "dropped for room; rebuild it",
                                     "abandoned": "never pulled; rebuild it"}.get(why, why))
-        if entry.shm_name and self._shm_dir is not None:
-            (self._shm_dir / entry.shm_name).unlink(missing_ok=True)
+        if self._shm_dir is not None:
+            for name, _ in entry.shm.values():
+                (self._shm_dir / name).unlink(missing_ok=True)
 
     def _remember(self, request_id: str, why: str) -> None:
         if len(self._gone) >= _MAX_TOMBSTONES:
@@ -271,18 +286,24 @@ class KVAssembler:
     result tensor: one copy, as the byte stream makes."""
 
     def __init__(self, shape: KVShape, n_tokens: int, *, seed: int,
-                 shm_dir: str = "/dev/shm") -> None:
+                 shm_dir: str = "/dev/shm", first: int = 0) -> None:
+        """Tokens [``first``, ``n_tokens``) of a prompt (decode holds the ones before)."""
+        if not 0 <= first < n_tokens:
+            raise ValueError(f"first token {first} is outside a prompt of {n_tokens} tokens")
         self._shape = shape
         self._n = n_tokens
+        self._first = first
         self._seed = seed
         self._shm_dir = Path(shm_dir)
         self._kv: torch.Tensor | None = None
-        self._filled = 0
+        self._filled = first
 
     @property
     def kv(self) -> torch.Tensor:
+        """Tokens [first, n): index 0 is token ``first``."""
         if self._kv is None:
-            self._kv = torch.empty(self._shape.dims(self._n), dtype=self._shape.dtype)
+            self._kv = torch.empty(self._shape.dims(self._n - self._first),
+                                   dtype=self._shape.dtype)
         return self._kv
 
     def add(self, piece: KVPiece) -> None:
@@ -290,11 +311,12 @@ class KVAssembler:
         if start != self._filled or count <= 0 or start + count > self._n:
             raise ValueError(f"KV piece [{start}, {start + count}) out of order or out of range "
                              f"(have {self._filled} of {self._n} tokens)")
+        at = start - self._first
         want = count * self._shape.token_nbytes
         if piece.shm_name:
             if piece.size != want:
                 raise ValueError(f"shared-memory region of {piece.size} bytes, expected {want}")
-            whole = start == 0 and count == self._n
+            whole = start == self._first and count == self._n - self._first
             dest = self.kv if whole else torch.empty(self._shape.dims(count),
                                                      dtype=self._shape.dtype)
             raw = _raw(dest)
@@ -302,7 +324,7 @@ class KVAssembler:
                                 memoryview(raw))
             self._verify(raw, piece)
             if not whole:
-                self.kv[:, :, :, start:start + count, :].copy_(dest)
+                self.kv[:, :, :, at:at + count, :].copy_(dest)
             self._filled += count
             return
         if len(piece.data) != want:
@@ -313,7 +335,7 @@ class KVAssembler:
             # a read-only bytes object: we only copy out of it
             warnings.simplefilter("ignore", UserWarning)
             part = torch.frombuffer(piece.data, dtype=torch.uint8)
-        self.kv[:, :, :, start:start + count, :].copy_(
+        self.kv[:, :, :, at:at + count, :].copy_(
             part.view(self._shape.dtype).view(self._shape.dims(count)))
         self._filled += count
 

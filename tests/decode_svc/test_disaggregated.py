@@ -18,6 +18,7 @@ from tests.decode_svc.stack import (
 )
 
 B = 16
+G1_TOKENS = "kvserve_decode_decode_g1_prefix_tokens_total"
 # Lengths around block boundaries: shorter than a block, exact multiples, partial tails.
 LENGTHS = [5, 16, 17, 31, 32, 33, 47, 64, 70, 100, 129]
 
@@ -69,9 +70,13 @@ def test_agent_conversation_hits_the_whole_previous_context(stack: Stack) -> Non
         if turn:
             held = stored_blocks(stack.store.address, keys, L, tenant)     # no waiting
             assert held == prev_kv // B, f"turn {turn}: warehouse holds {held} blocks"
+        g1_before = stack.decode.metrics().get(G1_TOKENS, 0.0)
         h, out = generate(stack, context, max_tokens=12, tenant=tenant, ignore_eos=True)
         want = reference(stack.ref, context, max_tokens=12, ignore_eos=True)
         assert out.tokens == want, f"turn {turn}: output differs from a cache-less run"
+        # Decode kept the previous turn's blocks: only the tail was pulled.
+        held = min(prev_kv // B, (L - 1) // B) * B
+        assert stack.decode.metrics().get(G1_TOKENS, 0.0) - g1_before == held, f"turn {turn}"
         if turn == 0:
             assert h.cached_tokens == 0
         else:

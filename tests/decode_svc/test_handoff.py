@@ -112,6 +112,36 @@ def test_a_tampered_handoff_file_is_recomputed_never_served_nor_stored(stack: St
     assert decode(stack.decode_stub(), h2, max_tokens=6).tokens == reference(stack.ref, nxt, 6)
 
 
+def test_a_tampered_tail_of_a_next_turn_is_recomputed_never_served(stack: Stack) -> None:
+    """A session's next turn pulls only the tokens after the prefix decode's own
+    G1 holds: that tail file is verified like a whole one, and a tampered one
+    ends in a rebuild (the pinned prefix given back), never in served KV."""
+    p = prompt(63, 40)
+    pre = stack.prefill_stub()
+    first = decode(stack.decode_stub(), prefill(pre, p, max_tokens=8), max_tokens=8)
+    assert first.tokens == reference(stack.ref, p, 8)
+    nxt = p + first.tokens + prompt(64, 20)
+    want = reference(stack.ref, nxt, 8)
+    held = min((len(p) + len(first.tokens) - 1) // procs.BLOCK,
+               (len(nxt) - 1) // procs.BLOCK) * procs.BLOCK
+    h = prefill(pre, nxt, max_tokens=8)
+    (chunk,) = list(pre.PullKV(prefill_pb2.PullKVRequest(
+        request_id=h.ctx.request_id, use_shm=True, start_token=held), timeout=TIMEOUT))
+    assert chunk.start_token == held and chunk.token_count == len(nxt) - held
+    with open(SHM / chunk.shm_name, "r+b") as f:
+        f.seek(chunk.size // 2)
+        f.write(b"\x7f" * 64)
+    failures = _metric(stack.decode, "kvserve_decode_decode_kv_integrity_failures_total")
+    assert decode(stack.decode_stub(), h, max_tokens=8).tokens == want
+    assert _metric(stack.decode, "kvserve_decode_decode_kv_integrity_failures_total") == (
+        failures + 1)
+    # The prefix pins went back: the same turn again pulls the same tail, cleanly.
+    h = prefill(pre, nxt, max_tokens=8)
+    g1 = _metric(stack.decode, "kvserve_decode_decode_g1_prefix_tokens_total")
+    assert decode(stack.decode_stub(), h, max_tokens=8).tokens == want
+    assert _metric(stack.decode, "kvserve_decode_decode_g1_prefix_tokens_total") >= g1 + held
+
+
 @pytest.fixture()
 def forgetful_prefill(stack: Stack) -> Iterator[procs.Proc]:
     """A prefill that drops KV nobody pulled within 1 s (the old 30-s TTL, shortened)."""

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from decode_svc.batcher import Batcher
+from decode_svc.prefix_hold import PrefixHolds
 from engine import Engine, EngineConfig, SamplingParams
 from proto import prefill_pb2
 from service.engine_thread import EngineThread
@@ -154,3 +155,75 @@ def test_cancelled_callers_give_their_reservations_back() -> None:
     got_c, live, reserved = asyncio.run(asyncio.wait_for(body(), 60))
     assert got_c == want_c
     assert live == [] and reserved == 0 and eng.free_blocks == POOL
+
+
+def test_a_g1_prefix_held_for_a_call_is_reserved_then_handed_on_or_given_back() -> None:
+    """Decode pins the prefix its own G1 holds while a call pulls the rest: the
+    pins are reserved in the gate first (so nothing promised to others is lost),
+    the reservation joins the call's grant, the adopt takes the pins, and every
+    other path gives both back exactly once."""
+    eng = Engine(CFG)
+    B = CFG.block_tokens
+    base = prompt(410, 5 * B)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng.prefill("x", base)
+    eng.free("x", keep_keys=keys)                         # 5 blocks idle in G1
+    nxt = base + prompt(411, 7)
+    kv = Engine(CFG)
+    kv.prefill("k", nxt, sampling=sp)
+    whole = kv.export_tokens("k", 0, len(nxt))
+    want = kv.generate(nxt, sp).tokens
+    need = eng.kv_blocks_for(len(nxt), sp.max_tokens)
+
+    async def body() -> None:
+        thread = EngineThread("test-decode")
+        batcher = Batcher(eng, thread, max_seqs=4)
+        holds = PrefixHolds(eng, thread, batcher.gate)
+        batcher.start()
+        try:
+            h = await holds.hold(keys, len(nxt))          # given back unused
+            assert h is not None and len(h.blocks) == 5 and batcher.gate.reserved == 5
+            assert eng.free_blocks == POOL - 5
+            holds.release(h)
+            holds.release(h)                              # idempotent
+            await thread.call(lambda: None)
+            assert batcher.gate.reserved == 0 and eng.free_blocks == POOL
+            assert batcher.gate.reserve_now(POOL - 2)     # no room: nothing pinned
+            assert await holds.hold(keys, len(nxt)) is None
+            assert eng.free_blocks == POOL
+            batcher.gate.release_blocks(POOL - 2)
+            h = await holds.hold(keys, len(nxt))          # adopted: pins are the sequence's
+            assert h is not None
+            tail = whole[:, :, :, h.tokens(B):, :]
+
+            def adopt() -> None:
+                eng.adopt("d", nxt, tail, want[0], sp, prefix=h.blocks)
+                h.adopted = True
+
+            got = [t async for ev in batcher.generate("d", adopt, prompt_tokens=len(nxt),
+                                                     kv_blocks=need, held_blocks=h.hand_over())
+                   for t in ev.token_ids]
+            holds.release(h)
+            await thread.call(lambda: None)
+            assert got == want
+            assert batcher.gate.reserved == 0 and eng.free_blocks == POOL
+            assert all(eng.blocks.ref_count(b) == 0 for b in range(POOL))
+            h = await holds.hold(keys, len(nxt))          # the call leaves while queued
+            assert h is not None
+            assert batcher.gate.reserve_now(POOL - 5)
+            gen = asyncio.create_task(batcher.generate(
+                "e", adopt, prompt_tokens=len(nxt), kv_blocks=need,
+                held_blocks=h.hand_over()).__anext__())
+            while batcher.gate.waiting < 1:
+                await asyncio.sleep(0.001)
+            gen.cancel()
+            await asyncio.gather(gen, return_exceptions=True)
+            holds.release(h)
+            await thread.call(lambda: None)
+            assert batcher.gate.reserved == POOL - 5 and eng.free_blocks == POOL
+        finally:
+            await batcher.close()
+            thread.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))

@@ -347,3 +347,48 @@ def test_invariant_kernels_agree_on_every_simd_path() -> None:
     bik.use_path(bik.paths()[-1])
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+
+
+def _prefix_keys(tokens: list[int], block_tokens: int) -> list[bytes]:
+    return [hashlib.sha256(repr(tokens[:(i + 1) * block_tokens]).encode()).digest()
+            for i in range(len(tokens) // block_tokens)]
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_a_next_turn_adopted_on_decodes_own_g1_prefix_is_exact(model: str) -> None:
+    """Decode keeps a finished turn's canonical blocks in G1; the session's next
+    turn pins them and adopts only the pulled tail: its KV and tokens equal a
+    whole adopt's, and pins go back on an error or an unpin."""
+    pre, dec = make_engine(model), make_engine(model)
+    B = dec.config.block_tokens
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    context = random_prompts(1, 3 * B + 5, 3 * B + 6, 256, seed=43)[0]
+    prev_kv = 0                                            # tokens of the last turn with KV
+    for turn in range(3):
+        want = pre.generate(context, sp).tokens
+        first = pre.prefill("p", context, sampling=sp).first_token
+        kv = pre.export_tokens("p", 0, len(context))
+        pre.free("p")
+        keys = _prefix_keys(context, B)
+        held = dec.pin_prefix(keys[:(len(context) - 1) // B])
+        assert len(held) == prev_kv // B, f"turn {turn}"
+        if held:
+            with pytest.raises(ValueError, match="adopted KV has shape"):
+                dec.adopt("d", context, kv, first, sp, prefix=held)     # the whole KV: wrong
+            assert all(dec.blocks.ref_count(b) == 1 for b in held), "pins stay the caller's"
+        dec.adopt("d", context, kv[:, :, :, len(held) * B:, :], first, sp, prefix=held,
+                  block_keys=keys)
+        assert torch.equal(dec.export_tokens("d", 0, len(context)), kv)
+        while dec.finish_reason("d") is None:
+            dec.decode_step(["d"])
+        assert dec.seq_tokens("d")[len(context):] == want, f"turn {turn}"
+        tokens = dec.seq_tokens("d")
+        dec.canonical_blocks("d")
+        dec.free("d", keep_keys=_prefix_keys(tokens, B))
+        prev_kv = len(tokens) - 1                          # the last token has no KV
+        context = tokens + random_prompts(1, B + 3, B + 4, 256, seed=50 + turn)[0]
+    held = dec.pin_prefix(_prefix_keys(context, B))
+    assert held and all(dec.blocks.ref_count(b) == 1 for b in held)
+    dec.unpin(held)
+    assert all(dec.blocks.ref_count(b) == 0 for b in held)
+    assert dec.free_blocks == dec.blocks.num_blocks        # cached, idle: all allocatable

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from service import kv_shm
-from service.errors import HandleExpired
+from service.errors import HandleExpired, InvalidRequest
 from service.kv_buffer import KVAssembler, KVBuffer, KVIntegrityError, KVPiece, KVShape
 
 SHM = "/dev/shm"
@@ -238,3 +238,42 @@ def test_assembler_rejects_bad_pieces() -> None:
     with pytest.raises(ValueError, match="bad shared-memory name"):
         KVAssembler(shape, 8, seed=2).add(KVPiece(0, 8, shm_name="../etc/passwd",
                                                   size=len(piece.data)))
+
+
+@needs_shm
+@pytest.mark.parametrize("first", [1, 16, 36])
+def test_a_tail_pull_gives_exactly_the_tokens_after_what_decode_holds(first: int) -> None:
+    """Decode's own G1 holds a session's earlier turn: only the tokens from
+    ``first`` on travel, by bytes or by file, each verified, and every file
+    goes with the entry."""
+    kv = _kv(37)
+    buf = _buf(shm_dir=SHM, chunk_bytes=1024)
+    entry = buf.put("r", kv, seed=11)
+    assert entry is not None
+    pieces = list(buf.pieces(entry, first))
+    assert pieces[0].start_token == first and sum(p.token_count for p in pieces) == 37 - first
+    asm = KVAssembler(KVShape.of(kv), 37, seed=11, first=first)
+    for p in pieces:
+        asm.add(p)
+    assert torch.equal(asm.done(), kv[:, :, :, first:, :])
+    tail, whole = buf.shm_piece(entry, first), buf.shm_piece(entry)
+    assert tail.size == (37 - first) * KVShape.of(kv).token_nbytes
+    assert tail.shm_name != whole.shm_name and buf.stats().shm_files == 2
+    asm = KVAssembler(KVShape.of(kv), 37, seed=11, first=first)
+    asm.add(tail)
+    assert torch.equal(asm.done(), kv[:, :, :, first:, :])
+    with pytest.raises(ValueError, match="out of order"):     # a whole file for a tail
+        KVAssembler(KVShape.of(kv), 37, seed=11, first=first).add(whole)
+    buf.release("r")
+    assert not Path(SHM, tail.shm_name).exists() and not Path(SHM, whole.shm_name).exists()
+
+
+def test_a_pull_from_outside_the_prompt_is_refused() -> None:
+    buf = _buf()
+    entry = buf.put("r", _kv(8), seed=1)
+    assert entry is not None
+    for first in (-1, 8, 1 << 31):
+        with pytest.raises(InvalidRequest, match="outside"):
+            list(buf.pieces(entry, first))
+    with pytest.raises(ValueError, match="outside"):
+        KVAssembler(KVShape.of(_kv(8)), 8, seed=1, first=8)
