@@ -62,12 +62,14 @@ KEY_TILE = 64                 # keys per tile
 KEY_SPLIT = 1024              # keys per split (a multiple of KEY_TILE)
 PREFILL_ROWS = 128            # rows per prefill program: 8 warps, 2 warpgroups along M
 # A decode program puts the tile's 64 keys on the instruction's row side and the
-# GQA group (padded to at least DECODE_COLS) on its narrow side, 4 warps.
+# GQA group on its narrow side, padded to DECODE_COLS (Triton's narrowest dot
+# operand), in one warpgroup.
 DECODE_COLS = 16
 DECODE_WARPS = 4
 # Two stages, not three: with the group on the row side (the previous decode
 # program, tbi3) on the H200 (graph-timed, 288 keys) 18.4 / 14.9 / 37.1 against
-# 19.3 / 15.4 / 41.2 us a layer at b1/8/64 (stages only schedule the loads).
+# 19.3 / 15.4 / 41.2 us a layer at b1/8/64 (stages only schedule the loads);
+# not measured again for the keys-major program.
 DECODE_STAGES = 2
 LOG2E = 1.4426950408889634
 
