@@ -32,12 +32,11 @@ from engine.errors import ModelConfigError
 # 1 - the worst same-run ratio of llama-8b-shape bf16 prefill at 4k/16k/32k and
 # decode at b1/8/64 (python3 -m benchmarks.kernels --model llama-8b-shape;
 # docs/bench-notes/h6-gpu.md). None: not measured yet, so ``auto`` keeps triton.
-# 0.083: tbi2 with two-stage decode programs, prefill 4k / decode b1/8/64 of one
-# run on 2026-12-02 (0.981 / 0.980 / 1.026 / 0.917; docs/BENCHMARKS.md issue 21).
-# tbi3 (decode shares after the first hold one split each) runs the same work
-# for every row with no more splits than shares, the benchmark's 256-key decode
-# included, so the figure carries over; longer b8 rows now load the first share.
-TRITON_BI_COST: float | None = 0.083
+# 0.077: tbi4 (row sums on the matrix unit, keys-major decode programs), the
+# worst of three runs on 2026-12-02 (0.065 and 0.062 in the other two; the
+# worst ratio each time prefill 32k: 0.923, 0.935, 0.938; docs/BENCHMARKS.md
+# issue 21). tbi3 measured 0.081 and 0.083 alternated with the last two.
+TRITON_BI_COST: float | None = 0.077
 AUTO_MAX_COST = 0.10        # issue 21: exactness is the default when it costs <= 10 %
 
 

@@ -6,16 +6,22 @@ A row's result is defined by its keys alone, cut two ways at absolute
 positions (never relative to a chunk, a tile of rows or a batch):
 
 - key tiles of ``KEY_TILE`` keys: within a tile, one score per key (a dot over
-  the head dimension), then an online-softmax step (running max, rescale,
-  one matrix-unit accumulation of probabilities x values);
+  the head dimension), then an online-softmax step (running max, rescale, and
+  two matrix-unit accumulations of the probabilities: x values and x ones, the
+  latter the row sum, so no sum over keys is left to a layout's shuffle tree);
 - splits of ``KEY_SPLIT`` keys: each split's tiles run from a fresh state
   (max -inf, sum 0, accumulator 0) and the split is then folded into the row's
   total, splits in ascending order, with explicit FMAs (``_fold``).
 
 A prefill program (``PREFILL_ROWS`` rows: query tokens x the GQA group of one KV
 head, so K/V are never repeated) walks all its splits itself. A decode program
-(``DECODE_ROWS`` rows, one token) takes a contiguous share of its row's splits
-and folds them; a second kernel folds the shares in order (``_fold_parts``).
+(one token, the GQA group of one KV head) puts each tile's 64 keys on the
+matrix instruction's row side and the group's few query heads on its narrow
+side (with the group on the row side, 4 of 64 rows were live at GQA 4), takes
+a contiguous share of its row's splits and folds them; a second kernel folds
+the shares in order (``_fold_parts``). The transposed products are the same
+numbers: a matrix-unit output does not depend on which operand side its
+inputs came from, and the only reduction over keys left is a maximum.
 Both give the prefill bits: folding into the fresh state is exact (0 x 0 + a x 1
 = a), so ((fresh + A) + B) + C and (fresh + ((fresh + A) + B)) + (fresh + C) are
 the same numbers — but a fold is not associative, so a share after the first
@@ -55,12 +61,15 @@ import triton.language as tl
 KEY_TILE = 64                 # keys per tile
 KEY_SPLIT = 1024              # keys per split (a multiple of KEY_TILE)
 PREFILL_ROWS = 128            # rows per prefill program: 8 warps, 2 warpgroups along M
-DECODE_ROWS = 64              # rows per decode program: 4 warps, 1 warpgroup
-# Decode programs pipeline two stages, not three: on the H200 (graph-timed,
-# 288 keys) 18.4 / 14.9 / 37.1 against 19.3 / 15.4 / 41.2 us a layer at b1/8/64,
-# same bits (stages only schedule the loads). A 16-row one-warp tile (mma.sync,
-# also bit-identical to the prefill rows there) lost at short contexts and small
-# batch (50 us at b64), its tile's latency on one warp's tensor core.
+# A decode program puts the tile's 64 keys on the instruction's row side and the
+# GQA group on its narrow side, padded to DECODE_COLS (Triton's narrowest dot
+# operand), in one warpgroup.
+DECODE_COLS = 16
+DECODE_WARPS = 4
+# Two stages, not three: with the group on the row side (the previous decode
+# program, tbi3) on the H200 (graph-timed, 288 keys) 18.4 / 14.9 / 37.1 against
+# 19.3 / 15.4 / 41.2 us a layer at b1/8/64 (stages only schedule the loads);
+# not measured again for the keys-major program.
 DECODE_STAGES = 2
 LOG2E = 1.4426950408889634
 
@@ -82,22 +91,35 @@ def _fold(m, lsum, acc, m2, l2, acc2):
 
 
 @triton.jit
-def _key_tile(q, m, lsum, acc, kb, vb, TBL, t_off, kt, q_pos, hi, window, qk_scale,
-              block_tokens, D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
-              PREC: tl.constexpr):
-    """One online-softmax step over key tile ``kt`` (keys kt*BN .. kt*BN+BN-1)."""
+def _tile_keys(kb, vb, TBL, t_off, kt, hi, block_tokens, D: tl.constexpr, BN: tl.constexpr,
+               MASK: tl.constexpr):
+    """Key tile ``kt`` (keys kt*BN .. kt*BN+BN-1, none past ``hi`` read): K, V [BN, D]."""
     k_pos = kt * BN + tl.arange(0, BN)
     d = tl.arange(0, D)
     if MASK:
         k_ok = k_pos <= hi
         blk = tl.load(TBL + t_off + k_pos // block_tokens, mask=k_ok, other=0).to(tl.int64)
+        slot = blk * block_tokens + k_pos % block_tokens
+        k = tl.load(kb + slot[:, None] * D + d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(vb + slot[:, None] * D + d[None, :], mask=k_ok[:, None], other=0.0)
     else:
         blk = tl.load(TBL + t_off + k_pos // block_tokens).to(tl.int64)
-    slot = blk * block_tokens + k_pos % block_tokens
-    if MASK:
-        k = tl.load(kb + slot[:, None] * D + d[None, :], mask=k_ok[:, None], other=0.0)
-    else:
+        slot = blk * block_tokens + k_pos % block_tokens
         k = tl.load(kb + slot[:, None] * D + d[None, :])
+        v = tl.load(vb + slot[:, None] * D + d[None, :])
+    return k_pos, k, v
+
+
+@triton.jit
+def _key_tile(q, m, lsum, acc, kb, vb, TBL, t_off, kt, q_pos, hi, window, qk_scale,
+              block_tokens, D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
+              PREC: tl.constexpr):
+    """One online-softmax step over key tile ``kt``, rows on the matrix
+    instruction's row side. ``lsum`` is [R, 16], its 16 columns equal: the row
+    sum of the tile's probabilities is a matrix-unit product with ones, so that
+    ``_key_tile_t`` (keys on the row side) forms it from the same numbers in the
+    same order; a ``tl.sum`` over keys would follow each layout's own tree."""
+    k_pos, k, v = _tile_keys(kb, vb, TBL, t_off, kt, hi, block_tokens, D, BN, MASK)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale        # [R, BN], log2 units
     if MASK:
         see = k_pos[None, :] <= q_pos[:, None]
@@ -107,36 +129,93 @@ def _key_tile(q, m, lsum, acc, kb, vb, TBL, t_off, kt, q_pos, hi, window, qk_sca
     m_new = tl.maximum(m, tl.max(s, 1))
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_sub)
-    p = tl.exp2(s - m_sub[:, None])
-    lsum = tl.fma(lsum, alpha, tl.sum(p, 1))
-    if MASK:
-        v = tl.load(vb + slot[:, None] * D + d[None, :], mask=k_ok[:, None], other=0.0)
-    else:
-        v = tl.load(vb + slot[:, None] * D + d[None, :])
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+    p = tl.exp2(s - m_sub[:, None]).to(v.dtype)
+    ones = tl.full([BN, 16], 1.0, v.dtype)
+    lsum = tl.dot(p, ones, lsum * alpha[:, None], input_precision=PREC)
+    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
     return m_new, lsum, acc
+
+
+@triton.jit
+def _key_tile_t(qt, m, lsum_t, acc_t, kb, vb, TBL, t_off, kt, q_pos, window, qk_scale,
+                block_tokens, D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
+                PREC: tl.constexpr):
+    """``_key_tile`` for one decode token, transposed: the tile's keys on the
+    instruction's 64-row side and the GQA group's few rows on its narrow side
+    (``qt`` [D, NQ]), so a 4-head group no longer pays a 64-row instruction.
+    Scores, probabilities and sums are the same numbers: a matrix-unit output
+    does not depend on which operand side a number came from (checked on the
+    H200 by the GEMM's weight-major plans and tests/engine/test_gpu_invariant.py),
+    and maxima are exact in any order. ``lsum_t`` [BN, NQ] has equal rows."""
+    k_pos, k, v = _tile_keys(kb, vb, TBL, t_off, kt, q_pos, block_tokens, D, BN, MASK)
+    s = tl.dot(k, qt, input_precision=PREC) * qk_scale                 # [BN, NQ]
+    if MASK:
+        see = k_pos <= q_pos
+        if window > 0:
+            see &= k_pos > q_pos - window
+        s = tl.where(see[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 0))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_sub)
+    p = tl.exp2(s - m_sub[None, :]).to(v.dtype)
+    ones = tl.full([BN, BN], 1.0, v.dtype)
+    lsum_t = tl.dot(ones, p, lsum_t * alpha[None, :], input_precision=PREC)
+    acc_t = tl.dot(tl.trans(v), p, acc_t * alpha[None, :], input_precision=PREC)
+    return m_new, lsum_t, acc_t
 
 
 @triton.jit
 def _tiles(q, m, lsum, acc, kb, vb, TBL, t_off, a, b, q_pos, hi, window, qk_scale,
            block_tokens, D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
-           PREC: tl.constexpr):
+           PREC: tl.constexpr, KEYS_MAJOR: tl.constexpr):
     for kt in range(a, b):
-        m, lsum, acc = _key_tile(q, m, lsum, acc, kb, vb, TBL, t_off, kt, q_pos, hi, window,
-                                 qk_scale, block_tokens, D, BN, MASK, PREC)
+        if KEYS_MAJOR:
+            m, lsum, acc = _key_tile_t(q, m, lsum, acc, kb, vb, TBL, t_off, kt, q_pos, window,
+                                       qk_scale, block_tokens, D, BN, MASK, PREC)
+        else:
+            m, lsum, acc = _key_tile(q, m, lsum, acc, kb, vb, TBL, t_off, kt, q_pos, hi, window,
+                                     qk_scale, block_tokens, D, BN, MASK, PREC)
     return m, lsum, acc
 
 
 @triton.jit
-def _attn_kernel(Q, KP, VP, TBL, SEG, TILE, OUT, ACC, ML,
-                 s_qm, s_qh, s_kh, s_om, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh,
-                 window, qk_scale, block_tokens,
+def _key_range(p_first, hi, window, BN: tl.constexpr, TPS: tl.constexpr, PARTS: tl.constexpr):
+    """Key tiles [ta, tb) of rows at positions p_first..hi (this program's share
+    of them for a decode row, PARTS >= 1) and [fa, fb), those every row sees
+    whole (no mask needed)."""
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(p_first - window + 1, 0)
+    ta = lo // BN
+    tb = hi // BN + 1
+    if PARTS > 0:
+        # The shares are folded in order afterwards, and a fold is not
+        # associative: a later share holding two splits gives T + (D + E), not
+        # the prefill's (T + D) + E. So every share but the first holds one
+        # split, and the first holds the rest (its own left fold from a fresh
+        # state is exactly the prefill's prefix).
+        s0 = ta // TPS
+        extra = tl.maximum((tb - 1) // TPS + 1 - s0 - PARTS, 0)
+        part = tl.program_id(2)
+        sa = s0 + part + tl.where(part > 0, extra, 0)
+        se = sa + 1 + tl.where(part == 0, extra, 0)
+        ta = tl.minimum(tl.maximum(ta, sa * TPS), tb)
+        tb = tl.maximum(tl.minimum(tb, se * TPS), ta)
+    fa = ta
+    if window > 0:
+        fa = tl.cdiv(tl.maximum(hi - window + 1, 0), BN)
+    fa = tl.minimum(tl.maximum(fa, ta), tb)
+    fb = tl.minimum(tl.maximum((p_first + 1) // BN, fa), tb)
+    return ta, tb, fa, fb
+
+
+@triton.jit
+def _attn_kernel(Q, KP, VP, TBL, SEG, TILE, OUT,
+                 s_qm, s_qh, s_kh, s_om, window, qk_scale, block_tokens,
                  G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr,
-                 BN: tl.constexpr, TPS: tl.constexpr, PARTS: tl.constexpr,
-                 PREC: tl.constexpr):
-    """PARTS == 0: a prefill tile folds all its splits and stores the output.
-    PARTS >= 1: a decode row's share ``program_id(2)`` of its splits; with one
-    share the output, else the share's state for ``_fold_parts``."""
+                 BN: tl.constexpr, TPS: tl.constexpr, PREC: tl.constexpr):
+    """A prefill tile (TQ tokens x the GQA group of KV head ``program_id(1)``):
+    folds all its splits and stores the output."""
     tile = tl.program_id(0)
     hk = tl.program_id(1)
     seg = tl.load(TILE + 2 * tile)
@@ -156,59 +235,85 @@ def _attn_kernel(Q, KP, VP, TBL, SEG, TILE, OUT, ACC, ML,
                 mask=row_ok[:, None], other=0.0)     # [R, D]
     p_first = q_start + t0                           # the tile's first and last positions
     hi = q_start + tl.minimum(t0 + TQ, rows) - 1
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(p_first - window + 1, 0)
-    ta = lo // BN                                    # key tiles [ta, tb)
-    tb = hi // BN + 1
-    if PARTS > 0:                                    # this program's share of the splits
-        # The shares are folded in order afterwards, and a fold is not
-        # associative: a later share holding two splits gives T + (D + E), not
-        # the prefill's (T + D) + E. So every share but the first holds one
-        # split, and the first holds the rest (its own left fold from a fresh
-        # state is exactly the prefill's prefix).
-        s0 = ta // TPS
-        extra = tl.maximum((tb - 1) // TPS + 1 - s0 - PARTS, 0)
-        part = tl.program_id(2)
-        sa = s0 + part + tl.where(part > 0, extra, 0)
-        se = sa + 1 + tl.where(part == 0, extra, 0)
-        ta = tl.minimum(tl.maximum(ta, sa * TPS), tb)
-        tb = tl.maximum(tl.minimum(tb, se * TPS), ta)
-    # tiles every row sees whole: past the window's start, not past the first row
-    fa = ta
-    if window > 0:
-        fa = tl.cdiv(tl.maximum(hi - window + 1, 0), BN)
-    fa = tl.minimum(tl.maximum(fa, ta), tb)
-    fb = tl.minimum(tl.maximum((p_first + 1) // BN, fa), tb)
+    ta, tb, fa, fb = _key_range(p_first, hi, window, BN, TPS, 0)
     kb = KP + hk * s_kh
     vb = VP + hk * s_kh
     zero_m = tl.full([TQ * GP], float("-inf"), tl.float32)
-    zero_l = tl.zeros([TQ * GP], tl.float32)
+    zero_l = tl.zeros([TQ * GP, 16], tl.float32)
     zero_acc = tl.zeros([TQ * GP, D], tl.float32)
-    m, lsum, acc = zero_m, zero_l, zero_acc          # the row's total
+    m, lsum, acc = zero_m, tl.zeros([TQ * GP], tl.float32), zero_acc     # the row's total
     for sp in range(ta // TPS, tl.cdiv(tb, TPS)):
         a = tl.maximum(ta, sp * TPS)
         b = tl.minimum(tb, sp * TPS + TPS)
         ms, ls, accs = zero_m, zero_l, zero_acc      # this split, from a fresh state
         ms, ls, accs = _tiles(q, ms, ls, accs, kb, vb, TBL, t_off, a, tl.minimum(fa, b),
-                              q_pos, hi, window, qk_scale, block_tokens, D, BN, True, PREC)
+                              q_pos, hi, window, qk_scale, block_tokens, D, BN, True, PREC,
+                              False)
         ms, ls, accs = _tiles(q, ms, ls, accs, kb, vb, TBL, t_off, tl.maximum(fa, a),
                               tl.minimum(fb, b), q_pos, hi, window, qk_scale, block_tokens,
-                              D, BN, False, PREC)
+                              D, BN, False, PREC, False)
         ms, ls, accs = _tiles(q, ms, ls, accs, kb, vb, TBL, t_off, tl.maximum(fb, a), b,
-                              q_pos, hi, window, qk_scale, block_tokens, D, BN, True, PREC)
-        m, lsum, acc = _fold(m, lsum, acc, ms, ls, accs)
+                              q_pos, hi, window, qk_scale, block_tokens, D, BN, True, PREC,
+                              False)
+        # the 16 columns are equal: the maximum picks that number exactly
+        m, lsum, acc = _fold(m, lsum, acc, ms, tl.max(ls, 1), accs)
+    o = acc / tl.where(row_ok, lsum, 1.0)[:, None] + 0.0
+    tl.store(OUT + qrow[:, None] * s_om + (hk * G + g)[:, None] * D + d[None, :],
+             o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
+                   s_qm, s_qh, s_kh, s_om, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh,
+                   window, qk_scale, block_tokens,
+                   G: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                   TPS: tl.constexpr, PARTS: tl.constexpr, PREC: tl.constexpr):
+    """Decode row ``program_id(0)`` (a one-token segment), the GQA group of KV
+    head ``program_id(1)``, share ``program_id(2)`` of its splits: with one share
+    the output, else the share's state for ``_fold_parts``. Keys on the
+    instruction's row side (``_key_tile_t``); the same numbers as a prefill row."""
+    seg = tl.program_id(0)
+    hk = tl.program_id(1)
+    qrow = tl.load(SEG + 4 * seg).to(tl.int64)
+    q_pos = tl.load(SEG + 4 * seg + 2)
+    t_off = tl.load(SEG + 4 * seg + 3)
+    g = tl.arange(0, NQ)
+    g_ok = g < G
     heads = hk * G + g
+    d = tl.arange(0, D)
+    qt = tl.load(Q + qrow * s_qm + heads[None, :] * s_qh + d[:, None], mask=g_ok[None, :],
+                 other=0.0)                          # [D, NQ]
+    ta, tb, fa, fb = _key_range(q_pos, q_pos, window, BN, TPS, PARTS)
+    kb = KP + hk * s_kh
+    vb = VP + hk * s_kh
+    zero_m = tl.full([NQ], float("-inf"), tl.float32)
+    zero_l = tl.zeros([BN, NQ], tl.float32)
+    zero_acc = tl.zeros([D, NQ], tl.float32)
+    m, lsum, acc = zero_m, tl.zeros([NQ], tl.float32), tl.zeros([NQ, D], tl.float32)
+    for sp in range(ta // TPS, tl.cdiv(tb, TPS)):
+        a = tl.maximum(ta, sp * TPS)
+        b = tl.minimum(tb, sp * TPS + TPS)
+        ms, ls, accs = zero_m, zero_l, zero_acc
+        ms, ls, accs = _tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, tl.minimum(fa, b),
+                              q_pos, q_pos, window, qk_scale, block_tokens, D, BN, True, PREC,
+                              True)
+        ms, ls, accs = _tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, tl.maximum(fa, a),
+                              tl.minimum(fb, b), q_pos, q_pos, window, qk_scale, block_tokens,
+                              D, BN, False, PREC, True)
+        ms, ls, accs = _tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, tl.maximum(fb, a), b,
+                              q_pos, q_pos, window, qk_scale, block_tokens, D, BN, True, PREC,
+                              True)
+        m, lsum, acc = _fold(m, lsum, acc, ms, tl.max(ls, 0), tl.trans(accs))
     if PARTS <= 1:
-        o = acc / tl.where(row_ok, lsum, 1.0)[:, None] + 0.0
-        tl.store(OUT + qrow[:, None] * s_om + heads[:, None] * D + d[None, :],
-                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        o = acc / tl.where(g_ok, lsum, 1.0)[:, None] + 0.0
+        tl.store(OUT + qrow * s_om + heads[:, None] * D + d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=g_ok[:, None])
     else:
         part = tl.program_id(2)
-        tl.store(ACC + qrow[:, None] * s_ab + part * s_ap + heads[:, None] * s_ah + d[None, :],
-                 acc, mask=row_ok[:, None])
-        tl.store(ML + qrow * s_mb + part * s_mp + heads * s_mh, m, mask=row_ok)
-        tl.store(ML + qrow * s_mb + part * s_mp + heads * s_mh + 1, lsum, mask=row_ok)
+        tl.store(ACC + qrow * s_ab + part * s_ap + heads[:, None] * s_ah + d[None, :],
+                 acc, mask=g_ok[:, None])
+        tl.store(ML + qrow * s_mb + part * s_mp + heads * s_mh, m, mask=g_ok)
+        tl.store(ML + qrow * s_mb + part * s_mp + heads * s_mh + 1, lsum, mask=g_ok)
 
 
 @triton.jit
@@ -249,7 +354,8 @@ def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor
            acc: torch.Tensor | None = None, ml: torch.Tensor | None = None,
            split: int = KEY_SPLIT) -> None:
     """One launch for every tile of every segment of one layer. ``parts`` 0:
-    prefill tiles; >= 1: one-token decode rows (tile i = row i), each split over
+    prefill tiles; >= 1: one-token decode rows (program i = segment i; ``tiles``
+    is read by prefill only), each split over
     ``parts`` programs whose states go to ``acc`` [rows, parts, H, D] and ``ml``
     [rows, parts, H, 2] (fp32) and are folded here by a second kernel. ``split``
     (keys, a multiple of KEY_TILE) is part of the arithmetic: other values are
@@ -260,22 +366,28 @@ def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor
     if q.stride(2) != 1:
         q = q.contiguous()
     gp = triton.next_power_of_2(group)
-    decode = parts > 0
-    rows = DECODE_ROWS if decode else PREFILL_ROWS
     kp, vp = pool[layer, 0], pool[layer, 1]                      # [Hkv, nb, B, D]
+    scale = LOG2E / dim ** 0.5
+    if not parts:
+        _attn_kernel[(n_tiles, kv_heads)](
+            q, kp, vp, tables, seg_meta, tiles, out, q.stride(0), q.stride(1), kp.stride(0),
+            out.stride(0), window, scale, block_tokens, G=group, GP=gp,
+            TQ=tile_tokens(group, PREFILL_ROWS), D=dim, BN=KEY_TILE, TPS=split // KEY_TILE,
+            PREC=_prec(q.dtype), num_warps=PREFILL_ROWS // 16, num_stages=3,
+            enable_fp_fusion=False)
+        return
     if parts > 1:
         assert acc is not None and ml is not None
         sa, sm = acc.stride(), ml.stride()
     else:
         acc = ml = out
         sa = sm = (0, 0, 0, 0)
-    _attn_kernel[(n_tiles, kv_heads, max(parts, 1))](
-        q, kp, vp, tables, seg_meta, tiles, out, acc, ml,
+    _decode_kernel[(n_tiles, kv_heads, parts)](
+        q, kp, vp, tables, seg_meta, out, acc, ml,
         q.stride(0), q.stride(1), kp.stride(0), out.stride(0), sa[0], sa[1], sa[2],
-        sm[0], sm[1], sm[2], window, LOG2E / dim ** 0.5, block_tokens,
-        G=group, GP=gp, TQ=tile_tokens(group, rows), D=dim, BN=KEY_TILE,
-        TPS=split // KEY_TILE, PARTS=parts, PREC=_prec(q.dtype),
-        num_warps=rows // 16, num_stages=DECODE_STAGES if decode else 3,
+        sm[0], sm[1], sm[2], window, scale, block_tokens,
+        G=group, NQ=max(DECODE_COLS, gp), D=dim, BN=KEY_TILE, TPS=split // KEY_TILE,
+        PARTS=parts, PREC=_prec(q.dtype), num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
         enable_fp_fusion=False)
     if parts > 1:
         _fold_parts[(n_tiles, kv_heads)](acc, ml, out, sa[0], sa[1], sa[2], sm[0], sm[1],
@@ -302,7 +414,9 @@ class InvariantAttention:
         self.pool, self.split = pool, split
         self.group = num_heads // pool.shape[2]
         self.parts = parts
-        tq = tile_tokens(self.group, DECODE_ROWS if parts else PREFILL_ROWS)
+        if parts and any(s.rows != 1 for s in segments):
+            raise ValueError("decode segments are one token each")
+        tq = 1 if parts else tile_tokens(self.group, PREFILL_ROWS)
         seg_meta: list[int] = []
         work: list[tuple[int, int, int]] = []        # (-last key, segment, first token)
         off = 0

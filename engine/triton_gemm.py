@@ -186,6 +186,21 @@ def _gemm_tma_kernel(a_desc, b_desc, BIAS, C, M, N, K, s_cm, HAS_BIAS: tl.conste
                  acc.to(C.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
+@triton.jit
+def _store_swap(acc, BIAS, C, M, N, s_cm, pn, pm, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr):
+    """Epilogue of both weight-major kernels: ``acc`` [BN, BM] is tile (pn, pm) of
+    C^T, so the bias runs down its rows and the store writes it back transposed.
+    One copy, so the TMA variant (which the interpreter cannot run) keeps the
+    epilogue the tested kernel has."""
+    rn = pn * BN + tl.arange(0, BN)
+    rm = pm * BM + tl.arange(0, BM)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(C + rm[None, :].to(tl.int64) * s_cm + rn[:, None],
+             acc.to(C.dtype.element_ty), mask=(rm < M)[None, :] & (rn < N)[:, None])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_swap_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
@@ -216,10 +231,7 @@ def _gemm_swap_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
         acc = tl.dot(w, x, acc, input_precision=PREC)
         w_ptr += BK * s_bk
         x_ptr += BK * s_ak
-    if HAS_BIAS:
-        acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(C + rm[None, :].to(tl.int64) * s_cm + rn[:, None],
-             acc.to(C.dtype.element_ty), mask=row_ok[None, :] & (rn < N)[:, None])
+    _store_swap(acc, BIAS, C, M, N, s_cm, pn, pm, HAS_BIAS, BM, BN)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -234,12 +246,7 @@ def _gemm_swap_tma_kernel(x_desc, w_desc, BIAS, C, M, N, K, s_cm, HAS_BIAS: tl.c
         w = w_desc.load([pn * BN, k0])
         x = x_desc.load([pm * BM, k0])
         acc = tl.dot(w, x.T, acc)
-    rn = pn * BN + tl.arange(0, BN)
-    rm = pm * BM + tl.arange(0, BM)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(C + rm[None, :].to(tl.int64) * s_cm + rn[:, None],
-             acc.to(C.dtype.element_ty), mask=(rm < M)[None, :] & (rn < N)[:, None])
+    _store_swap(acc, BIAS, C, M, N, s_cm, pn, pm, HAS_BIAS, BM, BN)
 
 
 def _sms(dev: torch.device) -> int:

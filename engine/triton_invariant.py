@@ -37,7 +37,9 @@ __all__ = ["KERNEL_ID", "AttnSegment", "DecodeAttention", "InvariantAttention", 
 # Part of the model fingerprint (engine/kernels.py): it names every choice that
 # decides bits (K tile, key tile, key split, the fold), so blocks of two versions
 # never mix. Bump the leading version when the arithmetic changes otherwise.
-KERNEL_ID = f"tbi3-k{BK}-t{KEY_TILE}-s{KEY_SPLIT}"
+# tbi4: the softmax row sum is a matrix-unit product of the probabilities (in the value dtype)
+# with ones (tbi3 summed the fp32 probabilities in the layout's shuffle tree).
+KERNEL_ID = f"tbi4-k{BK}-t{KEY_TILE}-s{KEY_SPLIT}"
 
 
 class DecodeAttention:
