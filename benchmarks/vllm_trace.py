@@ -54,6 +54,7 @@ class TraceRun:
     failed: int
     ttft_p50_s: float
     ttft_p90_s: float
+    ttft_p99_s: float
     tpot_p50_s: float
     goodput_rps: float
     duration_s: float
@@ -62,15 +63,17 @@ class TraceRun:
 
 
 def vllm_bench(base_url: str, trace: Path, *, model_dir: str, chunk: int, prompts: int,
-               slo_ttft_ms: float, out: Path, label: str) -> dict[str, Any]:
+               slo_ttft_ms: float, out: Path, label: str,
+               sec_multiplier: float = 1.0) -> dict[str, Any]:
     """Run ``vllm bench serve`` (vLLM's own CLI, unmodified) and return its JSON."""
     cmd = [sys.executable, "-m", "connectors.vllm_cli", "bench", "serve", "--backend", "vllm",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "smollm2",
            "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path",
-           str(trace), "--timed-trace-chunk-hash-size", str(chunk), "--num-prompts",
+           str(trace), "--timed-trace-chunk-hash-size", str(chunk),
+           "--timed-trace-sec-multiplier", repr(sec_multiplier), "--num-prompts",
            str(prompts), "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles",
            "50,90,99", "--goodput", f"ttft:{slo_ttft_ms}", "--temperature", "0",
-           "--save-result", "--result-dir",
+           "--save-result", "--save-detailed", "--result-dir",
            str(out), "--result-filename", f"{label}.json", "--ready-check-timeout-sec", "0"]
     # vLLM's timed_trace seeds its synthetic tokens with Python's str hash: fix it,
     # so every run (and both sides of a comparison) sends the same token ids.
@@ -100,13 +103,15 @@ def summary(label: str, res: dict[str, Any], hit: float, raw: Path) -> TraceRun:
     return TraceRun(label, int(res.get("completed", 0)), int(res.get("failed", 0)),
                     res.get("p50_ttft_ms", float("nan")) / 1e3,
                     res.get("p90_ttft_ms", float("nan")) / 1e3,
+                    res.get("p99_ttft_ms", float("nan")) / 1e3,
                     res.get("p50_tpot_ms", float("nan")) / 1e3,
                     float(res.get("request_goodput") or 0.0), float(res.get("duration", 0.0)),
                     round(hit, 4), str(raw))
 
 
 def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts: int,
-                kv_cache_mib: int, slo_ttft_ms: float, log: Any) -> list[TraceRun]:
+                kv_cache_mib: int, slo_ttft_ms: float, log: Any,
+                sec_multiplier: float = 1.0) -> list[TraceRun]:
     from kvserve.children import Child, start_children, stop_children
     from kvstore.redis_server import EmbeddedRedis, free_port
     from security.config import SecurityConfig
@@ -134,7 +139,7 @@ def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts:
                 try:
                     res = vllm_bench(spec.base_url, trace, model_dir=model_dir, chunk=chunk,
                                      prompts=prompts, slo_ttft_ms=slo_ttft_ms, out=work,
-                                     label=label)
+                                     label=label, sec_multiplier=sec_multiplier)
                     runs.append(summary(label, res, prefix_hits(spec.base_url),
                                         work / f"{label}.json"))
                 finally:
@@ -146,7 +151,8 @@ def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts:
 
 
 def run_router(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts: int,
-               kv_cache_mib: int, slo_ttft_ms: float, log: Any) -> list[TraceRun]:
+               kv_cache_mib: int, slo_ttft_ms: float, log: Any,
+               sec_multiplier: float = 1.0) -> list[TraceRun]:
     runs = []
     for policy in POLICIES:
         state = work / f"up-{policy}"
@@ -162,7 +168,7 @@ def run_router(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts: 
             log(f"router {policy}: stack up at {info['router_http']}")
             res = vllm_bench(info["router_http"], trace, model_dir=model_dir, chunk=chunk,
                              prompts=prompts, slo_ttft_ms=slo_ttft_ms, out=work,
-                             label=f"router-{policy}")
+                             label=f"router-{policy}", sec_multiplier=sec_multiplier)
             runs.append(summary(f"router {policy}", res, float("nan"),
                                 work / f"router-{policy}.json"))
         finally:
@@ -196,6 +202,8 @@ def report(args: argparse.Namespace) -> Report:
     need_vllm()
     if min(args.chunk_hash_size, args.prompts, args.kv_cache_mib) < 1:
         raise UsageError("--chunk-hash-size, --prompts and --kv-cache-mib must be >= 1")
+    if not args.sec_multiplier > 0:
+        raise UsageError("--sec-multiplier must be > 0")
     trace = Path(args.trace).resolve()
     if not trace.is_file():
         raise UsageError(f"--trace {args.trace}: no such file")
@@ -204,7 +212,8 @@ def report(args: argparse.Namespace) -> Report:
     run = run_engines if args.mode == "engines" else run_router
     runs = run(trace, work, model_dir=model_dir, chunk=args.chunk_hash_size,
                prompts=args.prompts, kv_cache_mib=args.kv_cache_mib,
-               slo_ttft_ms=args.slo_ttft_ms, log=lambda m: print(m, file=sys.stderr, flush=True))
+               slo_ttft_ms=args.slo_ttft_ms, log=lambda m: print(m, file=sys.stderr, flush=True),
+               sec_multiplier=args.sec_multiplier)
     return Report(f"kvserve bench vllm-trace ({args.mode}): {trace.name}, "
                   f"{args.prompts} prompts at most", [asdict(r) for r in runs], [table(runs)],
                   notes=[*comparison(runs), f"results and logs in {work}"],
@@ -215,10 +224,11 @@ def report(args: argparse.Namespace) -> Report:
 
 
 def table(runs: list[TraceRun]) -> Table:
-    t = Table(("run", "done", "fail", "TTFT p50 s", "TTFT p90 s", "TPOT p50 s", "goodput rps",
-               "prefix hit"))
+    t = Table(("run", "done", "fail", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "TPOT p50 s",
+               "goodput rps", "prefix hit"))
     for r in runs:
-        t.add(r.label, r.completed, r.failed, r.ttft_p50_s, r.ttft_p90_s, r.tpot_p50_s,
+        t.add(r.label, r.completed, r.failed, r.ttft_p50_s, r.ttft_p90_s, r.ttft_p99_s,
+              r.tpot_p50_s,
               r.goodput_rps, r.prefix_hit_fraction)
     return t
 
@@ -230,4 +240,7 @@ def comparison(runs: list[TraceRun]) -> list[str]:
     a, b = runs
     good = b.goodput_rps / a.goodput_rps if a.goodput_rps else float("inf")
     p90 = b.ttft_p90_s / a.ttft_p90_s if a.ttft_p90_s else float("nan")
-    return [f"{b.label} / {a.label}: TTFT p90 {p90:.2f} x, goodput {good:.2f} x"]
+    p50 = b.ttft_p50_s / a.ttft_p50_s if a.ttft_p50_s else float("nan")
+    p99 = b.ttft_p99_s / a.ttft_p99_s if a.ttft_p99_s else float("nan")
+    return [f"{b.label} / {a.label}: TTFT p50 {p50:.2f} x, p90 {p90:.2f} x, p99 {p99:.2f} x, "
+            f"goodput {good:.2f} x"]
