@@ -291,7 +291,8 @@ def report(args: argparse.Namespace) -> Report:
                   chart=Chart(f"vllm bench serve on {trace.name}",
                               tuple(r.label for r in runs),
                               {"TTFT p50 s": [r.ttft_p50_s for r in runs],
-                               "TTFT p90 s": [r.ttft_p90_s for r in runs]}, ylabel="s"))
+                               "TTFT p90 s": [r.ttft_p90_s for r in runs],
+                               "TTFT p99 s": [r.ttft_p99_s for r in runs]}, ylabel="s"))
 
 
 def table(runs: list[TraceRun]) -> Table:
