@@ -26,8 +26,11 @@ probe after the replay (``answer_probe``): turn 1, its answer fed back in turn 2
 after other prompts of 1.5 x the KV budget went through, and turn 2's cached
 tokens as vLLM reports them (``usage.prompt_tokens_details.cached_tokens``).
 
-The trace is any ``timed_trace`` JSONL (``timestamp`` seconds, ``input_length``,
-``output_length``, ``hash_ids``; ``--chunk-hash-size`` tokens per hash).
+The trace is any ``timed_trace`` JSONL (``timestamp`` in seconds once multiplied by
+``--sec-multiplier``: 0.001 for ``kvserve trace export`` files, written in ms;
+``input_length``, ``output_length``, ``hash_ids``; ``--chunk-hash-size`` tokens per
+hash). The agent-trace target's slice is ``kvserve trace export --interleave``
+(docs/bench-notes/h5-vllm.md, section 3).
 """
 
 from __future__ import annotations
