@@ -204,6 +204,9 @@ def _vllm_trace(p: argparse.ArgumentParser) -> None:
                    help="engines: vLLM alone vs vLLM + connector; router: kvserve's router "
                    "over two vLLM servers, cache_aware vs round_robin")
     p.add_argument("--chunk-hash-size", type=int, default=32, help="tokens per trace hash")
+    p.add_argument("--sec-multiplier", type=float, default=1.0,
+                   help="trace timestamps x this = seconds (0.001 for `kvserve trace export` "
+                   "files, whose timestamps are ms)")
     p.add_argument("--prompts", type=int, default=1000, help="requests replayed (at most)")
     p.add_argument("--kv-cache-mib", type=int, default=256, help="each vLLM server's KV cache")
     p.add_argument("--slo-ttft-ms", type=float, default=10_000.0, help="goodput's TTFT bound")

@@ -15,10 +15,22 @@ servers in plain text (``--insecure``); ``router`` keeps kvserve's trust model
 no API keys here). The tool's own JSON is kept under the work directory; the
 table and ``--json`` give TTFT p50/p90, TPOT p50, goodput (requests meeting
 ``--slo-ttft-ms``), completed/failed, and the prefix-cache hit fraction vLLM
-reports (``vllm:prefix_cache_hits`` / ``queries``, local and external).
+reports (``vllm:prefix_cache_hits`` / ``queries``, local and external; and the
+external part alone).
 
-The trace is any ``timed_trace`` JSONL (``timestamp`` seconds, ``input_length``,
-``output_length``, ``hash_ids``; ``--chunk-hash-size`` tokens per hash).
+The previous answer. ``timed_trace`` writes every prompt from the trace's hash
+ids, so a turn's text after the previous prompt stands for the previous answer
+but is never the answer vLLM generated: no replayed turn can hit the answer's
+blocks. In ``engines`` mode each server therefore also answers a returning-session
+probe after the replay (``answer_probe``): turn 1, its answer fed back in turn 2
+after other prompts of 1.5 x the KV budget went through, and turn 2's cached
+tokens as vLLM reports them (``usage.prompt_tokens_details.cached_tokens``).
+
+The trace is any ``timed_trace`` JSONL (``timestamp`` in seconds once multiplied by
+``--sec-multiplier``: 0.001 for ``kvserve trace export`` files, written in ms;
+``input_length``, ``output_length``, ``hash_ids``; ``--chunk-hash-size`` tokens per
+hash). The agent-trace target's slice is ``kvserve trace export --interleave``
+(docs/bench-notes/h5-vllm.md, section 3).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -54,23 +67,38 @@ class TraceRun:
     failed: int
     ttft_p50_s: float
     ttft_p90_s: float
+    ttft_p99_s: float
     tpot_p50_s: float
     goodput_rps: float
     duration_s: float
     prefix_hit_fraction: float
     raw: str                                   # the tool's own result file
+    external_hit_fraction: float = float("nan")  # of the prefix hits, the connector's
+    answer_probe: AnswerProbe | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerProbe:
+    """A returning session's second turn after the engine's own cache was flushed."""
+    prompt: int                 # turn 1's prompt tokens
+    answer: int                 # turn 1's answer tokens, fed back in turn 2
+    flushed: int                # other prompts' tokens sent between the two turns
+    cached: int                 # turn 2's cached tokens, as vLLM reports them
+    answer_cached: int          # of them past turn 1's prompt: the previous answer's
 
 
 def vllm_bench(base_url: str, trace: Path, *, model_dir: str, chunk: int, prompts: int,
-               slo_ttft_ms: float, out: Path, label: str) -> dict[str, Any]:
+               slo_ttft_ms: float, out: Path, label: str,
+               sec_multiplier: float = 1.0) -> dict[str, Any]:
     """Run ``vllm bench serve`` (vLLM's own CLI, unmodified) and return its JSON."""
     cmd = [sys.executable, "-m", "connectors.vllm_cli", "bench", "serve", "--backend", "vllm",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "smollm2",
            "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path",
-           str(trace), "--timed-trace-chunk-hash-size", str(chunk), "--num-prompts",
+           str(trace), "--timed-trace-chunk-hash-size", str(chunk),
+           "--timed-trace-sec-multiplier", repr(sec_multiplier), "--num-prompts",
            str(prompts), "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles",
            "50,90,99", "--goodput", f"ttft:{slo_ttft_ms}", "--temperature", "0",
-           "--save-result", "--result-dir",
+           "--save-result", "--save-detailed", "--result-dir",
            str(out), "--result-filename", f"{label}.json", "--ready-check-timeout-sec", "0"]
     # vLLM's timed_trace seeds its synthetic tokens with Python's str hash: fix it,
     # so every run (and both sides of a comparison) sends the same token ids.
@@ -80,12 +108,13 @@ def vllm_bench(base_url: str, trace: Path, *, model_dir: str, chunk: int, prompt
     return json.loads((out / f"{label}.json").read_text())
 
 
-def prefix_hits(base_url: str) -> float:
+def prefix_hits(base_url: str) -> tuple[float, float]:
+    """(local + external, external) prefix-cache hits over queried prompt tokens."""
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
     except OSError:
-        return float("nan")
+        return float("nan"), float("nan")
     got: dict[str, float] = {}
     for name, value in _PROM.findall(text):
         key = name.removesuffix("_total")
@@ -93,20 +122,66 @@ def prefix_hits(base_url: str) -> float:
     hits = got.get("vllm:prefix_cache_hits", 0.0) + got.get("vllm:external_prefix_cache_hits",
                                                             0.0)
     queries = got.get("vllm:prefix_cache_queries", 0.0)
-    return hits / queries if queries else float("nan")
+    if not queries:
+        return float("nan"), float("nan")
+    return hits / queries, got.get("vllm:external_prefix_cache_hits", 0.0) / queries
 
 
-def summary(label: str, res: dict[str, Any], hit: float, raw: Path) -> TraceRun:
+def _complete(base_url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "return_token_ids": True}
+    req = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+    return out
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """fp32 K and V of every layer for one token (the servers run float32)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * 4 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head
+
+
+def answer_probe(base_url: str, *, flush_tokens: int, block: int = 64,
+                 seed: int = 0) -> AnswerProbe:
+    """Turn 1 (15 blocks) answered with 2 blocks + 1 tokens (the last generated
+    token is never fed back, so the answer completes exactly 2 blocks), prompts of
+    ``flush_tokens`` in all from other sessions, then turn 2 = turn 1 + the answer
+    + 16 new tokens: what turn 2's cached tokens cover of the answer."""
+    rng = random.Random(seed)
+
+    # Ids far from SmolLM2's special tokens (the first few) and its vocabulary's end.
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1000, 48000) for _ in range(n)]
+
+    turn1 = tokens(15 * block)
+    answer = list(_complete(base_url, turn1, 2 * block + 1)["choices"][0]["token_ids"])
+    sent = 0
+    while sent < flush_tokens:          # pieces well inside max-model-len
+        n = min(2000, flush_tokens - sent)
+        _complete(base_url, tokens(n), 1)
+        sent += n
+    usage = _complete(base_url, turn1 + answer + tokens(16), 1)["usage"]
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return AnswerProbe(len(turn1), len(answer), sent, cached, max(0, cached - len(turn1)))
+
+
+def summary(label: str, res: dict[str, Any], hit: float, raw: Path, external: float = float("nan"),
+            probe: AnswerProbe | None = None) -> TraceRun:
     return TraceRun(label, int(res.get("completed", 0)), int(res.get("failed", 0)),
                     res.get("p50_ttft_ms", float("nan")) / 1e3,
                     res.get("p90_ttft_ms", float("nan")) / 1e3,
+                    res.get("p99_ttft_ms", float("nan")) / 1e3,
                     res.get("p50_tpot_ms", float("nan")) / 1e3,
                     float(res.get("request_goodput") or 0.0), float(res.get("duration", 0.0)),
-                    round(hit, 4), str(raw))
+                    round(hit, 4), str(raw), round(external, 4), probe)
 
 
 def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts: int,
-                kv_cache_mib: int, slo_ttft_ms: float, log: Any) -> list[TraceRun]:
+                kv_cache_mib: int, slo_ttft_ms: float, log: Any,
+                sec_multiplier: float = 1.0) -> list[TraceRun]:
     from kvserve.children import Child, start_children, stop_children
     from kvstore.redis_server import EmbeddedRedis, free_port
     from security.config import SecurityConfig
@@ -134,9 +209,13 @@ def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts:
                 try:
                     res = vllm_bench(spec.base_url, trace, model_dir=model_dir, chunk=chunk,
                                      prompts=prompts, slo_ttft_ms=slo_ttft_ms, out=work,
-                                     label=label)
-                    runs.append(summary(label, res, prefix_hits(spec.base_url),
-                                        work / f"{label}.json"))
+                                     label=label, sec_multiplier=sec_multiplier)
+                    # The replay's hit fractions first: the probe's prompts would count.
+                    hit, external = prefix_hits(spec.base_url)
+                    flush = kv_cache_mib * 2**20 * 3 // 2 // kv_bytes_per_token(model_dir)
+                    probe = answer_probe(spec.base_url, flush_tokens=flush)
+                    runs.append(summary(label, res, hit, work / f"{label}.json", external,
+                                        probe))
                 finally:
                     server.stop()
             finally:
@@ -146,7 +225,8 @@ def run_engines(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts:
 
 
 def run_router(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts: int,
-               kv_cache_mib: int, slo_ttft_ms: float, log: Any) -> list[TraceRun]:
+               kv_cache_mib: int, slo_ttft_ms: float, log: Any,
+               sec_multiplier: float = 1.0) -> list[TraceRun]:
     runs = []
     for policy in POLICIES:
         state = work / f"up-{policy}"
@@ -162,7 +242,7 @@ def run_router(trace: Path, work: Path, *, model_dir: str, chunk: int, prompts: 
             log(f"router {policy}: stack up at {info['router_http']}")
             res = vllm_bench(info["router_http"], trace, model_dir=model_dir, chunk=chunk,
                              prompts=prompts, slo_ttft_ms=slo_ttft_ms, out=work,
-                             label=f"router-{policy}")
+                             label=f"router-{policy}", sec_multiplier=sec_multiplier)
             runs.append(summary(f"router {policy}", res, float("nan"),
                                 work / f"router-{policy}.json"))
         finally:
@@ -196,6 +276,8 @@ def report(args: argparse.Namespace) -> Report:
     need_vllm()
     if min(args.chunk_hash_size, args.prompts, args.kv_cache_mib) < 1:
         raise UsageError("--chunk-hash-size, --prompts and --kv-cache-mib must be >= 1")
+    if not args.sec_multiplier > 0:
+        raise UsageError("--sec-multiplier must be > 0")
     trace = Path(args.trace).resolve()
     if not trace.is_file():
         raise UsageError(f"--trace {args.trace}: no such file")
@@ -204,22 +286,27 @@ def report(args: argparse.Namespace) -> Report:
     run = run_engines if args.mode == "engines" else run_router
     runs = run(trace, work, model_dir=model_dir, chunk=args.chunk_hash_size,
                prompts=args.prompts, kv_cache_mib=args.kv_cache_mib,
-               slo_ttft_ms=args.slo_ttft_ms, log=lambda m: print(m, file=sys.stderr, flush=True))
+               slo_ttft_ms=args.slo_ttft_ms, log=lambda m: print(m, file=sys.stderr, flush=True),
+               sec_multiplier=args.sec_multiplier)
     return Report(f"kvserve bench vllm-trace ({args.mode}): {trace.name}, "
                   f"{args.prompts} prompts at most", [asdict(r) for r in runs], [table(runs)],
                   notes=[*comparison(runs), f"results and logs in {work}"],
                   chart=Chart(f"vllm bench serve on {trace.name}",
                               tuple(r.label for r in runs),
                               {"TTFT p50 s": [r.ttft_p50_s for r in runs],
-                               "TTFT p90 s": [r.ttft_p90_s for r in runs]}, ylabel="s"))
+                               "TTFT p90 s": [r.ttft_p90_s for r in runs],
+                               "TTFT p99 s": [r.ttft_p99_s for r in runs]}, ylabel="s"))
 
 
 def table(runs: list[TraceRun]) -> Table:
-    t = Table(("run", "done", "fail", "TTFT p50 s", "TTFT p90 s", "TPOT p50 s", "goodput rps",
-               "prefix hit"))
+    t = Table(("run", "done", "fail", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "TPOT p50 s",
+               "goodput rps", "prefix hit", "external hit", "answer cached"))
     for r in runs:
-        t.add(r.label, r.completed, r.failed, r.ttft_p50_s, r.ttft_p90_s, r.tpot_p50_s,
-              r.goodput_rps, r.prefix_hit_fraction)
+        probe = r.answer_probe
+        t.add(r.label, r.completed, r.failed, r.ttft_p50_s, r.ttft_p90_s, r.ttft_p99_s,
+              r.tpot_p50_s,
+              r.goodput_rps, r.prefix_hit_fraction, r.external_hit_fraction,
+              f"{probe.answer_cached}/{probe.answer}" if probe else "-")
     return t
 
 
@@ -230,4 +317,7 @@ def comparison(runs: list[TraceRun]) -> list[str]:
     a, b = runs
     good = b.goodput_rps / a.goodput_rps if a.goodput_rps else float("inf")
     p90 = b.ttft_p90_s / a.ttft_p90_s if a.ttft_p90_s else float("nan")
-    return [f"{b.label} / {a.label}: TTFT p90 {p90:.2f} x, goodput {good:.2f} x"]
+    p50 = b.ttft_p50_s / a.ttft_p50_s if a.ttft_p50_s else float("nan")
+    p99 = b.ttft_p99_s / a.ttft_p99_s if a.ttft_p99_s else float("nan")
+    return [f"{b.label} / {a.label}: TTFT p50 {p50:.2f} x, p90 {p90:.2f} x, p99 {p99:.2f} x, "
+            f"goodput {good:.2f} x"]

@@ -40,6 +40,15 @@ Keeping the prefix structure visible to a 64-token block cache. Hash ids are
   a prompt never accumulates the tool's own history.
 * **models with a byte tokenizer** (the random-weight shapes, e.g.
   llama-8b-shape): a block is 64 ASCII letters, 64 tokens wherever it stands.
+* **paused sessions** (``Interleave``, ``--interleave N``): the first N agent
+  sessions (main agents, in name order) that have ``turns`` turns fitting the
+  context, their turns sent round-robin — turn 0 of every session, then turn 1
+  of every session, ... — one request every ``gap_s`` seconds. Each session
+  pauses ``N * gap_s`` between two turns while the other N - 1 sessions'
+  prompts go through the engine: when those exceed the engine's KV budget
+  (``min_tokens_between_turns`` says by how much at least), an LRU prefix cache
+  has evicted the session by the time it comes back, and only a cache beyond
+  the engine's (kvserve's warehouse) can serve the returning turn's prefix.
 
 Where the seen run lost its hits (issue 18): 8 tokens per 64-token hash block
 means a kvserve block spans 8 trace blocks, reuse ends mid-block (up to 63
@@ -105,6 +114,25 @@ class ExportSummary:
     prompt_tokens: int
     reusable_tokens: int                # of them in a block an earlier request had (reuse_profile)
     span_s: float
+    # Fewest prompt tokens of other requests sent between two consecutive turns of
+    # one session (what an LRU cache takes in before the session returns); -1: no
+    # session returns.
+    min_tokens_between_turns: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Interleave:
+    """Agent sessions that pause and come back (module docstring, "paused sessions")."""
+    sessions: int                       # N sessions, sent round-robin
+    turns: int = 6                      # the first turns of each
+    gap_s: float = 2.0                  # between consecutive requests; a session pauses N * gap_s
+    min_first_input: int = 0            # a session's first turn has at least this many tokens
+
+    def __post_init__(self) -> None:
+        if self.sessions < 2 or self.turns < 2:
+            raise ExportError("--interleave must be >= 2 sessions and --turns >= 2")
+        if not self.gap_s > 0 or not math.isfinite(self.gap_s) or self.min_first_input < 0:
+            raise ExportError("--gap must be > 0 and --min-first-input >= 0")
 
 
 def _snap(scale: float, src_bt: int, bt: int) -> tuple[float, int, int]:
@@ -123,6 +151,67 @@ def _scaled_ids(r: TraceRequest, r_split: int) -> tuple[int, ...]:
         return r.hash_ids
     # Source block h becomes r_split exported blocks, ids (h, j) packed into one int.
     return tuple(h * r_split + j for h in r.hash_ids for j in range(r_split))
+
+
+def _exported_size(r: TraceRequest, scale: float, k: int, r_split: int) -> tuple[int, int]:
+    """(blocks, tokens) of ``r`` once exported at the snapped scale, before any cut."""
+    blocks = math.ceil(len(r.hash_ids) / k) * r_split
+    return blocks, max(1, round(r.input_length * scale))
+
+
+def interleave(trace: Trace, iv: Interleave, opts: ExportOptions) -> Trace:
+    """The paused-sessions slice of ``trace``: its first ``iv.sessions`` main-agent
+    sessions in name order whose first ``iv.turns`` turns all fit ``opts``' context
+    uncut (a cut prompt would repeat the same prefix turn after turn) and whose first
+    turn has at least ``iv.min_first_input`` tokens at ``opts.context_scale``, their
+    turns round-robin, one request every ``iv.gap_s`` seconds."""
+    if opts.context_scale <= 0:
+        raise ExportError("--interleave needs --context-scale (sessions are picked by their "
+                          "size once scaled)")
+    scale, k, r_split = _snap(opts.context_scale, trace.block_tokens, opts.block_tokens)
+    max_blocks = opts.max_input_tokens // opts.block_tokens
+    by: dict[str, list[TraceRequest]] = {}
+    for r in trace.requests:
+        if "/" not in r.session:            # sub-agents are "<session>/<agent>"
+            by.setdefault(r.session, []).append(r)
+    picked: list[list[TraceRequest]] = []
+    for name in sorted(by):
+        turns = by[name][:iv.turns]
+        if len(turns) < iv.turns:
+            continue
+        sizes = [_exported_size(r, scale, k, r_split) for r in turns]
+        if all(b <= max_blocks and n <= opts.max_input_tokens for b, n in sizes) \
+                and sizes[0][1] >= iv.min_first_input:
+            picked.append(turns)
+            if len(picked) == iv.sessions:
+                break
+    if len(picked) < iv.sessions:
+        raise ExportError(f"--interleave {iv.sessions}: only {len(picked)} sessions have "
+                          f"{iv.turns} turns within --max-input {opts.max_input_tokens} and a "
+                          f"first turn of --min-first-input {iv.min_first_input} tokens or more")
+    n = iv.sessions
+    out = [replace(turns[t], t=(t * n + i) * iv.gap_s)
+           for t in range(iv.turns) for i, turns in enumerate(picked)]
+    return Trace(name=trace.name, block_tokens=trace.block_tokens, requests=tuple(out),
+                 arrival_note=f"{n} agent sessions ({', '.join(t[0].session for t in picked)}), "
+                              f"first {iv.turns} turns each, round-robin, one request every "
+                              f"{iv.gap_s:g} s (each session pauses {n * iv.gap_s:g} s)")
+
+
+def min_tokens_between_turns(requests: Iterable[TraceRequest]) -> int:
+    """Fewest prompt tokens of other requests sent between two consecutive turns
+    of one session (requests in time order); -1 when no session returns."""
+    before: list[int] = [0]             # prompt tokens sent before request i
+    last: dict[str, int] = {}
+    best = -1
+    for i, r in enumerate(requests):
+        j = last.get(r.session)
+        if j is not None:
+            between = before[i] - before[j + 1]
+            best = between if best < 0 else min(best, between)
+        last[r.session] = i
+        before.append(before[-1] + r.input_length)
+    return best
 
 
 def scale_trace(trace: Trace, opts: ExportOptions) -> tuple[Trace, ExportSummary]:
@@ -161,7 +250,7 @@ def scale_trace(trace: Trace, opts: ExportOptions) -> tuple[Trace, ExportSummary
         requests=len(out), sessions=len({r.session for r in out}), source_block_tokens=src_bt,
         context_scale=scale, source_blocks_per_block=k if k > 1 else 1 / r_split,
         truncated=truncated, prompt_tokens=prompt, reusable_tokens=reusable,
-        span_s=scaled.span_s)
+        span_s=scaled.span_s, min_tokens_between_turns=min_tokens_between_turns(out))
 
 
 def reuse_profile(trace: Trace) -> list[int]:
@@ -316,9 +405,12 @@ def write_jsonl(path: str | Path, items: Iterable[dict[str, object]]) -> int:
 
 def export(source: str | Path, out: str | Path, opts: ExportOptions, *,
            max_sessions: int | None = None, max_requests: int | None = None,
-           session_rate_per_s: float | None = None) -> ExportSummary:
+           session_rate_per_s: float | None = None,
+           paused: Interleave | None = None) -> ExportSummary:
     trace = load_trace(source, max_sessions=max_sessions, max_requests=max_requests,
                        seed=opts.seed, session_rate_per_s=session_rate_per_s)
+    if paused is not None:
+        trace = interleave(trace, paused, opts)
     scaled, summary = scale_trace(trace, opts)
     write_jsonl(out, rows(scaled, opts))
     return summary

@@ -40,6 +40,17 @@ def _export_configure(p: argparse.ArgumentParser) -> None:
                    help="tokenizer for the text formats (a random-weight shape: bytes), and "
                    "the served model id in aiperf-sessions bodies")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="agent traces: paused sessions - the first N main-agent sessions (in "
+                   "name order) whose --turns fit --max-input, round-robin, one request every "
+                   "--gap s, so each session pauses N x --gap while the others' prompts go "
+                   "through the engine (needs --context-scale)")
+    p.add_argument("--turns", type=int, default=6, help="with --interleave: turns per session")
+    p.add_argument("--gap", type=float, default=2.0,
+                   help="with --interleave: seconds between consecutive requests")
+    p.add_argument("--min-first-input", type=int, default=0, metavar="TOKENS",
+                   help="with --interleave: only sessions whose first turn has at least this "
+                   "many tokens once scaled")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -47,16 +58,19 @@ def _export_run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from common.traces import TraceFormatError
-    from kvserve.trace_export import ExportError, ExportOptions, export
+    from kvserve.trace_export import ExportError, ExportOptions, Interleave, export
 
     try:
+        paused = Interleave(args.interleave, args.turns, args.gap, args.min_first_input) \
+            if args.interleave else None
         opts = ExportOptions(fmt=args.format, block_tokens=args.block_tokens,
                              context_scale=args.context_scale, max_input_tokens=args.max_input,
                              time_scale=args.time_scale, output_tokens=args.output_tokens,
                              max_output_tokens=args.max_output, model=args.model,
                              seed=args.seed)
         s = export(args.trace, args.out, opts, max_sessions=args.max_sessions,
-                   max_requests=args.max_requests, session_rate_per_s=args.session_rate)
+                   max_requests=args.max_requests, session_rate_per_s=args.session_rate,
+                   paused=paused)
     except (ExportError, TraceFormatError, ValueError, OSError) as exc:
         raise UsageError(str(exc)) from exc
     if args.json:
@@ -67,7 +81,9 @@ def _export_run(args: argparse.Namespace) -> int:
           f"context scale {s.context_scale:.4g} ({s.source_blocks_per_block:g} source "
           f"{s.source_block_tokens}-token blocks per {args.block_tokens}-token block), "
           f"{s.truncated} prompts cut to {args.max_input}; {s.prompt_tokens:,} prompt tokens, "
-          f"{s.reusable_tokens:,} ({100 * share:.1f} %) in blocks an earlier request had")
+          f"{s.reusable_tokens:,} ({100 * share:.1f} %) in blocks an earlier request had; "
+          f"at least {s.min_tokens_between_turns:,} other prompt tokens between two turns of "
+          f"one session")
     return 0
 
 

@@ -11,10 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from common.trace_types import Trace, TraceRequest
 from common.traces import load_trace, rebin
 from kvserve.trace_export import (
     BlockText,
+    ExportError,
     ExportOptions,
+    Interleave,
+    interleave,
+    min_tokens_between_turns,
     read_export,
     reuse_profile,
     reuse_totals,
@@ -163,3 +168,71 @@ def test_byte_text_blocks_are_64_bytes() -> None:
     assert text.count(text.block(3)) == 64 == len(text.block(3).encode())
     assert text.block(3) == BlockText("llama-8b-shape", 64, seed=1).block(3)
     assert text.block(3) != text.block(4) and text.count(text.block(5, 10)) == 10
+
+
+def _session(name: str, sizes: list[int], t0: float = 0.0) -> list[TraceRequest]:
+    """A session whose turn i has ``sizes[i]`` 64-token blocks, each turn extending
+    the previous one's ids (an agent's context grows)."""
+    base = sum(map(ord, name)) << 20
+    return [TraceRequest(t=t0 + 20.0 * i, session=name, hash_ids=tuple(range(base, base + n)),
+                         input_length=64 * n, output_length=100, traffic_class="agent")
+            for i, n in enumerate(sizes)]
+
+
+def test_interleave_sends_paused_sessions_round_robin() -> None:
+    """The first N fitting main-agent sessions in name order, their turns
+    round-robin one request every gap, each session pausing N x gap; sessions too
+    short, too long, too small at the start, or sub-agents are passed over."""
+    reqs = [*_session("s4", [200, 210, 220]), *_session("s1", [300, 320, 330], 5.0),
+            *_session("s2", [100, 120, 130]),                  # first turn too small
+            *_session("s3", [400, 900, 950]),                  # second turn over --max-input
+            *_session("s0", [500, 520]),                       # too few turns
+            *_session("s1/agent", [300, 310, 320]),            # a sub-agent
+            *_session("s5", [250, 260, 270, 280])]
+    trace = Trace("t", 64, tuple(sorted(reqs, key=lambda r: r.t)), "test")
+    opts = ExportOptions(block_tokens=64, context_scale=1.0, max_input_tokens=64 * 800)
+    out = interleave(trace, Interleave(3, turns=3, gap_s=2.5, min_first_input=64 * 150), opts)
+    assert [(r.session, r.t) for r in out.requests] == [
+        ("s1", 0.0), ("s4", 2.5), ("s5", 5.0), ("s1", 7.5), ("s4", 10.0), ("s5", 12.5),
+        ("s1", 15.0), ("s4", 17.5), ("s5", 20.0)]
+    # Each turn is the session's own, in order (ids untouched).
+    assert [len(r.hash_ids) for r in out.requests if r.session == "s5"] == [250, 260, 270]
+    _, summary = scale_trace(out, opts)
+    # Fewest between two turns: s4's and s5's first turns before s1 returns (200 + 250).
+    assert summary.min_tokens_between_turns == 64 * (200 + 250)
+    assert summary.sessions == 3 and summary.truncated == 0
+    with pytest.raises(ExportError, match="only 3 sessions"):
+        interleave(trace, Interleave(4, turns=3, gap_s=2.5, min_first_input=64 * 150), opts)
+    with pytest.raises(ExportError, match="--context-scale"):
+        interleave(trace, Interleave(3), ExportOptions())
+
+
+def test_min_tokens_between_turns() -> None:
+    reqs = [TraceRequest(float(i), s, (i,), n, 1, "agent")
+            for i, (s, n) in enumerate([("a", 10), ("b", 7), ("c", 5), ("a", 9), ("b", 1)])]
+    assert min_tokens_between_turns(reqs) == 7 + 5            # a returns (b: 5 + 9)
+    assert min_tokens_between_turns(reqs[:3]) == -1           # nobody returns
+
+
+def test_interleaved_export_of_the_claude_code_sessions(tmp_path: Path) -> None:
+    """``--interleave`` on the real sessions: the rows are the sessions' turns
+    round-robin at the gap, and the summary's flush is what the rows say."""
+    if not CLAUDE.exists():
+        pytest.skip("Claude Code traces not in this checkout's shared data")
+    out = tmp_path / "p.jsonl"
+    cmd = [sys.executable, "-m", "kvserve.cli", "trace", "export", str(CLAUDE), "--out",
+           str(out), "--max-sessions", "60", "--interleave", "4", "--turns", "3", "--gap", "1.5",
+           "--min-first-input", "500", "--block-tokens", "1", "--context-scale", "0.015625",
+           "--max-input", "4000", "--output-tokens", "8", "--max-output", "8", "--json"]
+    summary = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == summary["requests"] == 12 and summary["truncated"] == 0
+    assert [r["timestamp"] for r in rows] == [1500.0 * i for i in range(12)]   # ms
+    assert all(r["output_length"] == 8 and 500 <= r["input_length"] <= 4000 for r in rows)
+    # Ids are namespaced per session, so a first id names its session: each round
+    # holds the 4 sessions once, in the same order, and most of every prompt is reuse.
+    firsts = [r["hash_ids"][0] for r in rows]
+    assert len(set(firsts[:4])) == 4 and firsts == firsts[:4] * 3
+    assert summary["reusable_tokens"] > 0.5 * summary["prompt_tokens"]
+    between = min(sum(r["input_length"] for r in rows[i - 3:i]) for i in range(4, 12))
+    assert summary["min_tokens_between_turns"] == between
