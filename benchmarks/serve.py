@@ -213,6 +213,23 @@ def _start_kvserve(args: argparse.Namespace, g1: int, d: Path) -> System:
     raise UsageError(f"kvserve up not ready after 900 s; log {log}")
 
 
+def peer_max_model_len(g1: int, model: str = "smollm2") -> int:
+    """The longest context vLLM may serve within a KV budget of ``g1`` bytes:
+    vLLM refuses to start unless one whole sequence of max-model-len fits, so
+    a small budget (256 MiB: 5,825 SmolLM2 fp32 tokens) gets 4,096 rather than
+    8,192 (a longer request would be refused by vLLM and count as an error)."""
+    from benchmarks.stack_limits import model_config
+
+    cfg = model_config(model)
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4   # fp32, as served
+    fits = g1 // per_token
+    for n in (8192, 4096, 2048, 1024):
+        if n <= fits:
+            return n
+    raise UsageError(f"a KV budget of {g1 / 2**20:.0f} MiB holds {fits} tokens; vLLM needs "
+                     "at least 1,024")
+
+
 def _start_peer(args: argparse.Namespace, g1: int, d: Path) -> System:
     if args.peer_url:
         return System("peer", args.peer_url.rstrip("/"))
@@ -229,7 +246,8 @@ def _start_peer(args: argparse.Namespace, g1: int, d: Path) -> System:
 
     port = free_port("127.0.0.1")
     spec = PeerSpec(model_dir=str(fetch_model("smollm2")), port=port, store="", redis_url="",
-                    instance_id="peer", connector=False, block_tokens=32, max_model_len=8192,
+                    instance_id="peer", connector=False, block_tokens=32,
+                    max_model_len=peer_max_model_len(g1),
                     kv_cache_mib=max(1, g1 // 2**20),
                     insecure=True)          # the peer as its users run it: plain HTTP, loopback
     log = d / "vllm.log"
