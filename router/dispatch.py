@@ -105,7 +105,8 @@ class Dispatcher:
             pchoice, handle = await self._prefill(preq, keys, n_tokens, tries, budget,
                                                   busy_until, tenant, session)
             prefilled()
-            started = await self._decode(pchoice, handle, n_tokens, sampling, tries, budget)
+            started = await self._decode(pchoice, handle, keys, n_tokens, sampling, tries,
+                                         budget)
             if started is not None:
                 return started
 
@@ -141,7 +142,8 @@ class Dispatcher:
                 continue
             self._failed(err, "prefill", inst.instance_id, tries)
 
-    async def _decode(self, pchoice: Choice, handle: prefill_pb2.KVHandle, n_tokens: int,
+    async def _decode(self, pchoice: Choice, handle: prefill_pb2.KVHandle,
+                      keys: Sequence[bytes], n_tokens: int,
                       sampling: common_pb2.SamplingParams, tries: _Attempts,
                       budget: Budget) -> Started | None:
         """The decode stream's first event; None: prefill again (the handle's KV
@@ -152,7 +154,7 @@ class Dispatcher:
                 try:
                     dchoice = self.view.choose_decode(
                         n_tokens, exclude=tries.excluded["decode"] | busy.keys(),
-                        kv_tokens=n_tokens + sampling.max_tokens)
+                        kv_tokens=n_tokens + sampling.max_tokens, keys=keys)
                 except NoInstanceError:
                     if not busy:
                         if tries.last is None:

@@ -32,7 +32,7 @@ from kvstore.registry import InstanceInfo, InstanceRegistry
 from router.errors import InvalidRequestError, NoInstanceError
 from router.metrics import RouterMetrics
 from router.placement import Decision, NoCandidateError, Placer, make_router_policy
-from router.session import SessionConfig, SessionMap
+from router.session import DecodeAnchors, SessionConfig, SessionMap
 from router.view import TIERS, CandidateSet, ClusterView, PrefixView, Sent, ViewError
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class LiveView:
                              hit_rule=cfg.hit_rule)
         self._quarantine: dict[str, float] = {}      # id -> until (monotonic)
         self.sessions = SessionMap(cfg.sessions)
+        self.decode_anchors = DecodeAnchors(cfg.sessions.max_sessions)
         self._nodes_with_store: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list[OnChange] = []
@@ -156,6 +157,7 @@ class LiveView:
         for gone in before - now_ids:
             self.prefixes.drop_location(gone)             # its G1 blocks went with it
             self.sessions.forget_instance(gone)
+            self.decode_anchors.forget_instance(gone)
         stores = {i.node for i in listed if i.role == "kvstore"}
         for node in self._nodes_with_store - stores:
             self.prefixes.drop_location(node)             # its G2/G3 blocks are unreachable
@@ -274,20 +276,28 @@ class LiveView:
         return stores.infos[0].address
 
     def choose_decode(self, prompt_tokens: int, *, exclude: set[str],
-                      kv_tokens: int = 0) -> Choice:
+                      kv_tokens: int = 0, keys: Sequence[bytes] = ()) -> Choice:
         """``kv_tokens``: the KV the sequence may grow to (prompt + max_tokens).
         Instances whose last report leaves less unreserved KV than that are
         passed over while one has room (there it would wait for blocks); when
-        none has, the policy picks among all and the request queues there."""
+        none has, the policy picks among all and the request queues there.
+        ``keys``: the prompt's chain keys; cache-aware policies keep a prompt on
+        the decode instance that decoded its prefix (``DecodeAnchors``) while
+        its load is within ``slack_tokens`` of the least loaded."""
         cands = self._candidates("decode", exclude)
         if kv_tokens > 0:
             short = [i.instance_id for i in cands.infos if 0 <= i.kv_free_tokens < kv_tokens]
             if short and len(short) < len(cands):
                 cands = cands.without(short)
+        sticky = (self.decode_anchors.find(keys)[0] if self.placer.policy.uses_cache
+                  else "")
         try:
-            decision = self.placer.place_decode(cands, prompt_tokens)
+            decision = self.placer.place_decode(cands, prompt_tokens, sticky=sticky,
+                                                slack_tokens=self.cfg.sessions.slack_tokens)
         except NoCandidateError:
             raise self._none("decode", exclude) from None
+        if self.placer.policy.uses_cache:
+            self.decode_anchors.record(keys, decision.instance_id)
         sent = self.cluster.add_pending(decision.instance_id, prompt_tokens)
         return self._choice(cands, decision, sent)
 

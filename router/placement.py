@@ -324,21 +324,35 @@ class Placer:
             raise NoCandidateError("no live prefill instance to place the request on")
         req = self.prefill_request(cands, keys, prompt_tokens)
         d = self.policy.choose_prefill(cands, req)
-        if sticky and sticky != d.instance_id and sticky in cands.ids:
-            i = cands.ids.index(sticky)
-            pending = cands.pending_tokens
-            if pending[i] - pending.min() <= slack_tokens:
-                d = Decision(sticky, d.scores, "session_affinity", i, d.policy,
-                             0 if req.hit_tokens is None else int(req.hit_tokens[i].sum()),
-                             float(pending[i]))
+        d = self._sticky(cands, d, sticky, slack_tokens, "session_affinity", req.hit_tokens)
         if log.isEnabledFor(logging.DEBUG):       # formatting 64 scores is not free
             log.debug("prefill %s scores=%s", d.detail, d.scores)
         return d
 
-    def place_decode(self, cands: CandidateSet, prompt_tokens: int) -> Decision:
+    @staticmethod
+    def _sticky(cands: CandidateSet, d: Decision, sticky: str, slack_tokens: float,
+                reason: str, hit_tokens: np.ndarray | None) -> Decision:
+        """``sticky`` instead of the policy's choice while it is a candidate and
+        its pending work is within ``slack_tokens`` of the least loaded
+        (llm-d's "sticky unless overloaded")."""
+        if not sticky or sticky == d.instance_id or sticky not in cands.ids:
+            return d
+        i = cands.ids.index(sticky)
+        pending = cands.pending_tokens
+        if pending[i] - pending.min() > slack_tokens:
+            return d
+        return Decision(sticky, d.scores, reason, i, d.policy,
+                        0 if hit_tokens is None else int(hit_tokens[i].sum()),
+                        float(pending[i]))
+
+    def place_decode(self, cands: CandidateSet, prompt_tokens: int, *, sticky: str = "",
+                     slack_tokens: float = 0.0) -> Decision:
+        """The policy's choice, or ``sticky`` (the decode instance whose G1 holds
+        the prompt's prefix) while it is a candidate within ``slack_tokens``."""
         if len(cands) == 0:
             raise NoCandidateError("no live decode instance to place the request on")
         d = self.policy.choose_decode(cands, PlacementRequest(prompt_tokens))
+        d = self._sticky(cands, d, sticky, slack_tokens, "decode_affinity", None)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("decode %s scores=%s", d.detail, d.scores)
         return d

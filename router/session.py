@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from router.errors import InvalidRequestError
@@ -86,5 +86,49 @@ class SessionMap:
 
     def forget_instance(self, instance_id: str) -> None:
         """An instance left: its sessions are placed afresh (by cache and load)."""
+        for key in [k for k, v in self._where.items() if v == instance_id]:
+            del self._where[key]
+
+
+class DecodeAnchors:
+    """Which decode instance holds a prompt's prefix in its own G1.
+
+    A decode instance keeps every finished turn's blocks (prompt and answer) in
+    G1 and pulls only what follows them (docs/services.md, "Only the tail of a
+    returning session"), so a returning conversation is cheapest where its
+    previous turn was decoded. The router records each placed prompt's last
+    full-block chain key (tenant-salted: one tenant's keys never match
+    another's) against its decode instance; a new prompt's keys, walked from
+    the end, find the longest recorded prefix. Works with or without session
+    names. A bounded LRU, like ``SessionMap``."""
+
+    def __init__(self, max_keys: int = 100_000) -> None:
+        if max_keys < 1:
+            raise ValueError(f"max_keys must be >= 1, got {max_keys}")
+        self._max = max_keys
+        self._where: OrderedDict[bytes, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def find(self, keys: Sequence[bytes]) -> tuple[str, int]:
+        """(instance, leading blocks it holds) for the longest recorded prefix of
+        ``keys``; ("", 0) when none is recorded."""
+        for n in range(len(keys), 0, -1):
+            where = self._where.get(keys[n - 1])
+            if where:
+                self._where.move_to_end(keys[n - 1])
+                return where, n
+        return "", 0
+
+    def record(self, keys: Sequence[bytes], instance_id: str) -> None:
+        if not keys:
+            return
+        self._where[keys[-1]] = instance_id
+        self._where.move_to_end(keys[-1])
+        while len(self._where) > self._max:
+            self._where.popitem(last=False)
+
+    def forget_instance(self, instance_id: str) -> None:
         for key in [k for k, v in self._where.items() if v == instance_id]:
             del self._where[key]

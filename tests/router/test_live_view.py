@@ -180,3 +180,48 @@ def test_tierless_delete_event_clears_every_location() -> None:
     assert view.prefixes.match(keys) == {}
     view._apply(KVEvent("4-0", KIND_STORED, "node-a", "G9", "s", keys))   # skipped, logged
     assert view.prefixes.match(keys) == {}
+
+
+def test_a_returning_prompt_goes_to_the_decode_instance_holding_its_prefix(
+        redis_url: str) -> None:
+    """Decode keeps a finished turn's blocks and pulls only what follows them:
+    with a cache-aware policy the next turn (a longer prompt with the same
+    prefix) goes back to that decode instance while its load is within the
+    slack, whatever the load order says; round robin ignores it."""
+    from dataclasses import replace
+
+    from kvstore.registry import LoadReport
+
+    async def main(policy: str) -> list[str]:
+        reg = InstanceRegistry(redis_url, ttl_s=5)
+        view = LiveView(redis_url, replace(CFG, policy=policy), RouterMetrics())
+        for i in (_info("p1", "prefill"), _info("d1", "decode"), _info("d2", "decode"),
+                  _info("d3", "decode")):
+            await reg.register(i)
+        await view.start()
+        picks = []
+        try:
+            turn1 = [bytes([i]) * 16 for i in range(4)]
+            turn2 = [*turn1, bytes([9]) * 16, bytes([10]) * 16]
+            other = [bytes([20 + i]) * 16 for i in range(6)]
+            for keys in (turn1, other, turn2):
+                pick = view.choose_decode(100, exclude=set(), keys=keys)
+                picks.append(pick.instance.instance_id)
+                await reg.heartbeat(picks[-1], LoadReport(tokens_in_flight=0))
+            # Overloaded beyond the slack: load wins over the held prefix.
+            await reg.heartbeat(picks[0], LoadReport(
+                tokens_in_flight=CFG.sessions.slack_tokens + 500))
+            await view.refresh()
+            picks.append(view.choose_decode(100, exclude=set(),
+                                            keys=[*turn2, bytes([11]) * 16]).instance.instance_id)
+        finally:
+            await view.stop()
+            await reg.close()
+        return picks
+
+    aware = asyncio.run(main("cache_aware"))
+    assert aware[0] != aware[1], "an idle cluster fills round-robin"
+    assert aware[2] == aware[0], "the next turn returns to the decode holding its prefix"
+    assert aware[3] != aware[0], "unless that instance is overloaded"
+    rr = asyncio.run(main("round_robin"))
+    assert len(set(rr[:3])) == 3, "round robin places by turn, not by prefix"

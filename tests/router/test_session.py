@@ -8,7 +8,7 @@ import pytest
 from kvstore.registry import InstanceInfo
 from router.errors import InvalidRequestError
 from router.placement import Placer, make_router_policy
-from router.session import SessionConfig, SessionMap, session_from
+from router.session import DecodeAnchors, SessionConfig, SessionMap, session_from
 from router.view import CandidateSet
 
 
@@ -68,3 +68,17 @@ def test_an_overloaded_session_instance_is_left() -> None:
     gone = placer.place_prefill(cands.without({"p0"}), [], 100, sticky="p0",
                                 slack_tokens=6000)
     assert gone.instance_id == "p1"                  # a session's dead instance is not chosen
+
+
+def test_decode_anchors_find_the_longest_recorded_prefix_and_stay_bounded() -> None:
+    keys = [bytes([i]) * 16 for i in range(8)]
+    a = DecodeAnchors(max_keys=2)
+    assert a.find(keys) == ("", 0)
+    a.record(keys[:3], "d1")
+    a.record(keys[:6], "d2")
+    assert a.find(keys) == ("d2", 6)           # the longest prefix wins
+    assert a.find(keys[:5]) == ("d1", 3)
+    a.record([bytes([99]) * 16], "d3")         # bounded: the least recently used goes
+    assert len(a) == 2 and a.find(keys) == ("d1", 3)
+    a.forget_instance("d1")
+    assert a.find(keys) == ("", 0) and len(a) == 1
