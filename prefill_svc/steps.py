@@ -422,6 +422,11 @@ class StepLoop:
 
     # -- residents (engine thread, but for the two entry points) -----------------------
 
+    @property
+    def resident_ids(self) -> list[str]:
+        """Finished prompts the engine holds for their pull (a copy: read anywhere)."""
+        return list(self._held)
+
     async def materialize(self, job: Job, start: int) -> torch.Tensor | None:
         """Decode's first pull: tokens [start, L) of ``job``'s resident prompt to
         the host, then it is freed. None when it is no longer resident (it was
@@ -432,7 +437,8 @@ class StepLoop:
         """Its entry went unread (released, dropped, replaced): free the sequence.
         Never raises (a buffer drop calls it)."""
         if not self._closed:
-            self._thread.submit(self._unhold, job)
+            with contextlib.suppress(RuntimeError):     # the thread already shut down
+                self._thread.submit(self._unhold, job)
 
     def _materialize(self, job: Job, start: int) -> torch.Tensor | None:
         rid = job.ctx.request_id
@@ -465,7 +471,7 @@ class StepLoop:
             self._demote(rid)
 
     def _demote(self, rid: str) -> None:
-        """The whole prompt to the host buffer (today's hand-off), then free it."""
+        """The whole prompt to the host buffer (the hand-off before residents), then free it."""
         job = self._unheld(rid).job
         result: torch.Tensor | BaseException
         try:
