@@ -8,15 +8,17 @@ session's pull copies out only the tail decode lacks, once, on the first pull
 service (``fill``: it demotes it so its blocks never starve admissions).
 Either way the entry then holds tokens [``start``, ``n_tokens``) on the host
 until decode releases it; a later pull asking for tokens before ``start`` is
-refused (HandleExpired: decode rebuilds them). The wire format of a piece is the raw bytes of
+refused (HandleExpired: decode rebuilds them).
+
+The wire format of a piece is the raw bytes of
 ``[layers, 2, kv_heads, token_count, head_dim]`` in the engine dtype
 (docs/engine.md): pieces are cut along the token axis so a reader can place
 them into one preallocated tensor.
 
 Lifetime: there is no expiry clock, since a backlogged decode is no reason to
 throw finished work away. The buffer is bounded by bytes instead: a put that
-needs room drops the oldest entries holding host bytes, and an entry nobody pulled for
-``abandon_s`` (its router went away) is swept. Dropping is always safe
+needs room drops the oldest entries holding host bytes, and an entry nobody
+pulled for ``abandon_s`` (its router went away) is swept. Dropping is always safe
 because decode can rebuild any prompt's KV (restore what the warehouse holds,
 recompute the rest); a pull of a dropped handle says so and decode rebuilds.
 Dropping a resident entry releases its sequence in the engine. Only host
