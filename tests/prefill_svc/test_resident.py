@@ -143,6 +143,26 @@ def test_residents_never_starve_an_admission() -> None:
     run(body)
 
 
+def test_a_resend_shares_the_blocks_of_a_prompt_still_resident() -> None:
+    """G1 has a finished prompt's blocks at once, while its sequence is still
+    held: the next turn reuses them, and both pulls give the reference KV."""
+    a = _tokens(9, 70)
+    b = a + _tokens(10, 30)
+    want_a, want_b = _want(a), _want(b)
+
+    async def body() -> None:
+        async with serving(resident_s=600.0) as (stub, svc):
+            ha = await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=a), timeout=30)
+            hb = await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=b), timeout=30)
+            assert hb.cached_tokens == 64 and svc.stats.resident == 2
+            assert torch.equal(await _pull(stub, hb, want_b, 16), want_b[:, :, :, 16:, :])
+            assert torch.equal(await _pull(stub, ha, want_a), want_a)
+            await _idle(svc)
+            assert not svc.engine.live_sequences and svc.stats.handoff_demoted_total == 0
+
+    run(body)
+
+
 def test_release_and_shutdown_free_resident_prompts() -> None:
     async def body() -> None:
         async with serving(resident_s=600.0) as (stub, svc):
