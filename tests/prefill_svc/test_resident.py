@@ -154,6 +154,7 @@ def test_a_resend_shares_the_blocks_of_a_prompt_still_resident() -> None:
         async with serving(resident_s=600.0) as (stub, svc):
             ha = await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=a), timeout=30)
             hb = await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=b), timeout=30)
+            await _idle(svc)                # the reply leaves before its step job ends
             assert hb.cached_tokens == 64 and svc.stats.resident == 2
             assert torch.equal(await _pull(stub, hb, want_b, 16), want_b[:, :, :, 16:, :])
             assert torch.equal(await _pull(stub, ha, want_a), want_a)
