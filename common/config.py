@@ -285,6 +285,8 @@ class PrefillSection:
     max_waiting_tokens: int = 131_072   # tokens to compute waiting; more -> RESOURCE_EXHAUSTED
     max_delay_s: float = 10.0       # after this wait a request takes a share of each step first
     aging: str = "strict"           # strict: the aged take the whole step; share: one share each
+    resident_s: float = 0.5         # a finished prompt stays in the engine this long for a
+                                    # tail pull, then its whole KV is copied to the host buffer
 
     def __post_init__(self) -> None:
         if self.policy not in PREFILL_POLICIES:
@@ -298,6 +300,8 @@ class PrefillSection:
                               f"got {self.aging!r}")
         if not self.max_delay_s >= 0:
             raise ConfigError(f"prefill.max_delay_s must be >= 0, got {self.max_delay_s}")
+        if not self.resident_s >= 0:
+            raise ConfigError(f"prefill.resident_s must be >= 0, got {self.resident_s}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -449,14 +449,24 @@ class Engine(PrefillSteps):
         s = self._seqs.pop(seq_id, None)
         if s is None:
             raise EngineInputError(f"no live sequence {seq_id!r}")
+        if s.prefill is not None and s.prefill.feed is not None:
+            s.prefill.feed.close()      # a restore still arriving lands before reuse
+        self._publish(s, keep_keys)
+        self.blocks.release(s.blocks)
+        self.blocks.release(s.shadow)
+
+    def publish(self, seq_id: str, keep_keys: Seq[bytes] | None = None) -> None:
+        """Put the live sequence's canonical full blocks in G1 now, as ``free``
+        would, and keep it live: a prompt held for a later copy-out is already
+        a G1 hit for the next request sharing its prefix."""
+        self._publish(self._seq(seq_id), keep_keys)
+
+    def _publish(self, s: Sequence, keep_keys: Seq[bytes] | None) -> None:
         B = self.config.block_tokens
         canon = s.kv_len // B if self.invariant else s.canonical_full
         if s.prefill is not None:
-            # Stopped mid-prompt: only blocks already computed may be published, and
-            # a restore still arriving must land before its blocks are reused.
+            # Stopped mid-prompt: only blocks already computed may be published.
             canon = min(canon, s.kv_len // B)
-            if s.prefill.feed is not None:
-                s.prefill.feed.close()
         for i, key in enumerate(s.keys if keep_keys is None else keep_keys):
             if i < canon:
                 self.blocks.cache(s.blocks[i], key)
@@ -464,8 +474,6 @@ class Engine(PrefillSteps):
                 self.blocks.cache(s.shadow[i - s.canonical_full], key)
             else:
                 break
-        self.blocks.release(s.blocks)
-        self.blocks.release(s.shadow)
 
     # --------------------------------------------------------------- helpers
     def _paged_runner(self, cfg: EngineConfig) -> DecodeRunner | None:

@@ -67,6 +67,7 @@ class StepPlan:
     admit: tuple[Entry, ...]            # admit into the engine first, in this order
     budgets: dict[str, int]             # request id -> tokens to compute in this step
     stop: tuple[Entry, ...]             # running but cancelled: free before the step
+    starved: bool = False               # a ready request did not fit in the free blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +158,7 @@ class Scheduler:
             if budget <= 0:
                 break
             budget -= step.give(e, budget)
-        return StepPlan(tuple(step.admit), step.budgets, stop)
+        return StepPlan(tuple(step.admit), step.budgets, stop, starved=not step.admitting)
 
     def admitted(self, e: Entry, remaining: int) -> None:
         self.waiting.pop(e.request_id, None)

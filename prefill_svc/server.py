@@ -6,11 +6,15 @@ match, then queue the request in the step loop (prefill_svc/steps.py), whose
 scheduler batches the prompts of many requests into each engine step under a
 token budget, in a cache-aware order. While the request waits, its warehouse
 lookup, hit rule and cost-aware fetch run. The reply goes out as soon as its
-first token is sampled; its prompt's KV is copied to the host buffer for
-decode right behind it, and the new full blocks go to the block writer.
+first token is sampled; its prompt stays resident in the engine with a
+buffer entry for decode right behind it, and the new full blocks go to the
+block writer.
 
-PullKV / Release serve that host buffer to decode (waiting for a copy-out
-still in progress). Errors become status codes only in service.errors.
+PullKV / Release serve that buffer to decode (waiting for the entry if it is
+not there yet). A resident entry's first pull copies out only the tokens
+decode asks for (``start_token``), on the engine thread; one not pulled
+within ``resident_s`` was copied out whole (steps.py). Errors become status
+codes only in service.errors.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import torch
 
 from kvstore.client import ctx_to_proto
 from kvstore.keys import chain_keys
@@ -36,7 +41,7 @@ from proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from service.cost import CostModel
 from service.engine_thread import EngineThread
 from service.errors import grpc_stream, grpc_unary, status_for
-from service.kv_buffer import KVBuffer, KVShape
+from service.kv_buffer import KVBuffer, KVShape, Resident
 from service.metrics import Hist, Source
 from service.request import ModelIdentity, prefill_input
 from service.restore import Restore, Restorer
@@ -73,6 +78,10 @@ class PrefillStats:
     chunks_total: int = 0                   # prompt chunks computed (one per prompt per step)
     stopped_total: int = 0                  # prompts ended early: their caller went away
     rewarmed_total: int = 0                 # fetches planned again: G1 lost blocks meanwhile
+    resident: int = 0                       # finished prompts held in the engine for their pull
+    handoff_materialized_total: int = 0     # copied out by their first pull (from its start)
+    handoff_demoted_total: int = 0          # copied out whole: not pulled in time, or room needed
+    handoff_bytes_total: int = 0            # KV bytes copied out of the engine for decode
     queue_seconds: Hist = field(default_factory=Hist)   # arrival to admission
 
 
@@ -116,7 +125,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                     engine.dtype).token_nbytes
         self.steps = StepLoop(engine, self.thread, cfg.scheduler, self.stats,
                               tokens_per_s=self.cost.snapshot().prefill_tokens_per_s,
-                              on_computed=self._buffer,
+                              on_computed=self._buffer, on_demoted=self._demoted,
                               observe=self._observe)
 
     # -- lifecycle -----------------------------------------------------------
@@ -246,14 +255,27 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         return restore
 
     def _buffer(self, job: Job, computed: Computed) -> None:
-        """A finished prompt (loop thread): its KV into the host buffer for
-        decode, its new blocks to the block writer."""
-        assert computed.kv is not None
-        self.buffer.put(job.ctx.request_id, computed.kv, seed=job.kv_seed)
+        """A finished prompt (loop thread): a resident buffer entry for decode
+        (its KV still in the engine), its new blocks to the block writer."""
+        assert computed.resident
+        job.resident = Resident(functools.partial(self.steps.materialize, job),
+                                functools.partial(self.steps.release_held, job))
+        self.buffer.put_resident(job.ctx.request_id, len(job.tokens), seed=job.kv_seed,
+                                 resident=job.resident)
         if computed.new_blocks is not None:
             self.writer.submit(job.keys[job.write_from:], computed.new_blocks,
                                layout=self.engine.layout.name,
                                token_count=self.block_tokens, ctx=job.ctx)
+
+    def _demoted(self, job: Job, kv: torch.Tensor | BaseException) -> None:
+        """A resident prompt was copied out whole (loop thread): its entry holds it."""
+        if job.resident is None:
+            return                          # never registered: nothing to hold it
+        if isinstance(kv, BaseException):
+            log.warning("KV of prefilled request %s not copied out: %s", job.ctx.request_id, kv)
+            self.buffer.lose(job.resident, f"copy-out failed: {kv}; rebuild it")
+            return
+        self.buffer.fill(job.resident, kv)
 
     def _count(self, restore: Restore, res: Any) -> None:
         s = self.stats
@@ -276,9 +298,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     async def PullKV(self, request: prefill_pb2.PullKVRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KVChunk]:
         await self._buffered(request.request_id)
-        entry = self.buffer.get(request.request_id)
         first = request.start_token
-        self.buffer.check_start(entry, first)
+        entry = await self.buffer.hold(self.buffer.get(request.request_id), first)
         if request.use_shm and self.buffer.shm_capable:
             try:
                 p = await asyncio.to_thread(self.buffer.shm_piece, entry, first)
@@ -311,7 +332,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         return await reset_prefix_cache(self.thread, self.engine)
 
     async def _buffered(self, request_id: str) -> None:
-        """Wait until a just-prefilled request's KV is in the buffer (or failed to be)."""
+        """Wait until a just-prefilled request has its buffer entry (or failed to get one)."""
         job = self.steps.jobs.get(request_id)
         if job is not None:
             await asyncio.wait([job.buffered])   # never raises the request's own outcome

@@ -5,10 +5,20 @@ scheduler (prefill_svc/scheduler.py) for a plan and runs it as ONE job on the
 engine thread — free the prompts whose callers left, admit new ones
 (``Engine.admit`` with their G1 hit and restored blocks), compute one step of
 every planned prompt (``Engine.prefill_step``: one forward with invariant
-kernels), tell the waiting handlers their first tokens at once, then copy
-the finished prompts' KV out for decode and free them (their blocks stay in
-G1). A request's warehouse lookup and fetch run while it waits, so a queued
-turn does not pay its restore after it is scheduled.
+kernels), tell the waiting handlers their first tokens at once, then export
+the finished prompts' new blocks for the warehouse and publish their full
+blocks in G1. A request's warehouse lookup and fetch run while it waits, so
+a queued turn does not pay its restore after it is scheduled.
+
+A finished prompt stays **resident**: its sequence is kept live, not copied
+out, because decode usually holds most of a returning session already and
+pulls only the tail (``PullKVRequest.start_token``). Its first pull copies
+out just those tokens on the engine thread (``materialize``, FIFO with the
+steps) and frees it. One not pulled within ``resident_s`` is **demoted** at
+the start of the next step job: copied out whole to the host buffer and
+freed, as every prompt was before. Whenever the plan cannot admit a ready
+request for want of blocks, or an admission finds the pool short, every
+resident is demoted first: residents never starve admissions.
 
 Nothing admitted fails for want of room: a prompt the pool cannot hold yet
 waits until running ones finish. Every future a handler awaits is resolved
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -35,6 +46,7 @@ from prefill_svc.scheduler import Entry, Scheduler, StepPlan
 from service.aio import background, settle
 from service.engine_thread import EngineThread
 from service.errors import Busy, InvalidRequest, UpstreamUnavailable
+from service.kv_buffer import Resident
 from service.restore import Restore
 
 log = logging.getLogger(__name__)
@@ -48,7 +60,7 @@ class Sampled:
 
 @dataclass(frozen=True, slots=True)
 class Computed:
-    kv: torch.Tensor | None         # [layers, 2, kv_heads, L, head_dim], host; None: caller gone
+    resident: bool                  # its sequence is held for decode's pull; False: caller gone
     new_blocks: torch.Tensor | None  # [n, layers, 2, kv_heads, B, head_dim], blocks write_from..
 
 
@@ -63,7 +75,7 @@ class Job:
     g1_keys: list[bytes] | None     # keys matched against / published into G1 (None: off)
     write_from: int                 # first block to write through (set once restored)
     first: asyncio.Future[Sampled]
-    buffered: asyncio.Future[None]  # resolved once its KV is in the host buffer (or never will be)
+    buffered: asyncio.Future[None]  # resolved once its KV has a buffer entry (or never will have)
     t_submit: float = field(default_factory=time.perf_counter)
     restore: Restore | None = None
     warming: asyncio.Task[None] | None = None   # its lookup and fetch, while it waits
@@ -71,6 +83,15 @@ class Job:
     planned_reuse: int = 0          # prompt tokens its restore plan reuses (G1 + fetched)
     queue_s: float = 0.0
     kv_seed: int = 0                # keys the hand-off checksums (service.kv_buffer)
+    resident: Resident | None = None    # its buffer entry while the engine holds its KV
+
+
+@dataclass(slots=True)
+class _Held:
+    """A finished prompt whose sequence the engine keeps for decode's pull."""
+
+    job: Job
+    since: float                    # monotonic: when its prompt finished
 
 
 @dataclass(slots=True)
@@ -87,18 +108,25 @@ class _Outcome:
     seconds: float = 0.0
 
 
-Ready = Callable[[Job, Computed], None]     # a finished prompt's KV: buffer it, write it through
+Ready = Callable[[Job, Computed], None]     # a finished prompt: register its entry, write through
+Demoted = Callable[[Job, torch.Tensor | BaseException], None]     # its whole KV, on the host
 
 
 class StepLoop:
     def __init__(self, engine: Any, thread: EngineThread, cfg: PrefillSection, stats: Any, *,
-                 tokens_per_s: float, on_computed: Ready,
+                 tokens_per_s: float, on_computed: Ready, on_demoted: Demoted,
                  observe: Callable[[int, float], float]) -> None:
         self._engine = engine
         self._thread = thread
         self.sched = Scheduler(cfg, tokens_per_s)
         self._stats = stats
         self._on_computed = on_computed
+        self._on_demoted = on_demoted   # called on the loop, in order with the engine's jobs
+        self._resident_s = cfg.resident_s
+        # Written on the engine thread only (the loop reads its size).
+        self._held: dict[str, _Held] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
         self._observe = observe         # (tokens, seconds) of a step -> measured tokens/s
         self._block_tokens: int = engine.layout.block_tokens
         self._wake = asyncio.Event()
@@ -108,9 +136,11 @@ class StepLoop:
         self.jobs: dict[str, Job] = {}      # request id -> job, until its KV is buffered
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._drive(), name="prefill-steps")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._drive(), name="prefill-steps")
 
     async def close(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -120,6 +150,7 @@ class StepLoop:
         gone = UpstreamUnavailable("the prefill service is shutting down")
         for e in [*self.sched.waiting.values(), *self.sched.running.values()]:
             self._fail(e, gone)
+        await self._thread.call(self._free_held)
 
     # -- requests (event loop) ------------------------------------------------------
 
@@ -238,6 +269,10 @@ class StepLoop:
             self._refresh_waiting()
             plan = (self.sched.plan(self._engine.free_blocks, time.monotonic())
                     if self.sched.has_work else None)
+            if plan is not None and plan.starved and self._held:
+                # Residents hold blocks a ready request needs: out to the host, plan again.
+                await self._thread.call(self._demote_all)
+                continue
             if plan is None or not (plan.budgets or plan.stop):
                 self._wake.clear()
                 await self._wake.wait()
@@ -270,12 +305,13 @@ class StepLoop:
         for e, res in out.done:
             s.drop(e)
             if isinstance(res, Computed):
-                if res.kv is not None:
+                if res.resident:
                     try:
                         self._on_computed(e.payload, res)
                     except Exception as exc:  # the handle is out: its pull reports the loss
                         log.warning("KV of prefilled request %s not buffered: %s",
                                     e.request_id, exc)
+                        self.release_held(e.payload)
             else:
                 log.warning("KV of prefilled request %s not copied out: %s", e.request_id, res)
             self._release(e.payload)
@@ -293,27 +329,22 @@ class StepLoop:
     def _step(self, plan: StepPlan, entries: dict[str, Entry],
               loop: asyncio.AbstractEventLoop) -> _Outcome:
         eng, out = self._engine, _Outcome()
+        self._demote_aged()
         for e in plan.stop:
             self._free(e.request_id)
             out.stopped.append(e)
         for e in plan.admit:
             if e.cancelled:
                 continue
-            job: Job = e.payload
-            r = job.restore
-            assert r is not None, "only warmed requests are admitted"
             try:
-                adm = eng.admit(e.request_id, job.tokens, sampling=job.sampling,
-                                block_keys=job.g1_keys, restored=r.blocks,
-                                max_restore_tokens=r.usable_tokens,
-                                restored_start_block=r.start_block)
+                adm = self._admit(e)
             except PoolExhaustedError:
                 out.deferred.append(e)
                 continue
             except Exception as exc:
                 out.failed.append((e, exc))
                 continue
-            job.queue_s = time.perf_counter() - job.t_submit
+            e.payload.queue_s = time.perf_counter() - e.payload.t_submit
             out.admitted[e.request_id] = adm.to_compute
         live: dict[str, int] = {}
         for rid, budget in plan.budgets.items():
@@ -345,24 +376,130 @@ class StepLoop:
             out.remaining[rid] = 0 if rid in finished else eng.prefill_remaining(rid)
             out.tokens += before[rid] - out.remaining[rid]
         for d in done:
-            out.done.append((entries[d.seq_id], self._copy_out(entries[d.seq_id])))
+            out.done.append((entries[d.seq_id], self._finish(entries[d.seq_id])))
         return out
 
-    def _copy_out(self, e: Entry) -> Computed | BaseException:
-        """The prompt's KV for decode and its new blocks for the warehouse, then
-        free it (its full blocks stay in G1 under their keys)."""
-        eng, job = self._engine, e.payload
-        L, B = len(job.tokens), self._block_tokens
+    def _admit(self, e: Entry) -> Any:
+        """Admit ``e``; a resident of the same id (a resend) and, when the pool
+        is short, every resident go to the host first."""
+        job: Job = e.payload
+        r = job.restore
+        assert r is not None, "only warmed requests are admitted"
+        if e.request_id in self._held:
+            self._demote(e.request_id)
+        admit = functools.partial(self._engine.admit, e.request_id, job.tokens,
+                                  sampling=job.sampling, block_keys=job.g1_keys,
+                                  restored=r.blocks, max_restore_tokens=r.usable_tokens,
+                                  restored_start_block=r.start_block)
         try:
-            kv = None if e.cancelled else eng.export_tokens(e.request_id, 0, L)
+            return admit()
+        except PoolExhaustedError:
+            if not self._held:
+                raise
+        self._demote_all()
+        return admit()
+
+    def _finish(self, e: Entry) -> Computed | BaseException:
+        """A finished prompt: its new blocks for the warehouse, its full blocks
+        into G1 now (a resend admitted before decode pulls finds them), its
+        sequence kept for decode's pull (freed at once if its caller left)."""
+        eng, job = self._engine, e.payload
+        rid, L, B = e.request_id, len(job.tokens), self._block_tokens
+        try:
             n_full = L // B
-            new = (eng.export_blocks(e.request_id, job.write_from, n_full - job.write_from)
+            new = (eng.export_blocks(rid, job.write_from, n_full - job.write_from)
                    if n_full > job.write_from else None)
-            return Computed(kv, new)
+            if not e.cancelled:
+                eng.publish(rid, job.g1_keys)
         except Exception as exc:
+            self._free(rid, job.g1_keys)
             return exc
+        if e.cancelled:
+            self._free(rid, job.g1_keys)
+            return Computed(False, new)
+        self._hold(rid, _Held(job, time.monotonic()))
+        return Computed(True, new)
+
+    # -- residents (engine thread, but for the two entry points) -----------------------
+
+    @property
+    def resident_ids(self) -> list[str]:
+        """Finished prompts the engine holds for their pull (a copy: read anywhere)."""
+        return list(self._held)
+
+    async def materialize(self, job: Job, start: int) -> torch.Tensor | None:
+        """Decode's first pull: tokens [start, L) of ``job``'s resident prompt to
+        the host, then it is freed. None when it is no longer resident (it was
+        demoted: its whole KV reached ``on_demoted`` before this returns)."""
+        return await self._thread.call(self._materialize, job, start)
+
+    def release_held(self, job: Job) -> None:
+        """Its entry went unread (released, dropped, replaced): free the sequence.
+        Never raises (a buffer drop calls it)."""
+        if not self._closed:
+            with contextlib.suppress(RuntimeError):     # the thread already shut down
+                self._thread.submit(self._unhold, job)
+
+    def _materialize(self, job: Job, start: int) -> torch.Tensor | None:
+        rid = job.ctx.request_id
+        held = self._held.get(rid)
+        if held is None or held.job is not job:
+            return None
+        self._unheld(rid)
+        try:
+            kv = self._engine.export_tokens(rid, start, len(job.tokens))
         finally:
-            self._free(e.request_id, job.g1_keys)
+            self._free(rid, job.g1_keys)
+        self._stats.handoff_materialized_total += 1
+        self._stats.handoff_bytes_total += kv.numel() * kv.element_size()
+        return kv
+
+    def _unhold(self, job: Job) -> None:
+        rid = job.ctx.request_id
+        held = self._held.get(rid)
+        if held is not None and held.job is job:
+            self._unheld(rid)
+            self._free(rid, job.g1_keys)
+
+    def _demote_aged(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, h in self._held.items() if now - h.since >= self._resident_s]:
+            self._demote(rid)
+
+    def _demote_all(self) -> None:
+        for rid in list(self._held):
+            self._demote(rid)
+
+    def _demote(self, rid: str) -> None:
+        """The whole prompt to the host buffer (the hand-off before residents), then free it."""
+        job = self._unheld(rid).job
+        result: torch.Tensor | BaseException
+        try:
+            result = self._engine.export_tokens(rid, 0, len(job.tokens))
+        except Exception as exc:
+            result = exc
+        finally:
+            self._free(rid, job.g1_keys)
+        if isinstance(result, torch.Tensor):
+            self._stats.handoff_demoted_total += 1
+            self._stats.handoff_bytes_total += result.numel() * result.element_size()
+        # Queued on the loop now, so it lands before any later engine job's result.
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._on_demoted, job, result)
+
+    def _free_held(self) -> None:
+        """Shutdown: every resident freed unread."""
+        for rid in list(self._held):
+            self._free(rid, self._unheld(rid).job.g1_keys)
+
+    def _hold(self, rid: str, held: _Held) -> None:
+        self._held[rid] = held
+        self._stats.resident = len(self._held)
+
+    def _unheld(self, rid: str) -> _Held:
+        held = self._held.pop(rid)
+        self._stats.resident = len(self._held)
+        return held
 
     def _free(self, rid: str, keep: list[bytes] | None = None) -> None:
         with contextlib.suppress(EngineInputError):

@@ -1,19 +1,29 @@
 """Per-request host buffer of a prompt's KV, served to decode by PullKV, and
 decode's side that places and verifies the pieces.
 
-After prefill the whole prompt's KV (the partial last block included) is
-copied out of the engine once and kept here until decode pulls and releases
-it. The wire format of a piece is the raw bytes of
+After prefill a prompt's entry is first **resident**: its KV is still in the
+prefill engine (a ``Resident`` says how to get it out), so a returning
+session's pull copies out only the tail decode lacks, once, on the first pull
+(``hold``). A resident entry not pulled soon is copied out whole by the
+service (``fill``: it demotes it so its blocks never starve admissions).
+Either way the entry then holds tokens [``start``, ``n_tokens``) on the host
+until decode releases it; a later pull asking for tokens before ``start`` is
+refused (HandleExpired: decode rebuilds them).
+
+The wire format of a piece is the raw bytes of
 ``[layers, 2, kv_heads, token_count, head_dim]`` in the engine dtype
 (docs/engine.md): pieces are cut along the token axis so a reader can place
 them into one preallocated tensor.
 
 Lifetime: there is no expiry clock, since a backlogged decode is no reason to
 throw finished work away. The buffer is bounded by bytes instead: a put that
-needs room drops the oldest entries, and an entry nobody pulled for
-``abandon_s`` (its router went away) is swept. Dropping is always safe
+needs room drops the oldest entries holding host bytes, and an entry nobody
+pulled for ``abandon_s`` (its router went away) is swept. Dropping is always safe
 because decode can rebuild any prompt's KV (restore what the warehouse holds,
 recompute the rest); a pull of a dropped handle says so and decode rebuilds.
+Dropping a resident entry releases its sequence in the engine. Only host
+bytes count against the bound: resident entries are bounded by the service's
+demotion (prefill_svc/steps.py).
 
 Same-host pulls skip the byte stream: the buffer writes the tensor once into
 a private file under ``/dev/shm`` (service.kv_shm: 0600, exclusive create, an
@@ -25,12 +35,13 @@ goes anywhere, and a mismatch is a ``KVIntegrityError`` (decode recomputes).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +49,7 @@ import numpy as np
 import torch
 
 from service import kv_shm
+from service.aio import retrieve
 from service.errors import HandleExpired, InvalidRequest
 
 # Dropped entries are remembered (without their tensors) for a while so that a
@@ -90,22 +102,40 @@ class KVPiece:
     checksum: bytes = b""
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Resident:
+    """How to get a resident prompt's KV out of the engine that still holds it.
+    Compared by identity: it names one prefill of a request id."""
+
+    # tokens [start, n) to the host, then the sequence freed; None when the
+    # engine no longer holds it (demoted: its ``fill`` came first)
+    materialize: Callable[[int], Awaitable[torch.Tensor | None]]
+    release: Callable[[], None]     # free the sequence unread (never raises)
+
+
 @dataclass(slots=True)
 class BufferEntry:
     request_id: str
-    kv: torch.Tensor                # [layers, 2, kv_heads, n_tokens, head_dim], host, contiguous
+    kv: torch.Tensor | None         # [layers, 2, kv_heads, n_tokens - start, head_dim], host,
+                                    # contiguous; None while resident
     seed: int                       # the handle's kv_seed: keys the pieces' checksums
     put_at: float                   # buffer clock
+    n_tokens: int                   # the prompt's tokens
+    start: int = 0                  # first token ``kv`` holds (decode has the ones before)
+    resident: Resident | None = None    # set while the engine holds the KV
+    filling: asyncio.Task[None] | None = None   # the copy-out of a resident entry, once
     # start token -> (file name, checksum): the KV from that token on, written on first use
     shm: dict[int, tuple[str, bytes]] = field(default_factory=dict)
 
     @property
-    def n_tokens(self) -> int:
-        return int(self.kv.shape[3])
-
-    @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+
+    def tail(self, first: int, end: int | None = None) -> torch.Tensor:
+        """Host tokens [first, end) (``first`` >= ``start``) as a view."""
+        assert self.kv is not None and first >= self.start
+        stop = self.n_tokens if end is None else end
+        return self.kv[:, :, :, first - self.start:stop - self.start, :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +147,7 @@ class BufferStats:
     abandoned: int                  # never pulled within abandon_s
     unbuffered: int                 # larger than the whole buffer: never held
     shm_files: int
+    resident: int                   # entries whose KV the engine still holds
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -170,13 +201,102 @@ class KVBuffer:
             self._counts["unbuffered"] += 1
             self._remember(request_id, "larger than the whole buffer")
             return None
-        while self._bytes + nbytes > self._max_bytes:
-            self._drop(next(iter(self._entries)), "evicted")
-        entry = BufferEntry(request_id, kv, seed, self._clock())
+        self._make_room(nbytes)
+        entry = BufferEntry(request_id, kv, seed, self._clock(), int(kv.shape[3]))
         self._entries[request_id] = entry
         self._gone.pop(request_id, None)
         self._bytes += nbytes
         return entry
+
+    def put_resident(self, request_id: str, n_tokens: int, *, seed: int,
+                     resident: Resident) -> BufferEntry:
+        """An entry whose ``n_tokens`` of KV the engine still holds: copied out
+        on the first pull (``hold``) or by the service (``fill``). Replaces an
+        entry of the same id."""
+        if n_tokens < 1:
+            raise ValueError(f"a resident entry needs tokens, got {n_tokens}")
+        self.sweep()
+        if request_id in self._entries:
+            self._drop(request_id, "released")
+        entry = BufferEntry(request_id, None, seed, self._clock(), n_tokens, resident=resident)
+        self._entries[request_id] = entry
+        self._gone.pop(request_id, None)
+        return entry
+
+    def fill(self, resident: Resident, kv: torch.Tensor, start: int = 0) -> BufferEntry | None:
+        """The KV of a resident entry's tokens [``start``, n) is on the host now
+        (the engine freed the sequence): the entry holds it. None when the entry
+        went meanwhile, or is larger than the whole buffer (then it goes too)."""
+        entry = self._resident_entry(resident)
+        if entry is None:
+            return None
+        kv = kv.detach().to("cpu").contiguous()
+        KVShape.of(kv)
+        if int(kv.shape[3]) != entry.n_tokens - start:
+            self.lose(resident, "copied out with the wrong length; rebuild it")
+            raise ValueError(f"KV of {kv.shape[3]} tokens from {start} for a prompt of "
+                             f"{entry.n_tokens}")
+        nbytes = kv.numel() * kv.element_size()
+        # Out of the eviction order while room is made: it is the newest now.
+        del self._entries[entry.request_id]
+        entry.resident = None
+        if nbytes > self._max_bytes:
+            self._counts["unbuffered"] += 1
+            self._remember(entry.request_id, "larger than the whole buffer")
+            return None
+        self._make_room(nbytes)
+        entry.kv, entry.start = kv, start
+        self._entries[entry.request_id] = entry
+        self._bytes += nbytes
+        return entry
+
+    def lose(self, resident: Resident, why: str) -> None:
+        """A resident entry's KV could not be copied out (the engine freed it):
+        it goes, and a pull says ``why``."""
+        entry = self._resident_entry(resident)
+        if entry is not None:
+            entry.resident = None       # nothing left to release
+            del self._entries[entry.request_id]
+            self._remember(entry.request_id, why)
+
+    async def hold(self, entry: BufferEntry, first: int) -> BufferEntry:
+        """``entry`` with its KV from token ``first`` on on the host: a resident
+        one is copied out from ``first`` on (once, however many pull it at once;
+        a caller that leaves does not stop it)."""
+        self.check_start(entry, first)
+        if entry.kv is None and entry.resident is not None:
+            if entry.filling is None:
+                entry.filling = asyncio.ensure_future(self._materialize(entry, entry.resident,
+                                                                        first))
+                entry.filling.add_done_callback(retrieve)
+            await asyncio.shield(entry.filling)
+        if entry.kv is None and entry.resident is not None:
+            self.lose(entry.resident, "the engine no longer held it; rebuild it")
+        if self._entries.get(entry.request_id) is not entry:
+            self.get(entry.request_id)                   # says why it went
+            raise HandleExpired(f"KV handle of request {entry.request_id!r} was replaced "
+                                "while it was being pulled")
+        self.check_start(entry, first)
+        return entry
+
+    async def _materialize(self, entry: BufferEntry, resident: Resident, first: int) -> None:
+        try:
+            kv = await resident.materialize(first)
+        except Exception as exc:        # the engine freed it: a pull says why, decode rebuilds
+            self.lose(resident, f"copy-out failed: {exc}; rebuild it")
+            return
+        if kv is not None:
+            self.fill(resident, kv, first)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop the oldest host-held entries until ``nbytes`` more fit; resident
+        ones hold no host bytes, so dropping them would free none."""
+        while self._bytes + nbytes > self._max_bytes:
+            oldest = next(rid for rid, e in self._entries.items() if e.kv is not None)
+            self._drop(oldest, "evicted")
+
+    def _resident_entry(self, resident: Resident) -> BufferEntry | None:
+        return next((e for e in self._entries.values() if e.resident is resident), None)
 
     def get(self, request_id: str) -> BufferEntry:
         entry = self._entries.get(request_id)
@@ -195,15 +315,21 @@ class KVBuffer:
         if not 0 <= start < entry.n_tokens:
             raise InvalidRequest(f"start_token {start} is outside the {entry.n_tokens} "
                                  f"buffered tokens of request {entry.request_id!r}")
+        if entry.kv is not None and start < entry.start:
+            # An earlier pull copied out only its tail; the engine has freed the rest.
+            raise HandleExpired(f"KV of request {entry.request_id!r} is held from token "
+                                f"{entry.start} on only (an earlier pull took the tail); "
+                                f"tokens from {start} must be rebuilt")
 
     def pieces(self, entry: BufferEntry, first: int = 0) -> Iterator[KVPiece]:
         """The entry's KV from token ``first`` on, as byte pieces of about
         ``chunk_bytes`` each."""
         self.check_start(entry, first)
+        assert entry.kv is not None, "pulled entries are held (KVBuffer.hold)"
         step = max(1, self._chunk_bytes // KVShape.of(entry.kv).token_nbytes)
         for start in range(first, entry.n_tokens, step):
             end = min(entry.n_tokens, start + step)
-            data = _raw(entry.kv[:, :, :, start:end, :].contiguous()).tobytes()
+            data = _raw(entry.tail(start, end).contiguous()).tobytes()
             yield KVPiece(start, end - start, data=data,
                           checksum=kv_shm.piece_checksum(data, entry.seed))
 
@@ -215,9 +341,10 @@ class KVBuffer:
         if self._shm_dir is None:
             raise InvalidRequest("this prefill instance offers no shared-memory pulls")
         self.check_start(entry, first)
+        assert entry.kv is not None, "pulled entries are held (KVBuffer.hold)"
         with self._shm_lock:
             if first not in entry.shm:
-                tail = entry.kv if first == 0 else entry.kv[:, :, :, first:, :].contiguous()
+                tail = entry.kv if first == entry.start else entry.tail(first).contiguous()
                 raw = _raw(tail)
                 checksum = kv_shm.piece_checksum(raw, entry.seed)
                 name = kv_shm.create_private(self._shm_dir, memoryview(raw), self._names)
@@ -256,9 +383,10 @@ class KVBuffer:
 
     def stats(self) -> BufferStats:
         shm = sum(len(e.shm) for e in self._entries.values())
+        resident = sum(e.resident is not None for e in self._entries.values())
         c = self._counts
         return BufferStats(len(self._entries), self._bytes, c["released"], c["evicted"],
-                           c["abandoned"], c["unbuffered"], shm)
+                           c["abandoned"], c["unbuffered"], shm, resident)
 
     def _drop(self, request_id: str, why: str) -> None:
         entry = self._entries.pop(request_id)
@@ -269,6 +397,9 @@ class KVBuffer:
         if self._shm_dir is not None:
             for name, _ in entry.shm.values():
                 (self._shm_dir / name).unlink(missing_ok=True)
+        if entry.resident is not None:
+            entry.resident, resident = None, entry.resident
+            resident.release()          # the engine frees the sequence
 
     def _remember(self, request_id: str, why: str) -> None:
         if len(self._gone) >= _MAX_TOMBSTONES:

@@ -142,6 +142,51 @@ def test_a_tampered_tail_of_a_next_turn_is_recomputed_never_served(stack: Stack)
     assert _metric(stack.decode, "kvserve_decode_decode_g1_prefix_tokens_total") >= g1 + held
 
 
+def _handoff(stack: Stack) -> dict[str, float]:
+    return {k: _metric(stack.prefill, f"kvserve_prefill_prefill_handoff_{k}_total")
+            for k in ("bytes", "materialized", "demoted")}
+
+
+def test_a_next_turn_copies_only_its_tail_out_of_the_prefill_engine(stack: Stack) -> None:
+    """The prompt stays resident in prefill until decode pulls: turn one's pull
+    copies its whole prompt out, turn two's only the tokens after the prefix
+    decode's own G1 holds (the old hand-off copied every prompt out whole)."""
+    per_token = stack.ref.layout.block_nbytes // procs.BLOCK
+    p = prompt(65, 45)
+    pre = stack.prefill_stub()
+    before = _handoff(stack)
+    first = decode(stack.decode_stub(), prefill(pre, p, max_tokens=8), max_tokens=8)
+    assert first.tokens == reference(stack.ref, p, 8)
+    mid = _handoff(stack)
+    assert mid["bytes"] - before["bytes"] == len(p) * per_token
+    nxt = p + first.tokens + prompt(66, 30)
+    held = min((len(p) + len(first.tokens) - 1) // procs.BLOCK,
+               (len(nxt) - 1) // procs.BLOCK) * procs.BLOCK
+    assert decode(stack.decode_stub(), prefill(pre, nxt, max_tokens=8),
+                  max_tokens=8).tokens == reference(stack.ref, nxt, 8)
+    after = _handoff(stack)
+    assert after["bytes"] - mid["bytes"] == (len(nxt) - held) * per_token
+    assert after["materialized"] - before["materialized"] == 2
+    assert after["demoted"] == before["demoted"]
+
+
+def test_a_prompt_not_pulled_within_resident_s_is_still_decoded_exactly(stack: Stack) -> None:
+    """Decode comes after ``resident_s`` and after another prompt's step: the
+    prompt was copied out whole in that step, and its pull serves that copy."""
+    p = prompt(67, 50)
+    pre = stack.prefill_stub()
+    before = _handoff(stack)
+    h = prefill(pre, p, max_tokens=8)
+    time.sleep(0.7)                                   # past the default 0.5 s
+    other = prompt(68, 20)
+    ho = prefill(pre, other, max_tokens=4)            # its step demotes the first
+    assert decode(stack.decode_stub(), h, max_tokens=8).tokens == reference(stack.ref, p, 8)
+    assert decode(stack.decode_stub(), ho, max_tokens=4).tokens == reference(stack.ref, other, 4)
+    after = _handoff(stack)
+    assert after["demoted"] - before["demoted"] == 1
+    assert after["materialized"] - before["materialized"] == 1
+
+
 @pytest.fixture()
 def forgetful_prefill(stack: Stack) -> Iterator[procs.Proc]:
     """A prefill that drops KV nobody pulled within 1 s (the old 30-s TTL, shortened)."""

@@ -3,6 +3,7 @@ a lifetime bounded by memory rather than a clock."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from pathlib import Path
@@ -12,7 +13,14 @@ import torch
 
 from service import kv_shm
 from service.errors import HandleExpired, InvalidRequest
-from service.kv_buffer import KVAssembler, KVBuffer, KVIntegrityError, KVPiece, KVShape
+from service.kv_buffer import (
+    KVAssembler,
+    KVBuffer,
+    KVIntegrityError,
+    KVPiece,
+    KVShape,
+    Resident,
+)
 
 SHM = "/dev/shm"
 needs_shm = pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm on this machine")
@@ -277,3 +285,138 @@ def test_a_pull_from_outside_the_prompt_is_refused() -> None:
             list(buf.pieces(entry, first))
     with pytest.raises(ValueError, match="outside"):
         KVAssembler(KVShape.of(_kv(8)), 8, seed=1, first=8)
+
+
+class Engineish:
+    """What a prefill engine does for a resident entry: it holds the prompt's
+    KV until one copy-out (from a start token) or a release frees it."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv: torch.Tensor | None = kv
+        self.copied: list[int] = []         # start tokens copied out
+        self.released = 0
+
+    async def materialize(self, start: int) -> torch.Tensor | None:
+        await asyncio.sleep(0)              # the engine thread's queue
+        if self.kv is None:
+            return None
+        kv, self.kv = self.kv, None
+        self.copied.append(start)
+        return kv[:, :, :, start:, :].clone()
+
+    def release(self) -> None:
+        if self.kv is not None:
+            self.kv = None
+            self.released += 1
+
+    def resident(self) -> Resident:
+        return Resident(self.materialize, self.release)
+
+
+@needs_shm
+def test_a_resident_entry_copies_out_only_the_tail_its_first_pull_asks_for() -> None:
+    """No host bytes until the pull; then only tokens [first, n) leave the
+    engine, once, however many pull at once, and serve bytes and files alike."""
+    kv, first = _kv(37), 16
+
+    async def body() -> None:
+        buf = _buf(shm_dir=SHM, chunk_bytes=1024)
+        eng = Engineish(kv)
+        entry = buf.put_resident("r", 37, seed=5, resident=eng.resident())
+        assert buf.bytes == 0 and buf.stats().resident == 1
+        held, again = await asyncio.gather(buf.hold(entry, first), buf.hold(entry, first + 4))
+        assert held is again is entry and eng.copied == [first]
+        assert buf.bytes == (37 - first) * KVShape.of(kv).token_nbytes
+        assert buf.stats().resident == 0
+        asm = KVAssembler(KVShape.of(kv), 37, seed=5, first=first)
+        for p in buf.pieces(entry, first):
+            asm.add(p)
+        assert torch.equal(asm.done(), kv[:, :, :, first:, :])
+        later = first + 5
+        asm = KVAssembler(KVShape.of(kv), 37, seed=5, first=later)
+        piece = buf.shm_piece(await buf.hold(entry, later), later)
+        asm.add(piece)
+        assert torch.equal(asm.done(), kv[:, :, :, later:, :])
+        # Tokens before what the entry holds were never copied out: decode rebuilds.
+        with pytest.raises(HandleExpired, match="held from token 16 on only"):
+            await buf.hold(entry, first - 1)
+        with pytest.raises(HandleExpired, match="held from token 16"):
+            list(buf.pieces(entry, 0))
+        assert buf.release("r") and eng.released == 0      # already freed by the copy-out
+        assert not Path(SHM, piece.shm_name).exists() and buf.bytes == 0
+
+    asyncio.run(body())
+
+
+def test_releasing_or_dropping_a_resident_entry_frees_the_engine_sequence() -> None:
+    """Release, a replacing put, the sweep and eviction for room each free a
+    resident prompt in the engine, and a late pull says why it went."""
+    clock = Clock()
+
+    async def body() -> None:
+        one = _kv(16).numel() * 4
+        buf = _buf(2 * one, clock=clock, abandon_s=100)
+        engines = {rid: Engineish(_kv(16)) for rid in "abcd"}
+        entries = {rid: buf.put_resident(rid, 16, seed=1, resident=e.resident())
+                   for rid, e in engines.items()}
+        assert buf.release("a") and engines["a"].released == 1
+        with pytest.raises(HandleExpired, match="released"):
+            await buf.hold(entries["a"], 0)
+        assert engines["a"].copied == []
+        buf.put_resident("b", 16, seed=2, resident=Engineish(_kv(16)).resident())
+        assert engines["b"].released == 1                  # replaced: the old one freed
+        clock.t += 101
+        assert buf.sweep() == 3 and engines["c"].released == engines["d"].released == 1
+        with pytest.raises(HandleExpired, match="never pulled"):
+            buf.get("c")
+        # A copy-out needing room drops the oldest host-held entry; an older resident
+        # holds no host bytes, so it stays (demotion bounds residents, not bytes).
+        old, new = Engineish(_kv(16)), Engineish(_kv(16))
+        buf.put_resident("y", 16, seed=1, resident=old.resident())
+        buf.put("x", _kv(16), seed=1)
+        buf.put("w", _kv(16), seed=1)
+        buf.put_resident("z", 16, seed=1, resident=new.resident())
+        await buf.hold(buf.get("z"), 0)
+        assert old.released == 0 and buf.stats().evicted == 1
+        with pytest.raises(HandleExpired, match="dropped for room"):
+            buf.get("x")
+        assert buf.get("y").resident is not None and buf.bytes == 2 * one
+        buf.close()
+        assert old.released == 1 and buf.stats().entries == 0
+
+    asyncio.run(body())
+
+
+def test_a_demoted_resident_entry_holds_the_whole_prompt() -> None:
+    """The service copied a resident entry out whole before its pull (``fill``):
+    the pull's materialize finds nothing left in the engine and serves the
+    host copy from any start; a failed copy-out is lost with its reason."""
+    kv = _kv(20)
+
+    async def body() -> None:
+        buf = _buf()
+        eng = Engineish(kv)
+        res = eng.resident()
+        entry = buf.put_resident("r", 20, seed=4, resident=res)
+        whole, eng.kv = eng.kv, None                        # demoted: out whole, freed
+        assert whole is not None and buf.fill(res, whole) is entry
+        assert buf.fill(res, whole) is None                 # only once
+        for first in (0, 7):
+            got = await buf.hold(entry, first)
+            (piece,) = buf.pieces(got, first)
+            asm = KVAssembler(KVShape.of(kv), 20, seed=4, first=first)
+            asm.add(piece)
+            assert torch.equal(asm.done(), kv[:, :, :, first:, :])
+        assert eng.copied == [] and buf.release("r") and eng.released == 0
+        lost = Engineish(kv)
+        gone = buf.put_resident("g", 20, seed=4, resident=lost.resident())
+        buf.lose(gone.resident, "copy-out failed: boom; rebuild it")   # type: ignore[arg-type]
+        with pytest.raises(HandleExpired, match="boom"):
+            await buf.hold(gone, 0)
+        huge = _buf(kv.numel() * 4 - 1)
+        big = Engineish(kv)
+        e = huge.put_resident("h", 20, seed=4, resident=big.resident())
+        with pytest.raises(HandleExpired, match="larger than the whole buffer"):
+            await huge.hold(e, 0)
+
+    asyncio.run(body())
