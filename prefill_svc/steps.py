@@ -12,9 +12,10 @@ a queued turn does not pay its restore after it is scheduled.
 
 A finished prompt stays **resident**: its sequence is kept live, not copied
 out, because decode usually holds most of a returning session already and
-pulls only the tail (``PullKVRequest.start_token``). Its first pull copies
-out just those tokens on the engine thread (``materialize``, FIFO with the
-steps) and frees it. One not pulled within ``resident_s`` is **demoted** at
+pulls only the tail (``PullKVRequest.start_token``). Its first pull claims
+it and copies out just those tokens on a worker thread (``materialize``: a
+pull never waits behind a step in flight, which on a 2-core CPU host is
+seconds), then the engine thread frees it. One not pulled within ``resident_s`` is **demoted** at
 the start of the next step job: copied out whole to the host buffer and
 freed, as every prompt was before. Whenever the plan cannot admit a ready
 request for want of blocks, or an admission finds the pool short, every
@@ -32,6 +33,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -125,6 +127,9 @@ class StepLoop:
         self._resident_s = cfg.resident_s
         # Written on the engine thread only (the loop reads its size).
         self._held: dict[str, _Held] = {}
+        # A pull claims a resident from the event loop while the engine thread
+        # demotes or frees residents: whoever takes it first owns it.
+        self._held_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._observe = observe         # (tokens, seconds) of a step -> measured tokens/s
@@ -425,13 +430,28 @@ class StepLoop:
     @property
     def resident_ids(self) -> list[str]:
         """Finished prompts the engine holds for their pull (a copy: read anywhere)."""
-        return list(self._held)
+        with self._held_lock:
+            return list(self._held)
 
     async def materialize(self, job: Job, start: int) -> torch.Tensor | None:
         """Decode's first pull: tokens [start, L) of ``job``'s resident prompt to
         the host, then it is freed. None when it is no longer resident (it was
-        demoted: its whole KV reached ``on_demoted`` before this returns)."""
-        return await self._thread.call(self._materialize, job, start)
+        demoted: its whole KV reached ``on_demoted`` first).
+
+        The copy runs on a worker thread, not behind the engine thread's step in
+        flight: the claimed sequence is finished and still live, so no step
+        writes or reuses its blocks until the free that follows the copy."""
+        rid = job.ctx.request_id
+        if self._take(rid, job) is None:
+            return None
+        try:
+            kv = await asyncio.to_thread(self._engine.export_tokens, rid, start,
+                                         len(job.tokens))
+        finally:
+            self._thread.submit(self._free, rid, job.g1_keys)
+        self._stats.handoff_materialized_total += 1
+        self._stats.handoff_bytes_total += kv.numel() * kv.element_size()
+        return kv
 
     def release_held(self, job: Job) -> None:
         """Its entry went unread (released, dropped, replaced): free the sequence.
@@ -440,39 +460,28 @@ class StepLoop:
             with contextlib.suppress(RuntimeError):     # the thread already shut down
                 self._thread.submit(self._unhold, job)
 
-    def _materialize(self, job: Job, start: int) -> torch.Tensor | None:
-        rid = job.ctx.request_id
-        held = self._held.get(rid)
-        if held is None or held.job is not job:
-            return None
-        self._unheld(rid)
-        try:
-            kv = self._engine.export_tokens(rid, start, len(job.tokens))
-        finally:
-            self._free(rid, job.g1_keys)
-        self._stats.handoff_materialized_total += 1
-        self._stats.handoff_bytes_total += kv.numel() * kv.element_size()
-        return kv
-
     def _unhold(self, job: Job) -> None:
         rid = job.ctx.request_id
-        held = self._held.get(rid)
-        if held is not None and held.job is job:
-            self._unheld(rid)
+        if self._take(rid, job) is not None:
             self._free(rid, job.g1_keys)
 
     def _demote_aged(self) -> None:
         now = time.monotonic()
-        for rid in [rid for rid, h in self._held.items() if now - h.since >= self._resident_s]:
+        with self._held_lock:
+            aged = [rid for rid, h in self._held.items() if now - h.since >= self._resident_s]
+        for rid in aged:
             self._demote(rid)
 
     def _demote_all(self) -> None:
-        for rid in list(self._held):
+        for rid in self.resident_ids:
             self._demote(rid)
 
     def _demote(self, rid: str) -> None:
         """The whole prompt to the host buffer (the hand-off before residents), then free it."""
-        job = self._unheld(rid).job
+        held = self._take(rid)
+        if held is None:                # a pull claimed it meanwhile
+            return
+        job = held.job
         result: torch.Tensor | BaseException
         try:
             result = self._engine.export_tokens(rid, 0, len(job.tokens))
@@ -489,17 +498,24 @@ class StepLoop:
 
     def _free_held(self) -> None:
         """Shutdown: every resident freed unread."""
-        for rid in list(self._held):
-            self._free(rid, self._unheld(rid).job.g1_keys)
+        for rid in self.resident_ids:
+            if (held := self._take(rid)) is not None:
+                self._free(rid, held.job.g1_keys)
 
     def _hold(self, rid: str, held: _Held) -> None:
-        self._held[rid] = held
-        self._stats.resident = len(self._held)
+        with self._held_lock:
+            self._held[rid] = held
+            self._stats.resident = len(self._held)
 
-    def _unheld(self, rid: str) -> _Held:
-        held = self._held.pop(rid)
-        self._stats.resident = len(self._held)
-        return held
+    def _take(self, rid: str, job: Job | None = None) -> _Held | None:
+        """Claim a resident (of ``job`` when given); None when it is not held."""
+        with self._held_lock:
+            held = self._held.get(rid)
+            if held is None or (job is not None and held.job is not job):
+                return None
+            del self._held[rid]
+            self._stats.resident = len(self._held)
+            return held
 
     def _free(self, rid: str, keep: list[bytes] | None = None) -> None:
         with contextlib.suppress(EngineInputError):
