@@ -179,6 +179,21 @@ def _tiles(q, m, lsum, acc, kb, vb, TBL, t_off, a, b, q_pos, hi, window, qk_scal
 
 
 @triton.jit
+def _split_tiles(q, m, lsum, acc, kb, vb, TBL, t_off, a, b, fa, fb, q_pos, hi, window,
+                 qk_scale, block_tokens, D: tl.constexpr, BN: tl.constexpr,
+                 PREC: tl.constexpr, KEYS_MAJOR: tl.constexpr):
+    """Key tiles [a, b) of one split: the masked ones before ``fa``, the
+    unmasked ones in [fa, fb), the masked ones from ``fb`` on (``_key_range``)."""
+    m, lsum, acc = _tiles(q, m, lsum, acc, kb, vb, TBL, t_off, a, tl.minimum(fa, b), q_pos,
+                          hi, window, qk_scale, block_tokens, D, BN, True, PREC, KEYS_MAJOR)
+    m, lsum, acc = _tiles(q, m, lsum, acc, kb, vb, TBL, t_off, tl.maximum(fa, a),
+                          tl.minimum(fb, b), q_pos, hi, window, qk_scale, block_tokens, D, BN,
+                          False, PREC, KEYS_MAJOR)
+    return _tiles(q, m, lsum, acc, kb, vb, TBL, t_off, tl.maximum(fb, a), b, q_pos, hi,
+                  window, qk_scale, block_tokens, D, BN, True, PREC, KEYS_MAJOR)
+
+
+@triton.jit
 def _key_range(p_first, hi, window, BN: tl.constexpr, TPS: tl.constexpr, PARTS: tl.constexpr):
     """Key tiles [ta, tb) of rows at positions p_first..hi (this program's share
     of them for a decode row, PARTS >= 1) and [fa, fb), those every row sees
@@ -246,15 +261,8 @@ def _attn_kernel(Q, KP, VP, TBL, SEG, TILE, OUT,
         a = tl.maximum(ta, sp * TPS)
         b = tl.minimum(tb, sp * TPS + TPS)
         ms, ls, accs = zero_m, zero_l, zero_acc      # this split, from a fresh state
-        ms, ls, accs = _tiles(q, ms, ls, accs, kb, vb, TBL, t_off, a, tl.minimum(fa, b),
-                              q_pos, hi, window, qk_scale, block_tokens, D, BN, True, PREC,
-                              False)
-        ms, ls, accs = _tiles(q, ms, ls, accs, kb, vb, TBL, t_off, tl.maximum(fa, a),
-                              tl.minimum(fb, b), q_pos, hi, window, qk_scale, block_tokens,
-                              D, BN, False, PREC, False)
-        ms, ls, accs = _tiles(q, ms, ls, accs, kb, vb, TBL, t_off, tl.maximum(fb, a), b,
-                              q_pos, hi, window, qk_scale, block_tokens, D, BN, True, PREC,
-                              False)
+        ms, ls, accs = _split_tiles(q, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa, fb, q_pos,
+                                    hi, window, qk_scale, block_tokens, D, BN, PREC, False)
         # the 16 columns are equal: the maximum picks that number exactly
         m, lsum, acc = _fold(m, lsum, acc, ms, tl.max(ls, 1), accs)
     o = acc / tl.where(row_ok, lsum, 1.0)[:, None] + 0.0
@@ -294,15 +302,9 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
         a = tl.maximum(ta, sp * TPS)
         b = tl.minimum(tb, sp * TPS + TPS)
         ms, ls, accs = zero_m, zero_l, zero_acc
-        ms, ls, accs = _tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, tl.minimum(fa, b),
-                              q_pos, q_pos, window, qk_scale, block_tokens, D, BN, True, PREC,
-                              True)
-        ms, ls, accs = _tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, tl.maximum(fa, a),
-                              tl.minimum(fb, b), q_pos, q_pos, window, qk_scale, block_tokens,
-                              D, BN, False, PREC, True)
-        ms, ls, accs = _tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, tl.maximum(fb, a), b,
-                              q_pos, q_pos, window, qk_scale, block_tokens, D, BN, True, PREC,
-                              True)
+        ms, ls, accs = _split_tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa, fb,
+                                    q_pos, q_pos, window, qk_scale, block_tokens, D, BN, PREC,
+                                    True)
         m, lsum, acc = _fold(m, lsum, acc, ms, tl.max(ls, 0), tl.trans(accs))
     if PARTS <= 1:
         o = acc / tl.where(g_ok, lsum, 1.0)[:, None] + 0.0
