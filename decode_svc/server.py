@@ -362,7 +362,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if chk.stale:
             self._rebuilt("stale_handle")
             self._release_later(handle)
-            return await self._rebuild(handle, chk)
+            return await self._rebuild(handle, chk, keys)
         first = 0 if hold is None else hold.tokens(self.block_tokens)
         try:
             pulled = await self.puller.pull(handle, self.shape, budget_s=budget_s,
@@ -375,7 +375,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             self._release_later(handle)
             if hold is not None:
                 self.prefixes.release(hold)
-            return await self._rebuild(handle, chk)
+            return await self._rebuild(handle, chk, keys)
         except (TimeoutError, grpc.RpcError, ValueError, OSError) as exc:
             gone = (isinstance(exc, grpc.aio.AioRpcError)
                     and exc.code() == grpc.StatusCode.FAILED_PRECONDITION)
@@ -386,7 +386,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             if hold is not None:
                 self.prefixes.release(hold)
             t = time.monotonic()
-            rebuilt = await self._rebuild(handle, chk)
+            rebuilt = await self._rebuild(handle, chk, keys)
             self.stats.handoff_seconds["warehouse"].observe(time.monotonic() - t)
             tracing.annotate(path="warehouse")
             return rebuilt
@@ -421,12 +421,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if not task.cancelled() and task.exception() is not None:
             log.warning("release of a prefill buffer failed: %r", task.exception())
 
-    async def _rebuild(self, handle: prefill_pb2.KVHandle,
-                       chk: _Checked) -> Callable[[str], None]:
-        """Restore the stored blocks from the warehouse and recompute the tail."""
+    async def _rebuild(self, handle: prefill_pb2.KVHandle, chk: _Checked,
+                       keys: list[bytes]) -> Callable[[str], None]:
+        """Restore the stored blocks (``keys``: the prompt's, ``_keys``) from the
+        warehouse and recompute the tail."""
         self._source("warehouse")
-        keys = chain_keys(chk.tokens, block_tokens=self.block_tokens, tenant=chk.ctx.tenant,
-                          fingerprint=self.engine.fingerprint, secret=self.secret)
         restore = await self.restorer.restore(keys, prompt_tokens=len(chk.tokens), g1_blocks=0,
                                               ctx=chk.ctx)
 
