@@ -258,10 +258,17 @@ class RouterSection:
     policy: str = "cache_aware"
     heartbeat_s: float = 1.0
     instance_ttl_s: float = 5.0
+    # A prompt whose prefix a decode instance holds (its previous turn was decoded there)
+    # and that leaves at most this many tokens to compute goes to that instance with no
+    # prefill hop (cache-aware policies only; 0: always prefill). docs/services.md,
+    # "A short tail on decode".
+    local_tail_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.heartbeat_s <= 0 or self.instance_ttl_s <= self.heartbeat_s:
             raise ConfigError("router.instance_ttl_s must exceed router.heartbeat_s > 0")
+        if self.local_tail_tokens < 0:
+            raise ConfigError("router.local_tail_tokens must be >= 0 (0: always prefill)")
 
 
 PREFILL_POLICIES = ("fcfs", "src")    # prefill_svc/policy.py registers each

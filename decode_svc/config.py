@@ -31,6 +31,14 @@ class DecodeConfig:
     expert_replan_steps: int = 256      # MoE "auto": re-plan every this many steps
     expert_window_steps: int = 64
     warmup_tokens: int = 64
+    # A prompt sent with no prefill (the router saw its prefix here): computed here when
+    # this instance's G1 leaves at most this many tokens, whatever the router asks; more
+    # are declined before any work (docs/services.md, "A short tail on decode").
+    local_tail_max_tokens: int = 2048
+    # Prompt tokens computed per sequence between two decode steps (short tails, rebuilds):
+    # a tail up to this size gets its first token after one step; a longer one delays the
+    # decode of the others by at most one chunk per step.
+    prefill_chunk_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.max_seqs < 1:
@@ -47,6 +55,10 @@ class DecodeConfig:
             raise ConfigError("canonical_wait_s must be >= 0")
         if self.warmup_tokens < 0:
             raise ConfigError("warmup_tokens must be >= 0")
+        if self.local_tail_max_tokens < 0:
+            raise ConfigError("local_tail_max_tokens must be >= 0 (0: always prefill)")
+        if self.prefill_chunk_tokens < 1:
+            raise ConfigError("prefill_chunk_tokens must be >= 1")
 
     @classmethod
     def from_kvserve(cls, cfg: KVServeConfig, **overrides: Any) -> DecodeConfig:

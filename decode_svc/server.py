@@ -13,6 +13,12 @@ into the warehouse *before* the final event goes out (up to
 ``canonical_wait_s``): an agent that sends its next turn the moment the answer
 ends then hits the whole previous context (docs/services.md, "After the
 answer"). Errors become status codes only in service.errors.
+
+A request with ``local_tail_tokens`` set had no prefill: the router saw its
+prefix decoded here. Its KV comes from this instance's own G1 and the tail
+is computed here between decode steps, the first token sampled here; when
+G1 no longer leaves a tail that short, FAILED_PRECONDITION before any work
+(docs/services.md, "A short tail on decode").
 """
 
 from __future__ import annotations
@@ -76,6 +82,9 @@ class DecodeStats:
     canonical_seconds_total: float = 0.0  # compute + put, added to the end of answers
     canonical_late_total: int = 0        # final events sent before their blocks were stored
     early_first_total: int = 0           # first events sent before the KV was here
+    local_tails_total: int = 0           # prompts computed here with no prefill (short tails)
+    local_tail_tokens_total: int = 0     # prompt tokens those computed here
+    local_declined_total: int = 0        # declined: G1 left more than the tail allowed
     expert_imbalance: float = 1.0
     # Prefill -> decode hand-off (pull or rebuild of the prompt's KV), by how it came.
     handoff_seconds: dict[str, Hist] = field(default_factory=lambda: {
@@ -109,7 +118,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.thread = EngineThread("decode-engine")
         self.experts = _expert_load(cfg, mc)
         self.batcher = Batcher(engine, self.thread, max_seqs=cfg.max_seqs,
-                               after_step=self._after_step if self.experts else None)
+                               after_step=self._after_step if self.experts else None,
+                               rebuild_chunk=cfg.prefill_chunk_tokens)
         self.prefixes = PrefixHolds(engine, self.thread, self.batcher.gate)
         security = cfg.endpoint.security_for("decode")
         self.secret = security.require_secret()  # keys tenant salts (kvstore.keys)
@@ -200,8 +210,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self._admit()
         try:
             # Closed with this call (client gone), not whenever it is collected.
-            async with contextlib.aclosing(self._decode(handle, chk, kv_blocks, t0,
-                                                        context.time_remaining())) as events:
+            events_of = (functools.partial(self._local, request.local_tail_tokens)
+                         if request.local_tail_tokens else
+                         functools.partial(self._decode, handle,
+                                           budget_s=context.time_remaining()))
+            async with contextlib.aclosing(events_of(chk, kv_blocks, t0)) as events:
                 async for ev in events:
                     yield ev
         finally:
@@ -239,8 +252,48 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 "or shorten the prompt") from None
         return need
 
+    async def _local(self, max_tail: int, chk: _Checked, kv_blocks: int,
+                     t0: float) -> AsyncIterator[decode_pb2.DecodeEvent]:
+        """A prompt with no prefill: its leading blocks from this instance's G1
+        (pinned first, so nothing evicts them before the sequence takes them),
+        at most ``max_tail`` tokens (and ``local_tail_max_tokens``) computed
+        here in chunks between decode steps, the first token sampled here."""
+        keys = self._keys(chk)
+        n = len(chk.tokens)
+        cap = min(max_tail, self.cfg.local_tail_max_tokens)
+        hold = await self.prefixes.hold(keys, n)
+        try:
+            # What admit will reuse (the hit rule's reserve and, with kernels that
+            # are not batch-invariant, the chunk cut applied), read with the pins held.
+            reuse = self.engine.g1_admission(keys, n).usable_tokens if hold is not None else 0
+            if n - reuse > cap:
+                self.stats.local_declined_total += 1
+                raise PreconditionFailed(
+                    f"this decode instance holds {reuse} of the prompt's {n} tokens; the "
+                    f"{n - reuse} left exceed the {cap} it computes without a prefill")
+            self.stats.local_tails_total += 1
+            self._source("local")
+            tracing.annotate(path="local", g1_tokens=reuse)
+            admitted: list[int] = []
+
+            def admit(seq_id: str) -> None:
+                adm = self.engine.admit(seq_id, chk.tokens, sampling=chk.sampling,
+                                        block_keys=keys)
+                self.stats.local_tail_tokens_total += adm.to_compute
+                admitted.append(adm.g1_tokens)
+
+            handle = prefill_pb2.KVHandle(prompt_ids=chk.tokens)
+            async with contextlib.aclosing(self._generate(
+                    handle, chk, kv_blocks, t0, TextStream(chk.sampling.stop), None, admit,
+                    hold, prompt_keys=keys, cached=admitted)) as events:
+                async for out in events:
+                    yield out
+        finally:
+            if hold is not None:
+                self.prefixes.release(hold)
+
     async def _decode(self, handle: prefill_pb2.KVHandle, chk: _Checked, kv_blocks: int,
-                      t0: float, budget_s: float | None
+                      t0: float, *, budget_s: float | None
                       ) -> AsyncIterator[decode_pb2.DecodeEvent]:
         stream = TextStream(chk.sampling.stop)
         early = self._early(handle, chk)
@@ -275,14 +328,20 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
     async def _generate(self, handle: prefill_pb2.KVHandle, chk: _Checked, kv_blocks: int,
                         t0: float, stream: TextStream, early: EarlyFirst | None,
-                        make_live: Callable[[str], None], hold: PrefixHold | None
+                        make_live: Callable[[str], None], hold: PrefixHold | None, *,
+                        prompt_keys: list[bytes] | None = None,
+                        cached: list[int] | None = None
                         ) -> AsyncIterator[decode_pb2.DecodeEvent]:
+        """``prompt_keys``: the prompt's chain keys when the handle has none (no
+        prefill wrote them); ``cached``: filled by ``make_live`` with the tokens
+        reused when the handle does not say (a short tail computed here)."""
         seq_id = f"{chk.ctx.request_id}#{next(self._ids)}"
         written: asyncio.Event | None = None
         on_finish = None
         if self.cfg.canonical_write:
             written = asyncio.Event()
-            on_finish = self._canonical_writer(chk.ctx, written, list(handle.block_keys))
+            on_finish = self._canonical_writer(
+                chk.ctx, written, list(handle.block_keys) if prompt_keys is None else prompt_keys)
         t_decode = tracing.now()
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
@@ -297,9 +356,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             if ev.finished:
                 if written is not None:
                     await self._await_canonical(written, chk.ctx)
-                out.usage.CopyFrom(decode_pb2.Usage(prompt_tokens=len(chk.tokens),
-                                                    completion_tokens=ev.completion_tokens,
-                                                    cached_tokens=handle.cached_tokens))
+                out.usage.CopyFrom(decode_pb2.Usage(
+                    prompt_tokens=len(chk.tokens), completion_tokens=ev.completion_tokens,
+                    cached_tokens=cached[0] if cached else handle.cached_tokens))
                 self._count(ev.finish_reason)
                 tracing.record("decode", t_decode, tracing.now(), prompt_tokens=len(chk.tokens),
                                completion_tokens=ev.completion_tokens,

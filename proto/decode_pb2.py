@@ -26,7 +26,7 @@ from proto import common_pb2 as proto_dot_common__pb2
 from proto import prefill_pb2 as proto_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/decode.proto\x12\nkvserve.v1\x1a\x12proto/common.proto\x1a\x13proto/prefill.proto\"c\n\rDecodeRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.kvserve.v1.KVHandle\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa0\x01\n\x0b\x44\x65\x63odeEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0b\n\x03t_s\x18\x03 \x01(\x01\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\x18\n\x10\x65xpert_imbalance\x18\x07 \x01(\x01\x32\xa7\x01\n\x06\x44\x65\x63ode\x12>\n\x06\x44\x65\x63ode\x12\x19.kvserve.v1.DecodeRequest\x1a\x17.kvserve.v1.DecodeEvent0\x01\x12]\n\x10ResetPrefixCache\x12#.kvserve.v1.ResetPrefixCacheRequest\x1a$.kvserve.v1.ResetPrefixCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/decode.proto\x12\nkvserve.v1\x1a\x12proto/common.proto\x1a\x13proto/prefill.proto\"~\n\rDecodeRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.kvserve.v1.KVHandle\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x19\n\x11local_tail_tokens\x18\x03 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa0\x01\n\x0b\x44\x65\x63odeEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0b\n\x03t_s\x18\x03 \x01(\x01\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\x18\n\x10\x65xpert_imbalance\x18\x07 \x01(\x01\x32\xa7\x01\n\x06\x44\x65\x63ode\x12>\n\x06\x44\x65\x63ode\x12\x19.kvserve.v1.DecodeRequest\x1a\x17.kvserve.v1.DecodeEvent0\x01\x12]\n\x10ResetPrefixCache\x12#.kvserve.v1.ResetPrefixCacheRequest\x1a$.kvserve.v1.ResetPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.decode_pb2', _globals
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=75
-  _globals['_DECODEREQUEST']._serialized_end=174
-  _globals['_USAGE']._serialized_start=176
-  _globals['_USAGE']._serialized_end=256
-  _globals['_DECODEEVENT']._serialized_start=259
-  _globals['_DECODEEVENT']._serialized_end=419
-  _globals['_DECODE']._serialized_start=422
-  _globals['_DECODE']._serialized_end=589
+  _globals['_DECODEREQUEST']._serialized_end=201
+  _globals['_USAGE']._serialized_start=203
+  _globals['_USAGE']._serialized_end=283
+  _globals['_DECODEEVENT']._serialized_start=286
+  _globals['_DECODEEVENT']._serialized_end=446
+  _globals['_DECODE']._serialized_start=449
+  _globals['_DECODE']._serialized_end=616
 # @@protoc_insertion_point(module_scope)

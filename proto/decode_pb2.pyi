@@ -9,12 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("handle", "sampling")
+    __slots__ = ("handle", "sampling", "local_tail_tokens")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TAIL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     handle: _prefill_pb2.KVHandle
     sampling: _common_pb2.SamplingParams
-    def __init__(self, handle: _Optional[_Union[_prefill_pb2.KVHandle, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    local_tail_tokens: int
+    def __init__(self, handle: _Optional[_Union[_prefill_pb2.KVHandle, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., local_tail_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -64,6 +64,7 @@ class CoreConfig:
     default_max_tokens: int = 256    # when the client gives none (OpenAI's "until the end"
                                      # is minutes of CPU decode for a small prompt)
     secret: bytes = field(default=b"", repr=False)  # deployment secret: keys tenant salts
+    local_tail_tokens: int = 512     # router.dispatch: short tails computed on decode alone
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -72,6 +73,8 @@ class CoreConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.local_tail_tokens < 0:
+            raise ValueError(f"local_tail_tokens must be >= 0, got {self.local_tail_tokens}")
 
 
 class RouterCore:
@@ -84,7 +87,8 @@ class RouterCore:
         self.metrics = metrics
         self.admission = admission
         self.inflight = InflightPrefixes()   # router.admission_cost
-        self.dispatch = Dispatcher(view, upstreams, metrics, max_attempts=cfg.max_attempts)
+        self.dispatch = Dispatcher(view, upstreams, metrics, max_attempts=cfg.max_attempts,
+                                   local_tail_tokens=cfg.local_tail_tokens)
         self.ops: Any = None        # router.cluster_ops.ClusterOps: warm-up on arrival
         self.serving = ServingMetrics.on(metrics.registry, meta.served_name)
 
@@ -178,20 +182,26 @@ class RouterCore:
                 preq, keys, len(tokens), sampling, budget,
                 busy_until=ticket.arrived + self.admission.cfg.max_queue_wait_s,
                 prefilled=prefilled, tenant=req.tenant, session=req.session_id)
-            p_id = started.prefill.instance.instance_id
+            p_id = started.prefill.instance.instance_id if started.prefill else ""
             d_id = started.decode.instance.instance_id
             t = started.handle.timings
             clock.first(t.queue_s, t.compute_s)
             # Where a slow first token went, per request, for the operator (and for
             # finding which stage holds short turns behind long prompts).
-            log.info("request %s: %d prompt tokens, %d cached; admission wait %.2fs, prefill "
-                     "%s queue %.2fs (lookup %.2fs, fetch %.2fs) compute %.2fs; first token "
-                     "from decode %s at %.2fs", req.request_id, len(tokens),
-                     started.handle.cached_tokens, ticket.waited_s, p_id, t.queue_s,
-                     t.lookup_s, t.fetch_s, t.compute_s, d_id, time.monotonic() - t_arrived)
+            if started.prefill is None:
+                log.info("request %s: %d prompt tokens, a short tail computed on decode %s "
+                         "(no prefill); admission wait %.2fs; first token at %.2fs",
+                         req.request_id, len(tokens), d_id, ticket.waited_s,
+                         time.monotonic() - t_arrived)
+            else:
+                log.info("request %s: %d prompt tokens, %d cached; admission wait %.2fs, "
+                         "prefill %s queue %.2fs (lookup %.2fs, fetch %.2fs) compute %.2fs; "
+                         "first token from decode %s at %.2fs", req.request_id, len(tokens),
+                         started.handle.cached_tokens, ticket.waited_s, p_id, t.queue_s,
+                         t.lookup_s, t.fetch_s, t.compute_s, d_id, time.monotonic() - t_arrived)
             tracing.annotate(prompt_tokens=len(tokens),
                              cached_tokens=started.handle.cached_tokens,
-                             traffic_class=req.traffic_class)
+                             traffic_class=req.traffic_class, local_tail=started.prefill is None)
             try:
                 if started.first.finished:
                     clock.done(started.first.usage.completion_tokens)
@@ -223,9 +233,12 @@ class RouterCore:
                d_id: str) -> GenEvent:
         usage = None
         if ev.finished:
+            # Decode reports what was reused: the handle's figure after a prefill,
+            # its own G1 hit for a short tail it computed alone.
             usage = Usage(prompt_tokens=ev.usage.prompt_tokens or len(handle.prompt_ids),
                           completion_tokens=ev.usage.completion_tokens,
-                          cached_tokens=handle.cached_tokens)
+                          cached_tokens=(ev.usage.cached_tokens if ev.HasField("usage")
+                                         else handle.cached_tokens))
         return GenEvent(text=ev.text, token_ids=tuple(ev.token_ids), finished=ev.finished,
                         finish_reason=ev.finish_reason, usage=usage, prefill_instance=p_id,
                         decode_instance=d_id)

@@ -16,6 +16,17 @@ What an instance's answer means here (docs/services.md, "Busy"):
   the request back to prefill;
 * the request's fault (INVALID_ARGUMENT, ...): answered at once.
 
+A short tail goes to decode alone: a prompt whose prefix was decoded on a
+decode instance that still holds it (a returning agent turn: the previous
+prompt, its answer and a new message) and that leaves at most
+``local_tail_tokens`` to compute is sent there with no Prefill call; that
+instance computes the tail between its decode steps and samples the first
+token itself (Dynamo's "conditional disaggregation"). No hand-off, no
+prefill queue: on a returning turn these were most of the first token's
+wait. An instance that no longer holds enough declines before any work
+(FAILED_PRECONDITION), as does a busy one: the request then takes the usual
+path. docs/services.md, "A short tail on decode".
+
 Every call carries what is left of the budget as its gRPC deadline; when it
 runs out the answer is a 504, whatever the instance was doing.
 """
@@ -71,7 +82,7 @@ class Started:
     handle: prefill_pb2.KVHandle
     call: DecodeCall
     first: decode_pb2.DecodeEvent
-    prefill: Choice
+    prefill: Choice | None          # None: computed on the decode instance alone
     decode: Choice
 
 
@@ -87,11 +98,12 @@ class _Attempts:
 
 class Dispatcher:
     def __init__(self, view: LiveView, upstreams: Upstreams, metrics: RouterMetrics, *,
-                 max_attempts: int) -> None:
+                 max_attempts: int, local_tail_tokens: int = 0) -> None:
         self.view = view
         self.upstreams = upstreams
         self.metrics = metrics
         self.max_attempts = max_attempts
+        self.local_tail_tokens = local_tail_tokens
 
     async def start(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
                     n_tokens: int, sampling: common_pb2.SamplingParams, budget: Budget, *,
@@ -101,6 +113,10 @@ class Dispatcher:
         ``busy_until``: until when (monotonic) a request nobody could prefill yet
         may wait for busy instances; ``prefilled`` is told when prefill is done."""
         tries = _Attempts()
+        local = await self._local(preq, keys, n_tokens, sampling, tries, budget)
+        if local is not None:
+            prefilled()
+            return local
         while True:
             pchoice, handle = await self._prefill(preq, keys, n_tokens, tries, budget,
                                                   busy_until, tenant, session)
@@ -109,6 +125,58 @@ class Dispatcher:
                                          budget)
             if started is not None:
                 return started
+
+    async def _local(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
+                     n_tokens: int, sampling: common_pb2.SamplingParams, tries: _Attempts,
+                     budget: Budget) -> Started | None:
+        """The decode stream's first event from the instance holding the prompt's
+        prefix, computed there with no prefill; None: take the usual path (no
+        such instance, or it declined, was busy or failed before any token)."""
+        choice = self.view.choose_local(keys, n_tokens, kv_tokens=n_tokens + sampling.max_tokens,
+                                        max_tail_tokens=self.local_tail_tokens)
+        if choice is None:
+            return None
+        self._count(choice, "decode")
+        inst = choice.instance
+        handle = prefill_pb2.KVHandle(ctx=preq.ctx, prompt_ids=preq.token_ids)
+        call = self.upstreams.decode(inst.address, handle, sampling, budget_s=budget.left(),
+                                     local_tail_tokens=self.local_tail_tokens)
+        declined = False
+        try:
+            first = await call.first()
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            budget.check("decode")
+            declined = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            err = upstream_error(exc, role="decode", instance=inst.instance_id)
+        except BaseException:
+            call.cancel()
+            raise
+        else:
+            if first is not None:
+                self.metrics.local_tails.labels(outcome="served").inc()
+                return Started(handle, call, first, None, choice)
+            call.cancel()
+            err = UpstreamError(f"decode instance {inst.instance_id} closed the stream "
+                                "without a token", retryable=True, instance=inst.instance_id)
+        if not isinstance(err, UpstreamError):
+            raise err                    # the request's own fault: prefill would say the same
+        if declined:
+            outcome = "declined"         # it no longer holds enough of the prompt
+        elif err.busy_s is not None:
+            outcome = "busy"
+        else:
+            # Quarantined and left out like any failure before the first token, but
+            # never the request's end: the usual path has not been tried yet.
+            outcome = "failed"
+            log.warning("decode instance %s failed a short tail, prefilling instead: %s",
+                        inst.instance_id, err.message)
+            self.view.mark_failed(inst.instance_id)
+            tries.excluded["decode"].add(inst.instance_id)
+        self.metrics.local_tails.labels(outcome=outcome).inc()
+        log.debug("short tail on decode %s not served (%s): %s", inst.instance_id, outcome,
+                  err.message)
+        return None
 
     async def _prefill(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
                        n_tokens: int, tries: _Attempts, budget: Budget, busy_until: float,

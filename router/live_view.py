@@ -301,6 +301,33 @@ class LiveView:
         sent = self.cluster.add_pending(decision.instance_id, prompt_tokens)
         return self._choice(cands, decision, sent)
 
+    def choose_local(self, keys: Sequence[bytes], prompt_tokens: int, *, kv_tokens: int,
+                     max_tail_tokens: int) -> Choice | None:
+        """The decode instance to compute the prompt on with no prefill hop, or
+        None: it must be where the prompt's prefix was decoded (``DecodeAnchors``;
+        cache-aware policies only), leave at most ``max_tail_tokens`` to compute
+        after the recorded prefix (the prompt's part the previous turn did not
+        have: its answer, the new message), be live, report room for
+        ``kv_tokens`` and carry no more pending work than the least loaded decode
+        instance plus ``slack_tokens``."""
+        if max_tail_tokens <= 0 or not self.placer.policy.uses_cache:
+            return None
+        where, blocks = self.decode_anchors.find(keys)
+        if not where or prompt_tokens - blocks * self.cfg.hit_rule.block_tokens > max_tail_tokens:
+            return None
+        cands = self._candidates("decode", set())
+        if where not in cands.ids:
+            return None
+        i = cands.ids.index(where)
+        pending = cands.pending_tokens
+        if 0 <= cands.infos[i].kv_free_tokens < kv_tokens or (
+                pending[i] - pending.min() > self.cfg.sessions.slack_tokens):
+            return None
+        decision = Decision(where, {}, "local_tail", i, self.placer.policy.name,
+                            blocks * self.cfg.hit_rule.block_tokens, float(pending[i]))
+        self.decode_anchors.record(keys, where)
+        return self._choice(cands, decision, self.cluster.add_pending(where, prompt_tokens))
+
     def check_decode_room(self, kv_tokens: int) -> None:
         """Refuse before any work a sequence that grows to ``kv_tokens`` (prompt +
         max_tokens) when every live decode instance that reports its pool holds

@@ -52,6 +52,7 @@ class RouterMetrics:
     in_flight_now: int = 0
     warmups: Counter = field(init=False)
     warmed_blocks: Counter = field(init=False)
+    local_tails: Counter = field(init=False)
     vllm: VllmSeries | None = None      # vLLM-named series, once the model is known
 
     def __post_init__(self) -> None:
@@ -105,6 +106,11 @@ class RouterMetrics:
                                "arrival) by outcome", ["outcome"], registry=r)
         self.warmed_blocks = Counter("kvserve_router_warmed_blocks",
                                      "Blocks moved up to G2 by warm-ups", registry=r)
+        self.local_tails = Counter("kvserve_router_local_tails",
+                                   "Prompts sent to the decode instance holding their prefix "
+                                   "with no prefill (router.dispatch), by outcome: served, "
+                                   "declined (the instance no longer held enough: prefilled "
+                                   "instead), busy, failed", ["outcome"], registry=r)
 
     def enable_vllm_series(self, model_name: str) -> VllmSeries:
         """Add the vLLM-named series benchmark tools scrape (router.metrics_vllm)."""

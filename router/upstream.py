@@ -77,9 +77,13 @@ class Upstreams:
                 timeout=self.timeouts.release_s)
 
     def decode(self, address: str, handle: prefill_pb2.KVHandle,
-               sampling: common_pb2.SamplingParams, *, budget_s: float) -> DecodeCall:
+               sampling: common_pb2.SamplingParams, *, budget_s: float,
+               local_tail_tokens: int = 0) -> DecodeCall:
+        """``local_tail_tokens`` > 0: ``handle`` is no prefill's (prompt and context
+        only); the instance computes the prompt from its own G1 or declines."""
         call = self._conn(address, "decode").decode.Decode(
-            decode_pb2.DecodeRequest(handle=handle, sampling=sampling),
+            decode_pb2.DecodeRequest(handle=handle, sampling=sampling,
+                                     local_tail_tokens=local_tail_tokens),
             timeout=max(0.001, budget_s))
         return DecodeCall(call)
 

@@ -117,11 +117,11 @@ def stored_blocks(store_address: str, keys: Sequence[bytes], prompt_tokens: int,
 
 
 def wait_stored(store_address: str, keys: Sequence[bytes], n: int, prompt_tokens: int,
-                timeout_s: float = 20.0) -> int:
+                tenant: str = "", timeout_s: float = 20.0) -> int:
     """Wait until the warehouse holds at least ``n`` leading blocks of ``keys``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        have = stored_blocks(store_address, keys, prompt_tokens)
+        have = stored_blocks(store_address, keys, prompt_tokens, tenant)
         if have >= n or time.monotonic() > deadline:
             return have
         time.sleep(0.05)

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+import pytest
+
+from proto import common_pb2, decode_pb2, prefill_pb2
 from tests.decode_svc.stack import (
+    TIMEOUT,
+    Decoded,
     Stack,
     generate,
     keys_of,
     prompt,
     reference,
+    sampling,
     stored_blocks,
     wait_stored,
 )
@@ -85,6 +92,59 @@ def test_agent_conversation_hits_the_whole_previous_context(stack: Stack) -> Non
             assert h.cached_tokens == expect, f"turn {turn}"
         prev_kv = L + len(out.tokens) - 1
         context = context + out.tokens + prompt(50 + turn, 9)
+
+
+def _local(stack: Stack, tokens: list[int], tail: int, *, tenant: str,
+           max_tokens: int = 12) -> Decoded:
+    """A Decode call with no prefill (what the router sends for a short tail)."""
+    handle = prefill_pb2.KVHandle(ctx=common_pb2.RequestContext(tenant=tenant),
+                                  prompt_ids=tokens)
+    events = list(stack.decode_stub().Decode(decode_pb2.DecodeRequest(
+        handle=handle, sampling=sampling(max_tokens, ignore_eos=True), local_tail_tokens=tail),
+        timeout=TIMEOUT))
+    toks = [t for ev in events for t in ev.token_ids]
+    return Decoded(toks, "".join(ev.text for ev in events), events[-1].finish_reason, events)
+
+
+def test_a_short_tail_is_computed_on_decode_alone_and_exact(stack: Stack) -> None:
+    """A returning turn sent to decode with no prefill: its previous turn's
+    blocks come from decode's G1, only the new tokens are computed there, the
+    tokens equal a cache-less run, and the new prompt blocks reach the
+    warehouse (no prefill wrote them through). A tail longer than allowed, or a
+    prompt decode never saw, is declined before any work."""
+    tenant = "local-tail"
+    dm = stack.decode.metrics
+    context = prompt(11, 45)
+    _, out = generate(stack, context, max_tokens=12, tenant=tenant, ignore_eos=True)
+    for turn in range(2):
+        prev_kv = len(context) + len(out.tokens) - 1
+        context = context + out.tokens + prompt(60 + turn, 13)
+        before = {k: dm().get(f"kvserve_decode_decode_{k}", 0.0)
+                  for k in ("local_tails_total", "local_tail_tokens_total", "pull_bytes_total")}
+        out = _local(stack, context, 64, tenant=tenant)
+        assert out.tokens == reference(stack.ref, context, max_tokens=12, ignore_eos=True), turn
+        reused = stack.ref.hit_rule.usable_tokens(prev_kv // B * B, len(context))
+        assert reused > 0 and out.events[-1].usage.cached_tokens == reused, turn
+        after = {k: dm().get(f"kvserve_decode_decode_{k}", 0.0) for k in before}
+        assert after["local_tails_total"] == before["local_tails_total"] + 1
+        assert (after["local_tail_tokens_total"] - before["local_tail_tokens_total"]
+                == len(context) - reused)
+        assert after["pull_bytes_total"] == before["pull_bytes_total"]      # nothing pulled
+    kv_len = len(context) + len(out.tokens) - 1
+    keys = keys_of(stack.ref, context + out.tokens, tenant)
+    assert wait_stored(stack.store.address, keys, kv_len // B, kv_len, tenant) >= kv_len // B
+
+    declined = dm().get("kvserve_decode_decode_local_declined_total", 0.0)
+    longer = context + out.tokens + prompt(70, 40)
+    for tokens, tail in ((longer, 32), (prompt(12, 100), 64)):
+        with pytest.raises(grpc.RpcError) as err:
+            _local(stack, tokens, tail, tenant=tenant)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "without a prefill" in (err.value.details() or "")
+    assert dm().get("kvserve_decode_decode_local_declined_total", 0.0) == declined + 2
+    # Declined before any work: the longer prompt is still answered exactly by the usual path.
+    _, out = generate(stack, longer, max_tokens=12, tenant=tenant, ignore_eos=True)
+    assert out.tokens == reference(stack.ref, longer, max_tokens=12, ignore_eos=True)
 
 
 def test_stop_strings_and_eos_end_where_the_engine_does(stack: Stack) -> None:

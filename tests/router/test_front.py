@@ -369,6 +369,40 @@ def test_api_keys_gate_requests_and_pick_the_tenant(keyed_router: RouterProc) ->
     assert b1["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_a_returning_prompt_with_a_short_tail_skips_prefill(stack: Stack,
+                                                            keyed_router: RouterProc) -> None:
+    """A prompt that extends one decoded on the decode instance by a short tail
+    goes there alone (router.dispatch): no prefill placement, the prefix from
+    decode's G1, and the same tokens as a cold run through prefill (another
+    router and tenant, so nothing is cached there)."""
+    first = [ord(c) for c in _unique(100)]
+    turn = first + [ord(c) for c in _unique(30)]
+
+    def body(tokens: list[int]) -> dict:  # type: ignore[type-arg]
+        return {"model": MODEL, "prompt": tokens, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}
+
+    def count(name: str, **labels: str) -> float:
+        return metric_sum(stack.http, name, **labels)
+
+    assert http("POST", stack.http + COMPL, body(first)).status == 200
+    served = count("kvserve_router_local_tails_total", outcome="served")
+    prefills = count("kvserve_router_placements_total", role="prefill")
+    warm = http("POST", stack.http + COMPL, body(turn)).json()
+    assert count("kvserve_router_local_tails_total", outcome="served") == served + 1
+    assert count("kvserve_router_placements_total", role="prefill") == prefills
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == len(first) // BLOCK * BLOCK
+    alice = {"Authorization": "Bearer sk-alice-0123456789"}
+    cold = http("POST", keyed_router.http + COMPL, body(turn), headers=alice).json()
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    # A tail longer than [router] local_tail_tokens (512) takes the usual path.
+    long_turn = turn + [ord(c) for c in _unique(600)]
+    assert http("POST", stack.http + COMPL, body(long_turn)).status == 200
+    assert count("kvserve_router_placements_total", role="prefill") == prefills + 1
+    assert count("kvserve_router_local_tails_total", outcome="served") == served + 1
+
+
 # -- gRPC Router service ---------------------------------------------------------------------
 
 
