@@ -96,11 +96,14 @@ class DecodeAnchors:
     A decode instance keeps every finished turn's blocks (prompt and answer) in
     G1 and pulls only what follows them (docs/services.md, "Only the tail of a
     returning session"), so a returning conversation is cheapest where its
-    previous turn was decoded. The router records each placed prompt's last
-    full-block chain key (tenant-salted: one tenant's keys never match
+    previous turn was decoded. The router records every full-block chain key
+    of each placed prompt (tenant-salted: one tenant's keys never match
     another's) against its decode instance; a new prompt's keys, walked from
-    the end, find the longest recorded prefix. Works with or without session
-    names. A bounded LRU, like ``SessionMap``."""
+    the end, find the longest recorded prefix. Every key, not only the last:
+    agent turns often branch off inside the previous prompt (a rewritten last
+    message, a subagent, a compaction), and what they share is still in that
+    instance's G1. Works with or without session names. A bounded LRU of
+    keys, like ``SessionMap``."""
 
     def __init__(self, max_keys: int = 100_000) -> None:
         if max_keys < 1:
@@ -122,10 +125,10 @@ class DecodeAnchors:
         return "", 0
 
     def record(self, keys: Sequence[bytes], instance_id: str) -> None:
-        if not keys:
-            return
-        self._where[keys[-1]] = instance_id
-        self._where.move_to_end(keys[-1])
+        # Past the bound only the prompt's last keys are kept: the longest prefix.
+        for key in keys[-self._max:]:
+            self._where[key] = instance_id
+            self._where.move_to_end(key)
         while len(self._where) > self._max:
             self._where.popitem(last=False)
 

@@ -72,13 +72,18 @@ def test_an_overloaded_session_instance_is_left() -> None:
 
 def test_decode_anchors_find_the_longest_recorded_prefix_and_stay_bounded() -> None:
     keys = [bytes([i]) * 16 for i in range(8)]
-    a = DecodeAnchors(max_keys=2)
+    a = DecodeAnchors(max_keys=4)
     assert a.find(keys) == ("", 0)
     a.record(keys[:3], "d1")
-    a.record(keys[:6], "d2")
-    assert a.find(keys) == ("d2", 6)           # the longest prefix wins
-    assert a.find(keys[:5]) == ("d1", 3)
-    a.record([bytes([99]) * 16], "d3")         # bounded: the least recently used goes
-    assert len(a) == 2 and a.find(keys) == ("d1", 3)
-    a.forget_instance("d1")
-    assert a.find(keys) == ("", 0) and len(a) == 1
+    assert a.find(keys) == ("d1", 3)
+    branch = [*keys[:2], bytes([50]) * 16]       # shares two blocks, then goes its own way
+    assert a.find(branch) == ("d1", 2)           # every key is recorded, not only the last
+    a.record([keys[0], bytes([60]) * 16], "d2")
+    assert a.find(keys) == ("d1", 3)             # the longest prefix wins
+    assert a.find(keys[:1]) == ("d2", 1)         # the latest to decode a block holds it
+    a.record([bytes([99]) * 16], "d3")           # bounded: the least recently used go
+    assert len(a) == 4 and a.find(keys) == ("d1", 3)
+    a.record(keys[:6], "d4")                     # more keys than the bound: the last kept
+    assert len(a) == 4 and a.find(keys) == ("d4", 6) and a.find(keys[:2]) == ("", 0)
+    a.forget_instance("d4")
+    assert a.find(keys) == ("", 0) and len(a) == 0
