@@ -89,6 +89,12 @@ class PrefixHolds:
             h.reserved = 0
         self._thread.submit(self._unpin, h)
 
+    def drop_now(self, h: PrefixHold) -> None:
+        """Engine thread: give the pins back at once (the sequence took its own
+        references to the blocks, ``Engine.admit``); ``release`` then only
+        returns what is left of the reservation."""
+        self._unpin(h)
+
     def _pin(self, h: PrefixHold) -> None:
         h.blocks = self._engine.pin_prefix(h.keys)
 

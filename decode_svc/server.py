@@ -277,8 +277,17 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             admitted: list[int] = []
 
             def admit(seq_id: str) -> None:
-                adm = self.engine.admit(seq_id, chk.tokens, sampling=chk.sampling,
-                                        block_keys=keys)
+                try:
+                    adm = self.engine.admit(seq_id, chk.tokens, sampling=chk.sampling,
+                                            block_keys=keys)
+                finally:
+                    # The sequence holds its own references now. Pins kept to the end
+                    # would outlive the gate's reservation (given back when the
+                    # sequence is freed, before this call ends): blocks neither
+                    # reserved nor evictable, and the next admitted sequence found
+                    # the pool short (seen on the cc50 replay).
+                    if hold is not None:
+                        self.prefixes.drop_now(hold)
                 self.stats.local_tail_tokens_total += adm.to_compute
                 admitted.append(adm.g1_tokens)
 
