@@ -124,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Whatever any command writes (traces of users' prompts, benchmark logs and tool
+    # JSON, charts, state) is the user's alone, whichever module opens the file.
+    os.umask(0o077)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()        # no secret reaches a log line (security.redact)

@@ -396,6 +396,7 @@ def completion_body(model: str, prompt: str, max_tokens: int,
 
 def write_jsonl(path: str | Path, items: Iterable[dict[str, object]]) -> int:
     n = 0
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for row in items:
             f.write(json.dumps(row, separators=(",", ":")) + "\n")

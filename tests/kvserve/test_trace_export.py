@@ -5,6 +5,7 @@ prompts tokenize back to whole 64-token blocks."""
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -45,12 +46,15 @@ def test_round_trip_keeps_the_reuse_structure(tmp_path: Path, source: Path,
                                                kwargs: dict[str, int]) -> None:
     if not source.exists():
         pytest.skip(f"{source} not in this checkout's shared data")
-    out = tmp_path / "t.jsonl"
+    out = tmp_path / "new-dir" / "t.jsonl"
     cmd = [sys.executable, "-m", "kvserve.cli", "trace", "export", str(source), "--out", str(out),
            "--max-input", "6000", "--json"]
     for k, v in kwargs.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     summary = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    # Users' prompts (as ids) and what the CLI creates on the way are private, umask or not.
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert stat.S_IMODE(out.parent.stat().st_mode) == 0o700
     written = read_export(out)
     src = load_trace(source, **kwargs)
     scaled, _ = scale_trace(src, ExportOptions(max_input_tokens=6000))
