@@ -475,6 +475,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                               prefix=hold.blocks if hold is not None else (), block_keys=keys)
             if hold is not None:
                 hold.adopted = True
+            # Its prompt blocks are G1 hits from now on, not only once it ends: an agent
+            # resending the same context a few seconds later (the cc50 replay sends a
+            # 5.5k-token context four times within 10 s) pulls only its own tail.
+            self.engine.publish(seq_id)
 
         return adopt
 

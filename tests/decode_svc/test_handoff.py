@@ -278,3 +278,29 @@ def test_no_file_in_shared_memory_is_readable_by_another_user(stack: Stack) -> N
     while left := [n for n in os.listdir(SHM) if HANDOFF.match(n) and n not in stack.shm_before]:
         assert time.monotonic() < deadline, f"hand-off files left: {left}"
         time.sleep(0.05)
+
+
+def test_a_resend_while_its_context_is_decoding_pulls_only_its_tail(stack: Stack) -> None:
+    """An agent resends the same context while the first copy is still being
+    decoded: decode's G1 has the running sequence's prompt blocks from its
+    adopt on (not only from its end), so the resend pulls only its own tail,
+    and both answers are exact."""
+    g1 = "kvserve_decode_decode_g1_prefix_tokens_total"
+    base = prompt(201, 70)
+    p1, p2 = base + prompt(202, 7), base + prompt(203, 11)
+    pre = stack.prefill_stub()
+    running = stack.decode_stub().Decode(decode_pb2.DecodeRequest(
+        handle=prefill(pre, p1, max_tokens=900), sampling=sampling(900, ignore_eos=True)),
+        timeout=TIMEOUT)
+    # The first event may leave before the KV is here (early first token); the
+    # second is a decoded one: p1 is adopted, live, far from its end.
+    head = [*next(running).token_ids, *next(running).token_ids]
+    before = _metric(stack.decode, g1)
+    try:
+        out = decode(stack.decode_stub(), prefill(pre, p2, max_tokens=8), max_tokens=8)
+        still_running = next(running).token_ids
+    finally:
+        running.cancel()
+    assert still_running and out.tokens == reference(stack.ref, p2, 8)
+    assert _metric(stack.decode, g1) - before == len(base) // procs.BLOCK * procs.BLOCK
+    assert head == reference(stack.ref, p1, 2, ignore_eos=True)
