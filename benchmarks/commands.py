@@ -134,6 +134,12 @@ def _stack(p: argparse.ArgumentParser) -> None:
     stack.add_argument("--g2", default="32GiB", help="kvstore host memory tier")
     stack.add_argument("--g3", default="40GiB", help="kvstore disk tier (in --out)")
     stack.add_argument("--kernels", default="auto", help="[engine] kernels (engine/kernels.py)")
+    stack.add_argument("--gpu-fraction", type=float, default=0.3,
+                       help="CUDA: [engine] gpu_fraction, the prefill process's share of the "
+                            "GPU's memory (weights, G1, step workspace; 0: no cap)")
+    stack.add_argument("--decode-gpu-fraction", type=float, default=0.6,
+                       help="CUDA: [engine] decode_gpu_fraction, the decode process's share "
+                            "(weights, --decode-g1, step workspace; 0: no cap)")
     stack.add_argument("--prefill-chunk", type=int, default=512,
                        help="[engine] prefill_chunk in tokens (0: the engine's default)")
     stack.add_argument("--step-tokens", type=int, default=4096,

@@ -111,11 +111,18 @@ def _phase(args: argparse.Namespace, out: Path, doc: dict[str, Any], tool: ap.AI
     except RuntimeError as exc:
         doc["problems"].append(str(exc))
         say(f"{phase.name} phase failed: {exc}")
+        doc.setdefault("memory", {})[phase.name] = _memory(_scrape(stack))
         return
     if res.cut:
         doc.setdefault("notes", []).append(f"{phase.name} phase {res.cut}: {len(res.records)} "
                                            f"of {phase.requests} requests finished")
-    delta = _delta(before, _scrape(stack))
+    after = _scrape(stack)
+    delta = _delta(before, after)
+    doc.setdefault("memory", {})[phase.name] = mem = _memory(after)
+    say(f"{phase.name} phase memory: " + "; ".join(
+        f"{role} peak {m.get('device_peak_reserved_gib', 0):.1f} GiB reserved "
+        f"(cap {m.get('device_cap_gib', 0):.1f}), mirrors {m.get('mirror_gib', 0):.2f} GiB"
+        for role, m in mem.items()))
     # Where the time went: every service's time and byte counters over the phase.
     doc.setdefault("breakdown", {})[phase.name] = {
         role: {k: round(v, 4) for k, v in sorted(d.items())
@@ -199,7 +206,11 @@ def _config(args: argparse.Namespace) -> str:
     cfg = KVServeConfig.from_dict({
         "model": {"name": args.model, "dtype": _dtype(args), "device": args.device},
         "engine": {"g1_bytes": args.g1, "decode_g1_bytes": args.decode_g1,
-                   "kernels": args.kernels, "prefill_chunk": args.prefill_chunk},
+                   "kernels": args.kernels, "prefill_chunk": args.prefill_chunk,
+                   # Both engines share the one GPU: split its memory explicitly.
+                   **({"gpu_fraction": args.gpu_fraction,
+                       "decode_gpu_fraction": args.decode_gpu_fraction}
+                      if args.device.startswith("cuda") else {})},
         "tiers": {"g2_bytes": args.g2, "g3_bytes": args.g3},
         "prefill": {"step_tokens": args.step_tokens}})
     return to_toml(cfg)
@@ -261,6 +272,18 @@ def _scrape(stack: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _memory(samples: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The engines' memory gauges (engine/memory.py) in GiB, by role."""
+    out: dict[str, dict[str, float]] = {}
+    for role in ("prefill", "decode"):
+        pre = f"kvserve_{role}_memory_"
+        got = {k[len(pre):].removesuffix("_bytes") + "_gib": round(v / 2**30, 2)
+               for k, v in samples.get(role, {}).items() if k.startswith(pre)}
+        if got:
+            out[role] = got
+    return out
+
+
 def _delta(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]
            ) -> dict[str, dict[str, float]]:
     return {role: {k: v - a.get(role, {}).get(k, 0.0) for k, v in b[role].items()} for role in b}
@@ -300,7 +323,12 @@ def _report(doc: dict[str, Any], out: Path) -> Report:
                   f"{df['slo_tpot_s'] * 1e3:.0f} ms), context {df['context']:.0f}")
     notes = [f"{doc.get('stack_ready_s', 0):.0f} s to a ready stack (limits included), "
              f"{doc['wall_s']:.0f} s in all; errors {errors}", *doc["problems"],
-             *doc.get("notes", [])]
+             *doc.get("notes", []),
+             *(f"GPU memory after the {ph} phase: " + ", ".join(
+                 f"{role} peak {m.get('device_peak_reserved_gib', 0):.1f} GiB (cap "
+                 f"{m.get('device_cap_gib', 0):.1f}, mirrors {m.get('mirror_gib', 0):.2f})"
+                 for role, m in mem.items())
+               for ph, mem in doc.get("memory", {}).items() if mem)]
     (out / "stack.json").write_text(json.dumps(doc, indent=1))
     chart = Chart("measured / same-run limit", ("prefill vs limit", "decode vs roofline"),
                   {"ratio": [pf.get("vs_limit"), df.get("vs_roofline")]},

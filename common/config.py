@@ -399,8 +399,29 @@ class EngineSection:
     # restores are cut to it, so prefill and decode read it from this one section.
     kernels: str = "auto"
     prefill_chunk: int = 0
+    # CUDA: each prefill engine's share of the GPU's memory (its allocator's cap) and
+    # each decode engine's (0: gpu_fraction); 0 and 0: no caps. The engines of one
+    # stack share the [model] device, so the shares must add up to at most 1: each
+    # process keeps whatever it once held in torch's cache, and without a split one
+    # engine's peak starved the other (issue 18 run 4: decode OOM beside prefill).
+    gpu_fraction: float = 0.0
+    decode_gpu_fraction: float = 0.0
+
+    @property
+    def decode_fraction(self) -> float:
+        return self.decode_gpu_fraction or self.gpu_fraction
 
     def __post_init__(self) -> None:
+        for name in ("gpu_fraction", "decode_gpu_fraction"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"engine.{name} must be in 0..1 (0: no cap), got {v}")
+        split = self.prefill * self.gpu_fraction + self.decode * self.decode_fraction
+        if split > 1.0 + 1e-9:
+            raise ConfigError(
+                f"engine GPU shares add up to {split:.3g} of the device ({self.prefill} "
+                f"prefill x {self.gpu_fraction} + {self.decode} decode x "
+                f"{self.decode_fraction}); they must add up to at most 1")
         for name in ("g1_bytes", "decode_g1_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), f"engine.{name}"))
         for name in ("prefill", "decode"):

@@ -207,6 +207,10 @@ class EngineConfig:
     paged_decode: bool = True       # CUDA: one Triton paged-attention kernel per decode step
     cuda_graphs: bool = True        # CUDA: replay each decode bucket from a captured graph
     layer_restore: bool = True      # CUDA: copy restored blocks layer by layer under the compute
+    # CUDA: the share of the device's memory this process's allocator may hold (0: no
+    # cap). Two engine processes on one GPU each keep what they ever held in torch's
+    # cache, so without an explicit split one's peak starves the other (issue 18 run 4).
+    gpu_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -223,6 +227,9 @@ class EngineConfig:
             raise ModelConfigError(f"kernels must be one of {KERNEL_NAMES}, got {self.kernels!r}")
         if self.max_position < 0 or self.threads < 0:
             raise ModelConfigError("max_position and threads must be >= 0")
+        if not 0.0 <= self.gpu_fraction <= 1.0:
+            raise ModelConfigError(f"gpu_fraction must be in 0..1 (0: no cap), got "
+                                   f"{self.gpu_fraction}")
         if self.prefill_chunk < 0 or self.prefill_chunk % self.block_tokens:
             raise ModelConfigError(
                 f"prefill_chunk ({self.prefill_chunk}) must be 0 or a multiple of "

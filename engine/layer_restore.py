@@ -177,10 +177,11 @@ class LayerFeed:
         torch.cuda.current_stream(self.storage.device).wait_event(self.events[layer])
         kv = self.staging[layer].permute(1, 2, 0, 3, 4)          # [2, H, n, B, D]
         self.storage.data[layer].index_copy_(2, self.block_ids, kv)
-        B = self.storage.layout.block_tokens
-        lo, hi = self.token_lo, self.token_lo + self.n * B
-        two, H, _, D = self.mirror.shape[1:]
-        self.mirror[layer, :, :, lo:hi].view(two, H, self.n, B, D).copy_(kv)
+        if self.mirror.shape[3]:            # empty where attention reads the pool
+            B = self.storage.layout.block_tokens
+            lo, hi = self.token_lo, self.token_lo + self.n * B
+            two, H, _, D = self.mirror.shape[1:]
+            self.mirror[layer, :, :, lo:hi].view(two, H, self.n, B, D).copy_(kv)
         self.done[layer] = True
 
     def finish(self) -> None:

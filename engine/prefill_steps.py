@@ -56,6 +56,9 @@ class PrefillSteps:
     _seqs: dict[str, Sequence]
     _windows: tuple[int, ...]
     _counts: torch.Tensor | None
+    _attn_mirror: bool          # attention reads sequences' mirrors (engine/runner.py)
+    _decode_mirror: bool        # decode steps read them too
+    _no_mirror: torch.Tensor    # the empty mirror of a sequence nothing reads it for
 
     if TYPE_CHECKING:
         def free(self, seq_id: str, keep_keys: Seq[bytes] | None = None) -> None: ...
@@ -261,6 +264,8 @@ class PrefillSteps:
             s.sampler.accept(first)
         s.tokens.append(first)
         s.prefill = None
+        if not self._decode_mirror:
+            s.mirror = self._no_mirror      # only prefill chunks read it, and they are done
         for i in range(st.g1_blocks, min(len(st.keys), s.canonical_full)):
             self.blocks.cache(s.blocks[i], st.keys[i])
         B = self.config.block_tokens
@@ -270,13 +275,17 @@ class PrefillSteps:
         return PrefillDone(s.seq_id, res)
 
     def _capacity(self, tokens: int) -> int:
-        """Mirror capacity for ``tokens`` plus room to decode (grown 1.5x later)."""
+        """Mirror capacity for ``tokens`` plus room to decode (grown 1.5x later);
+        just ``tokens`` where decode steps do not read the mirror."""
         B = self.config.block_tokens
-        cap = tokens + max(4 * B, tokens // 2)
+        cap = tokens + max(4 * B, tokens // 2) if self._decode_mirror else tokens
         return min(-(-cap // B) * B, -(-self.model_config.max_position // B) * B)
 
     def _mirror(self, table: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
-        """A new mirror whose first ``filled`` tokens come from the pool (one gather)."""
+        """A new mirror whose first ``filled`` tokens come from the pool (one gather);
+        the empty one where attention reads the pool instead."""
+        if not self._attn_mirror:
+            return self._no_mirror
         L, _, H, _, D = self.layout.block_shape
         mirror = torch.empty(L, 2, H, capacity, D, dtype=self.dtype, device=self.device)
         if filled:

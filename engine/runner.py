@@ -34,6 +34,7 @@ from engine.errors import DeviceError, EngineInputError, PrefillStopped
 from engine.kernels import BIKernels, select_kernels
 from engine.kv_pool import BlockPool, KVLayout, KVStorage
 from engine.layer_restore import HostRuns
+from engine.memory import EngineMemory, engine_memory, mirror_bytes
 from engine.model import Transformer
 from engine.prefill_steps import PrefillSteps
 from engine.sampling import RowSampler, SamplingParams, sample_rows
@@ -66,6 +67,11 @@ class Engine(PrefillSteps):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = _device(cfg.device)
+        if cfg.gpu_fraction and self.device.type == "cuda":
+            # Before the weights: every allocation of this process counts against it.
+            index = self.device.index if self.device.index is not None \
+                else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(cfg.gpu_fraction, index)
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
         src = load_source(cfg.model, self.device, self.dtype, cfg.seed)
         mc = src.config
@@ -84,7 +90,17 @@ class Engine(PrefillSteps):
         self.model = Transformer(mc, src.weights, self.device, self.dtype, self.kernels)
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, cfg.block_tokens, mc.head_dim,
                                cfg.dtype)
+        if cfg.gpu_fraction and self.device.type == "cuda":
+            self._check_gpu_budget(cfg)
         self.storage = KVStorage(self.layout, cfg.num_blocks, self.device)
+        # Attention reads a sequence's contiguous mirror except on CUDA with invariant
+        # kernels (triton_bi reads the paged pool). Where nothing reads it, no sequence
+        # gets one: each was 1.5x its prompt's KV outside the pool, so 64 sequences of
+        # 2k tokens took 24 GiB that admission never counted (issue 18 run 4's OOM).
+        self._attn_mirror: bool = not (self.invariant and self.device.type == "cuda")
+        L, _, H, _, D = self.layout.block_shape
+        self._no_mirror = torch.empty(L, 2, H, 0, D, dtype=self.dtype, device=self.device)
+        self._decode_mirror = self._attn_mirror      # until the paged runner says otherwise
         self.blocks = BlockPool(cfg.num_blocks)
         self.hit_rule = mc.hit_rule(cfg.block_tokens)
         h = hashlib.blake2b(digest_size=16)
@@ -101,6 +117,13 @@ class Engine(PrefillSteps):
         self._gen_ids = 0
         self._grammars: GrammarCompiler | None = None   # built on the first grammar
         self._paged = self._paged_runner(cfg)
+        # The paged decode kernel reads the pool: decode steps need no mirror either.
+        self._decode_mirror = self._attn_mirror and self._paged is None
+        if self.device.type == "cuda":
+            # Random weights are drawn [out, in] and copied transposed (engine/weights.py):
+            # the drawn ones, freed, stayed in this process's cache (15 GiB for
+            # llama-8b-shape, measured on the H200), out of reach of an engine beside it.
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ info
     @property
@@ -169,6 +192,18 @@ class Engine(PrefillSteps):
         out = self._counts.cpu().clone()
         self._counts.zero_()
         return out
+
+    def memory(self) -> EngineMemory:
+        """What the live sequences' mirrors and the device allocator hold
+        (engine/memory.py); safe to call from another thread."""
+        mirrors = mirror_bytes(lambda: [s.mirror for s in list(self._seqs.values())])
+        return engine_memory(self.device, mirrors, self.config.gpu_fraction)
+
+    def release_mirror(self, seq_id: str) -> None:
+        """Drop the sequence's mirror: it takes no more steps here for now (a
+        finished prompt the prefill service holds only for decode's pull copies
+        its KV out of the pool). A decode step later rebuilds it from the pool."""
+        self._seq(seq_id).mirror = self._no_mirror
 
     # --------------------------------------------------------------- prefill
     @torch.inference_mode()
@@ -306,7 +341,10 @@ class Engine(PrefillSteps):
         if self._paged is not None:
             return                  # paged decode reads the pool; no mirror to grow
         for s in seqs:
-            if s.mirror.shape[3] <= s.kv_len:
+            if s.mirror.shape[3] == 0:
+                # released (release_mirror): the pool holds the same bits
+                s.mirror = self._mirror(s.table, s.kv_len, self._capacity(s.kv_len + 1))
+            elif s.mirror.shape[3] <= s.kv_len:
                 grown = self._mirror(s.table, 0, self._capacity(s.kv_len * 3 // 2 + 1))
                 grown[:, :, :, :s.kv_len] = s.mirror[:, :, :, :s.kv_len]
                 s.mirror = grown
@@ -411,9 +449,12 @@ class Engine(PrefillSteps):
         blocks = [*prefix, *self.blocks.allocate(-(-len(toks) // B) - len(prefix))]
         table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         self.storage.import_tokens(self._slots(table, start, len(toks)), kv)
+        # Adopted sequences only decode: no mirror where decode steps read the pool.
+        mirror = (self._mirror(table, len(toks), self._capacity(len(toks)))
+                  if self._decode_mirror else self._no_mirror)
         self._seqs[seq_id] = Sequence(
             seq_id, [*toks, first_token], len(toks), len(toks), blocks, table, sampling,
-            self._mirror(table, len(toks), self._capacity(len(toks))),
+            mirror,
             canonical_full=len(toks) // self._canon_unit * self._canon_unit // B,
             sampler=sampler, keys=list(block_keys or ()))
 
@@ -496,6 +537,27 @@ class Engine(PrefillSteps):
                             -(-mc.max_position // cfg.block_tokens), scratch,
                             self._paged_forward, cfg.cuda_graphs and mc.moe is None,
                             attention)
+
+    def _check_gpu_budget(self, cfg: EngineConfig) -> None:
+        """Refuse to start, rather than fail requests later, when this process's
+        share of the GPU cannot hold the weights (loaded), the pool, and one
+        context's KV twice over: the largest transient (a pulled prompt on its
+        way into the pool, a sequence's blocks gathered for the warehouse). The
+        rest of a step's workspace is per batch (decode's bucket graphs), not
+        per sequence: nothing else grows with what admission lets in."""
+        props = torch.cuda.get_device_properties(self.device)
+        cap = int(cfg.gpu_fraction * props.total_memory)
+        B, per_block = cfg.block_tokens, self.layout.block_nbytes
+        pool = cfg.num_blocks * per_block
+        context = min(-(-self.model_config.max_position // B), cfg.num_blocks) * per_block
+        weights = torch.cuda.memory_allocated(self.device)
+        if weights + pool + 2 * context > cap:
+            gib = 2**30
+            raise DeviceError(
+                f"gpu_fraction {cfg.gpu_fraction} of {props.total_memory / gib:.1f} GiB is "
+                f"{cap / gib:.1f} GiB, less than the weights ({weights / gib:.1f} GiB) + the KV "
+                f"pool ({pool / gib:.1f} GiB) + twice one context's KV "
+                f"({context / gib:.1f} GiB): raise the share or shrink the pool")
 
     @property
     def _canon_unit(self) -> int:

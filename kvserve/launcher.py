@@ -446,21 +446,23 @@ def _children(cfg: KVServeConfig, config_file: Path, run_dir: Path, *, router: b
         Child("kvstore", [*base, "store", "serve", *common, "--port", str(p.kvstore),
                           "--metrics-port", str(metrics["kvstore"])], store_addr,
               run_dir / "kvstore.log")]
-    decode_pool = []
+    decode_flags: list[str] = []
     if cfg.engine.decode_g1_bytes:
         from service.config import engine_spec_from, num_blocks_for
 
-        decode_pool = ["--num-blocks",
-                       str(num_blocks_for(cfg.engine.decode_g1_bytes, engine_spec_from(cfg)))]
+        decode_flags = ["--num-blocks",
+                        str(num_blocks_for(cfg.engine.decode_g1_bytes, engine_spec_from(cfg)))]
+    if cfg.engine.decode_gpu_fraction:
+        decode_flags += ["--gpu-fraction", repr(cfg.engine.decode_gpu_fraction)]
     for slot in engine_slots(cfg, metrics, free=free):
         # Several instances of a role on one host: each its own registry id.
         ident = ["--instance-id", f"{slot.role}-{host}:{slot.port}"] if slot.name != slot.role \
             else []
-        pool = decode_pool if slot.role == "decode" else []
+        own = decode_flags if slot.role == "decode" else []
         children.append(Child(slot.name, [*base, slot.role, "serve", *common, "--port",
                                           str(slot.port), "--store", store_addr,
                                           "--metrics-port", str(slot.metrics_port), *ident,
-                                          *pool],
+                                          *own],
                               f"{host}:{slot.port}", run_dir / f"{slot.name}.log",
                               role=slot.role))
     if router and router_available():

