@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from common.config import ConfigError
+from common.grpc_keepalive import server_keepalive
 from kvstore.errors import ResourceExhausted
 
 # A Put's budget share frees in about one store round (a 128 MiB put takes ~0.1 s).
@@ -55,7 +56,8 @@ class ServiceLimits:
         transport = min(2 * self.max_message_bytes, 2**31 - 1)
         return [("grpc.max_receive_message_length", transport),
                 ("grpc.max_send_message_length", transport),
-                ("grpc.so_reuseport", 0)]       # a taken port fails the bind, never shares it
+                ("grpc.so_reuseport", 0),       # a taken port fails the bind, never shares it
+                *server_keepalive()]
 
 
 class PutBudget:

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import exit_watchdog
 from common.config import AdmissionSection, ConfigError, HitRule, TrafficClasses
+from common.grpc_keepalive import server_keepalive
 from kvstore.registry import InstanceInfo, LoadReport
 from proto import router_pb2_grpc
 from router.admission import Admission, Capacity
@@ -143,7 +144,8 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
     # tenant of a call comes from its identity or API key (router.service).
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20),
                                       ("grpc.max_send_message_length", 64 * 2**20),
-                                      ("grpc.so_reuseport", 0)],  # taken port: fail, not share
+                                      ("grpc.so_reuseport", 0),   # taken port: fail, not share
+                                      *server_keepalive()],
                              interceptors=[*server_interceptors(),
                                            AuthInterceptor(insecure=security.insecure),
                                            InputGuard()])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.grpc_keepalive import client_keepalive
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from security.config import SecurityConfig
 
@@ -24,8 +25,7 @@ _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 2**20),
     ("grpc.max_send_message_length", 64 * 2**20),
     # Find a dead peer fast: the router must stop waiting on a killed instance.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    *client_keepalive(),
     ("grpc.enable_retries", 0),
 )
 

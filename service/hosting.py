@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import exit_watchdog
+from common.grpc_keepalive import client_keepalive, server_keepalive
 from kvstore.registry import InstanceInfo, InstanceRegistry, LoadReport
 from security.authz import AuthInterceptor
 from security.grpc_input import InputGuard
@@ -43,10 +44,7 @@ def server_options(endpoint: Endpoint) -> list[tuple[str, int]]:
         ("grpc.so_reuseport", 0),       # a taken port fails the bind, never shares it
         ("grpc.max_send_message_length", endpoint.max_message_bytes),
         ("grpc.max_receive_message_length", endpoint.max_message_bytes),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
+        *server_keepalive(),
     ]
 
 
@@ -55,8 +53,7 @@ def channel_options(endpoint: Endpoint) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", endpoint.max_message_bytes),
         ("grpc.max_receive_message_length", endpoint.max_message_bytes),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
+        *client_keepalive(),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1_000),
         ("grpc.enable_retries", 0),
