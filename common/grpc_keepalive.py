@@ -8,9 +8,9 @@ answers GOAWAY "too_many_pings", which fails every call on that connection.
 gRPC's default minimum is five minutes, so a decode stream that waited more
 than half a minute for its first token (a queue under overload) collected
 the router's pings as strikes and the router lost every stream to that
-instance at once ("failed mid-stream: UNAVAILABLE: Too many pings", seen on
-the cc50 replay; a client then sees "Server disconnected"). Servers accept
-pings at half the clients' period.
+instance at once ("failed mid-stream: UNAVAILABLE: Too many pings", eight
+answers cut at once on the cc50 replay). Servers accept pings at half the
+clients' period.
 """
 
 from __future__ import annotations
