@@ -84,6 +84,7 @@ class DecodeStats:
     early_first_total: int = 0           # first events sent before the KV was here
     local_tails_total: int = 0           # prompts computed here with no prefill (short tails)
     local_tail_tokens_total: int = 0     # prompt tokens those computed here
+    local_cached_tokens_total: int = 0   # prompt tokens those took from this G1 (not computed)
     local_declined_total: int = 0        # declined: G1 left more than the tail allowed
     expert_imbalance: float = 1.0
     # Prefill -> decode hand-off (pull or rebuild of the prompt's KV), by how it came.
@@ -266,11 +267,15 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             # What admit will reuse (the hit rule's reserve and, with kernels that
             # are not batch-invariant, the chunk cut applied), read with the pins held.
             reuse = self.engine.g1_admission(keys, n).usable_tokens if hold is not None else 0
-            if n - reuse > cap:
+            # Holding none of it, the router's record is stale (a reset, an eviction):
+            # prefill restores what the warehouse has instead of computing it all here.
+            if reuse == 0 or n - reuse > cap:
                 self.stats.local_declined_total += 1
                 raise PreconditionFailed(
                     f"this decode instance holds {reuse} of the prompt's {n} tokens; the "
-                    f"{n - reuse} left exceed the {cap} it computes without a prefill")
+                    f"{n - reuse} left exceed the {cap} it computes without a prefill"
+                    if reuse else "this decode instance holds none of the prompt; it computes only "
+                    "a short tail of what it holds without a prefill")
             self.stats.local_tails_total += 1
             self._source("local")
             tracing.annotate(path="local", g1_tokens=reuse)
@@ -289,6 +294,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                     if hold is not None:
                         self.prefixes.drop_now(hold)
                 self.stats.local_tail_tokens_total += adm.to_compute
+                self.stats.local_cached_tokens_total += adm.g1_tokens
                 admitted.append(adm.g1_tokens)
 
             handle = prefill_pb2.KVHandle(prompt_ids=chk.tokens)

@@ -37,6 +37,8 @@ CACHED_METRICS: dict[str, tuple[str, str, str]] = {
     "engine_g1_tokens": ("prefill", "kvserve_prefill_prefill_g1_tokens_total", ""),
     "warehouse_tokens": ("prefill", "kvserve_prefill_prefill_warehouse_tokens_total", ""),
     "prefill_cached_tokens": ("prefill", "kvserve_prefill_prefill_cached_tokens_total", ""),
+    # Short tails computed on decode alone reuse decode's own G1 (docs/services.md).
+    "decode_g1_tokens": ("decode", "kvserve_decode_decode_local_cached_tokens_total", ""),
     "api_cached_tokens": ("router", "kvserve_router_tokens_total", "cached"),
 }
 
@@ -174,6 +176,7 @@ def render(snap: Snapshot) -> str:
     if snap.cached:
         c = {k: int(snap.cached.get(k, 0)) for k in CACHED_METRICS}
         out += ["", f"cached tokens since start: engine G1 {c['engine_g1_tokens']:,} + warehouse "
-                f"{c['warehouse_tokens']:,} = {c['prefill_cached_tokens']:,} (prefill); "
+                f"{c['warehouse_tokens']:,} = {c['prefill_cached_tokens']:,} (prefill), + "
+                f"{c['decode_g1_tokens']:,} (short tails on decode); "
                 f"the API reported {c['api_cached_tokens']:,} (router)"]
     return "\n".join(out)

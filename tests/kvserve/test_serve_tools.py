@@ -125,11 +125,19 @@ def test_a_returning_session_goes_to_the_instance_holding_it(stack: Stack,
     where = h1["X-KV-Prefill-Instance"]
     assert where in {f"prefill-{a}" for a in stack.state["prefills"]}   # type: ignore[union-attr]
     g1_before = stack.prefill_metric("kvserve_prefill_prefill_g1_tokens_total")
+    # A short new part: computed on the decode instance that holds the first turn,
+    # with no prefill at all (docs/services.md, "A short tail on decode").
     s2, h2, b2 = stack.complete(first + _words(12, 1, smollm2_dir), session="agent-1")
     assert s2 == 200, b2
-    assert h2["X-KV-Prefill-Instance"] == where
-    # It found its previous turn in that instance's own G1 (5 whole blocks).
+    assert h2["X-KV-Prefill-Instance"] == ""
+    assert h2["X-KV-Decode-Instance"] == h1["X-KV-Decode-Instance"]
     assert b2["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
+    # A long new part goes through prefill: the session's instance, where its first
+    # turn sits in G1 (5 whole blocks).
+    s3, h3, b3 = stack.complete(first + _words(13, 9, smollm2_dir), session="agent-1")
+    assert s3 == 200, b3
+    assert h3["X-KV-Prefill-Instance"] == where
+    assert b3["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
     assert stack.prefill_metric("kvserve_prefill_prefill_g1_tokens_total") - g1_before == 320
     # Each arrival asked the kvstore to warm the prompt's blocks (none was in G3 only).
     with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as resp:
@@ -235,6 +243,6 @@ def test_killing_a_prefill_instance_loses_no_request(stack: Stack, smollm2_dir: 
     assert all(b["usage"]["completion_tokens"] >= 1 for _, _, b in results)
     # The stack runs on with the instance left, and keeps answering.
     assert stack.proc.poll() is None
-    status, headers, body = stack.complete(prompts[0], max_tokens=2)
+    status, headers, body = stack.complete(_words(50, 2, smollm2_dir), max_tokens=2)
     assert status == 200, body
     assert headers["X-KV-Prefill-Instance"] == f"prefill-{stack.state['prefills'][0]}"  # type: ignore[index]
