@@ -6,13 +6,14 @@ sequence plus padding rows. Each segment attends only to its own sequence's
 keys, with shapes that depend only on that sequence's positions, so
 co-tenants never change its bits.
 
-New K/V rows go to two places: the paged pool (block tables: the source of
-truth for export/import and the G1 cache) and the sequence's contiguous
-*mirror* ``[layers, 2, kv_heads, capacity, head_dim]``, which attention reads
-as a strided view. torch has no paged-attention kernel on CPU, and gathering
-a sequence's blocks for every layer of every decode step cost as much as all
-the GEMMs (measured: 30% of a batch-8 step at 1.5k context); the mirror holds
-the same bits as the pool, so results are unchanged.
+New K/V rows go to the paged pool (block tables: the source of truth for
+export/import and the G1 cache), which the invariant kernels read directly
+(``bik.PagedAttention`` on the CPU, triton_bi on CUDA). The torch path also
+writes them to the sequence's contiguous *mirror* ``[layers, 2, kv_heads,
+capacity, head_dim]`` and reads that as a strided view: torch has no paged
+attention on the CPU, and gathering a sequence's blocks for every layer of
+every decode step cost as much as all the GEMMs (30% of a batch-8 step at
+1.5k context); the mirror holds the same bits as the pool.
 
 Sliding-window layers see keys ``(p - window, p]`` for a query at position
 ``p`` (the window counts the token itself).
@@ -137,7 +138,18 @@ InvariantAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch
 
 
 def _bik_attend(attn: BatchAttention) -> InvariantAttend:
-    """CPU (engine/bik.py): reads each sequence's mirror, written here first."""
+    """CPU (engine/bik.py): reads the paged pool, already written by ``__call__``,
+    where the engine gave the sequences no mirror (a build with
+    ``attend_paged``); otherwise each sequence's mirror, written here first."""
+    if all(s.mirror.shape[3] == 0 for s in attn.segments):
+        plan = bik.PagedAttention(attn.storage.data, [
+            bik.PagedSegment(s.row0, s.rows, s.q_start, s.table) for s in attn.segments])
+
+        def attend_paged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor) -> None:
+            plan(layer, q, attn.windows[layer], out)
+        return attend_paged
+
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor) -> None:
         segs = []

@@ -232,3 +232,96 @@ def attend(q: torch.Tensor, segments: list[AttnSegment], kv_heads: int, window: 
     _lib().attend(q.data_ptr(), q.stride(0), heads, kv_heads, d, seg_t.data_ptr(),
                   len(segments), window, 1.0 / math.sqrt(d),
                   out.data_ptr(), out.stride(0), max_keys)
+
+
+def paged() -> bool:
+    """The loaded build reads keys through block tables (``PagedAttention``)."""
+    return _ext is not None and hasattr(_ext, "attend_paged")
+
+
+@dataclass(frozen=True, slots=True)
+class PagedSegment:
+    row0: int                  # first query row of this sequence in the call
+    rows: int
+    q_start: int               # absolute position of its first row
+    table: torch.Tensor        # its block ids in the pool, int64 on the CPU
+
+
+class PagedAttention:
+    """One forward's attention straight from the paged pool, the way the CUDA
+    kernels read it: no per-sequence contiguous copy of the KV.
+
+    The copy cost more than the attention it fed: admitting a resend of a
+    5.5k-token context gathered 250 MB into its mirror (0.21 s on one core,
+    as long as computing its 60-token tail), and decode paid it again on adopt.
+    The kernel reads row ``j`` of a sequence at ``table[j // B] * B + j % B``
+    instead of ``j``; nothing else changes, so the bits equal the mirror's.
+
+    Tables are checked once here (every key a segment reads lies in a block
+    of the pool), not per layer: the kernel trusts them."""
+
+    __slots__ = ("_ends", "_k0", "_layer_bytes", "_layers", "_max_keys", "_meta", "_nseg",
+                 "_tables", "_v_bytes", "head_dim", "kv_heads")
+
+    def __init__(self, pool: torch.Tensor, segments: list[PagedSegment]) -> None:
+        # pool: [layers, 2, kv_heads, num_blocks, B, D] fp32, the engine's KVStorage.data
+        if (pool.dtype != torch.float32 or pool.dim() != 6 or not pool.is_contiguous()
+                or pool.device.type != "cpu"):
+            raise ValueError("PagedAttention needs the contiguous 6-D fp32 CPU pool")
+        layers, _, hkv, nb, b, d = pool.shape
+        if b < 1 or b & (b - 1):
+            raise ValueError(f"rows per block must be a power of two, got {b}")
+        shift = b.bit_length() - 1
+        meta: list[int] = []
+        self._tables: list[torch.Tensor] = []        # kept alive for the kernel
+        self._max_keys: dict[int, int] = {}
+        ends = []
+        for s in segments:
+            end = s.q_start + s.rows
+            need = -(-end // b)
+            t = s.table
+            if t.dtype != torch.int64 or t.dim() != 1 or t.device.type != "cpu":
+                raise ValueError("a segment's block table must be a 1-D int64 CPU tensor")
+            if t.numel() < need or s.rows < 1 or s.q_start < 0:
+                raise ValueError(f"a segment reads keys up to {end} but its table has "
+                                 f"{t.numel()} blocks of {b}")
+            t = t[:need].contiguous()
+            if need and (int(t.min()) < 0 or int(t.max()) >= nb):
+                raise ValueError(f"a block table names a block outside the pool of {nb}")
+            self._tables.append(t)
+            meta += [s.row0, s.rows, s.q_start, 0, 0, nb * b * d, t.data_ptr(), shift]
+            ends.append(end)
+        self._ends: list[int] = ends
+        self._meta = torch.tensor(meta, dtype=torch.int64).view(len(segments), 8)
+        self._nseg = len(segments)
+        esize = pool.element_size()
+        self._k0 = pool.data_ptr()
+        self._layer_bytes = pool.stride(0) * esize
+        self._v_bytes = pool.stride(1) * esize
+        self._layers = layers
+        self.kv_heads, self.head_dim = hkv, d
+
+    def __call__(self, layer: int, q: torch.Tensor, window: int, out: torch.Tensor) -> None:
+        """Causal (optionally sliding-window) attention of one layer; q: [M, H, D],
+        out: [M, H * D]."""
+        if not self._nseg:
+            return
+        if not 0 <= layer < self._layers:
+            raise ValueError(f"layer {layer} is not in the pool's {self._layers}")
+        m, heads, d = q.shape
+        if d != self.head_dim or q.dtype != torch.float32 or out.shape != (m, heads * d) \
+                or out.stride(1) != 1:
+            raise ValueError(f"attend: q must be [M, H, {self.head_dim}] fp32 and out "
+                             f"[M, H * {self.head_dim}]")
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        k = self._k0 + layer * self._layer_bytes
+        self._meta[:, 3] = k
+        self._meta[:, 4] = k + self._v_bytes
+        max_keys = self._max_keys.get(window)
+        if max_keys is None:
+            max_keys = max([1, *(min(e, window) if window else e for e in self._ends)])
+            self._max_keys[window] = max_keys
+        _lib().attend_paged(q.data_ptr(), q.stride(0), heads, self.kv_heads, d,
+                            self._meta.data_ptr(), self._nseg, window, 1.0 / math.sqrt(d),
+                            out.data_ptr(), out.stride(0), max_keys)

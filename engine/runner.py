@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import bik
 from engine.attention import BatchAttention, Segment
 from engine.checks import check_prompt
 from engine.config import KV_LAYOUT_VERSION, EngineConfig
@@ -93,11 +94,14 @@ class Engine(PrefillSteps):
         if cfg.gpu_fraction and self.device.type == "cuda":
             self._check_gpu_budget(cfg)
         self.storage = KVStorage(self.layout, cfg.num_blocks, self.device)
-        # Attention reads a sequence's contiguous mirror except on CUDA with invariant
-        # kernels (triton_bi reads the paged pool). Where nothing reads it, no sequence
-        # gets one: each was 1.5x its prompt's KV outside the pool, so 64 sequences of
-        # 2k tokens took 24 GiB that admission never counted (issue 18 run 4's OOM).
-        self._attn_mirror: bool = not (self.invariant and self.device.type == "cuda")
+        # Attention reads a sequence's contiguous mirror only on the torch path:
+        # invariant kernels read the paged pool (triton_bi on CUDA, bik's
+        # attend_paged on the CPU). Where nothing reads it, no sequence gets one: each
+        # was 1.5x its prompt's KV outside the pool, so 64 sequences of 2k tokens took
+        # 24 GiB that admission never counted (issue 18 run 4's OOM), and filling one
+        # on the CPU cost as long as the tail it served (a 5.5k-token resend).
+        self._attn_mirror: bool = not (self.invariant and (
+            self.device.type == "cuda" or (self.device.type == "cpu" and bik.paged())))
         L, _, H, _, D = self.layout.block_shape
         self._no_mirror = torch.empty(L, 2, H, 0, D, dtype=self.dtype, device=self.device)
         self._decode_mirror = self._attn_mirror      # until the paged runner says otherwise

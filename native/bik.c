@@ -538,13 +538,59 @@ __attribute__((target("avx512f"))) static void norm_task512(void *ctx, int64_t m
 #define ATT_PMAX 8   /* (row, head) pairs whose value sums stay in registers */
 #define ATT_NPMAX 16 /* (row, head) pairs of one work item */
 
+/* The key (or value) rows one work item reads: a sequence's contiguous mirror,
+ * or its blocks in the paged pool through its block table. Row j of the item
+ * is the sequence's key off + j either way, and every kernel below reads a row
+ * only through kv_row, so the arithmetic on each row, and so every bit of the
+ * result, is the same whichever layout holds it. */
+typedef struct {
+    const float *base;       /* this KV head: row a at base + a*D (contiguous) or in block */
+    const int64_t *tab;      /* block table, NULL when contiguous */
+    int64_t off;             /* the key index of row 0 */
+    int64_t shift, mask;     /* rows per block = 1 << shift */
+    int64_t D;
+} kv_rows;
+
+static inline const float *kv_row(const kv_rows *r, int64_t j) {
+    const int64_t a = r->off + j;
+    return r->base + (r->tab ? (r->tab[a >> r->shift] << r->shift | (a & r->mask)) : a) * r->D;
+}
+
+/* Row j and how many rows from it, up to j1, lie one after the other (to the
+ * end of its block): the hot loops walk each such run with a pointer, as they
+ * walked the whole mirror (an address per row cost 1.5-1.8x, measured). */
+static inline const float *kv_span(const kv_rows *r, int64_t j, int64_t j1, int64_t *n) {
+    const int64_t a = r->off + j;
+    if (!r->tab) {
+        *n = j1 - j;
+        return r->base + a * r->D;
+    }
+    const int64_t left = r->mask + 1 - (a & r->mask);
+    *n = left < j1 - j ? left : j1 - j;
+    return r->base + (r->tab[a >> r->shift] << r->shift | (a & r->mask)) * r->D;
+}
+
+/* The addresses of rows j .. j+15. */
+static inline void kv_rows16(const kv_rows *r, int64_t j, const float **out) {
+    int64_t n;
+    const float *row = kv_span(r, j, j + 16, &n);
+    if (n == 16) {
+        for (int t = 0; t < 16; t++) out[t] = row + t * r->D;
+    } else {
+        for (int t = 0; t < 16; t++) out[t] = kv_row(r, j + t);
+    }
+}
+
+#define SEG_FIELDS 8  /* row0, rows, q_start, K, V, floats between kv heads, table, shift */
+
 /* One call covers several segments (a segment = consecutive query rows of one
  * sequence); each (row, head) is one work item. */
 typedef struct {
     const float *q;          /* row r, head h at q + r*ldq + h*D */
     int64_t ldq, H, Hkv, D;
-    const int64_t *seg;      /* per segment: row0, rows, q_start, K and V addresses,
-                                floats between kv heads */
+    const int64_t *seg;      /* per segment, SEG_FIELDS each: row0, rows, q_start, K and V
+                                addresses, floats between kv heads, block table address
+                                (0: contiguous rows) and log2 of rows per block */
     int64_t nseg;
     const int64_t *item0;    /* first work item of each segment, nseg + 1 entries */
     int64_t window;          /* 0 = full attention */
@@ -567,13 +613,13 @@ static inline int64_t find_seg(const attn_args *a, int64_t item) {
     return lo;
 }
 
-static void attend_one_scalar(const attn_args *a, const float *q, const float *K,
-                              const float *V, int64_t nk, float *sc, float *o) {
+static void attend_one_scalar(const attn_args *a, const float *q, const kv_rows *K,
+                              const kv_rows *V, int64_t nk, float *sc, float *o) {
     const int64_t D = a->D;
     float mx = -INFINITY;
     for (int64_t j = 0; j < nk; j++) {
         float s[LANES] = {0};
-        const float *kj = K + j * D;
+        const float *kj = kv_row(K, j);
         for (int64_t d = 0; d < D; d++) s[d % LANES] = fmaf(q[d], kj[d], s[d % LANES]);
         sc[j] = tree16(s) * a->scale;
         if (sc[j] > mx) mx = sc[j];
@@ -586,7 +632,7 @@ static void attend_one_scalar(const attn_args *a, const float *q, const float *K
     float total = tree16(den);
     for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
     for (int64_t j = 0; j < nk; j++) {
-        const float *vj = V + j * D;
+        const float *vj = kv_row(V, j);
         for (int64_t d = 0; d < D; d++) o[d] = fmaf(sc[j], vj[d], o[d]);
     }
     for (int64_t d = 0; d < D; d++) o[d] = o[d] / total;
@@ -659,7 +705,7 @@ __attribute__((target("avx512f"))) static inline __m512 tree16x16(__m512 *p) {
  * compile time the query and accumulators stay in registers (4x faster). */
 #define DEF_SCORES512(NV) \
 __attribute__((target("avx512f"))) static void scores512_##NV( \
-    const attn_args *a, const float *const *q, const float *K, const int64_t *nk, int np, \
+    const attn_args *a, const float *const *q, const kv_rows *K, const int64_t *nk, int np, \
     float *const *sc, float *mx) { \
     const int64_t D = NV > 0 ? NV * LANES : a->D; \
     const int64_t nv = D / LANES; \
@@ -670,14 +716,16 @@ __attribute__((target("avx512f"))) static void scores512_##NV( \
         mxv[p] = _mm512_set1_ps(-INFINITY); \
         if (nk[p] > nkmax) nkmax = nk[p]; \
     } \
-    for (int64_t j = 0; j + LANES <= nkmax; j += LANES) \
+    for (int64_t j = 0; j + LANES <= nkmax; j += LANES) { \
+        const float *kg[LANES]; \
+        kv_rows16(K, j, kg); \
         for (int p = 0; p < np; p++) { \
             if (j + LANES > nk[p]) continue; \
             __m512 qv[16]; \
             for (int64_t c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q[p] + c * LANES); \
             __m512 pv[LANES]; \
             for (int t = 0; t < LANES; t++) { \
-                const float *kj = K + (j + t) * D; \
+                const float *kj = kg[t]; \
                 __m512 s = _mm512_setzero_ps(); \
                 for (int64_t c = 0; c < nv; c++) \
                     s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + c * LANES), s); \
@@ -687,12 +735,13 @@ __attribute__((target("avx512f"))) static void scores512_##NV( \
             _mm512_storeu_ps(sc[p] + j, v); \
             mxv[p] = _mm512_max_ps(mxv[p], v); \
         } \
+    } \
     for (int p = 0; p < np; p++) { \
         float m = _mm512_reduce_max_ps(mxv[p]); \
         __m512 qv[16]; \
         for (int64_t c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q[p] + c * LANES); \
         for (int64_t j = nk[p] / LANES * LANES; j < nk[p]; j++) { \
-            const float *kj = K + j * D; \
+            const float *kj = kv_row(K, j); \
             __m512 s = _mm512_setzero_ps(); \
             for (int64_t c = 0; c < nv; c++) \
                 s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + c * LANES), s); \
@@ -737,8 +786,7 @@ __attribute__((target("avx512f"))) static float expsum512(float *sc, int64_t nk,
  * causal row) continues its chains over the rest. */
 #define DEF_VALUES512(NV, P) \
 __attribute__((target("avx512f"))) static void values512_##NV##_##P( \
-    const float *V, const int64_t *nk, float *const *sc, const float *total, float *const *o) { \
-    const int64_t D = NV * LANES; \
+    const kv_rows *V, const int64_t *nk, float *const *sc, const float *total, float *const *o) { \
     __m512 ov[P][NV]; \
     int64_t nmin = nk[0], nmax = nk[0]; \
     for (int h = 0; h < P; h++) { \
@@ -746,8 +794,9 @@ __attribute__((target("avx512f"))) static void values512_##NV##_##P( \
         if (nk[h] < nmin) nmin = nk[h]; \
         if (nk[h] > nmax) nmax = nk[h]; \
     } \
-    for (int64_t j = 0; j < nmin; j++) { \
-        const float *vj = V + j * D; \
+    for (int64_t j = 0, n; j < nmin;) \
+    for (const float *vj = kv_span(V, j, nmin, &n), *vend = vj + n * NV * LANES; vj < vend; \
+         vj += NV * LANES, j++) { \
         __m512 vv[NV]; \
         for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(vj + c * LANES); \
         for (int h = 0; h < P; h++) { \
@@ -756,7 +805,7 @@ __attribute__((target("avx512f"))) static void values512_##NV##_##P( \
         } \
     } \
     for (int64_t j = nmin; j < nmax; j++) { \
-        const float *vj = V + j * D; \
+        const float *vj = kv_row(V, j); \
         __m512 vv[NV]; \
         for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(vj + c * LANES); \
         for (int h = 0; h < P; h++) { \
@@ -774,14 +823,15 @@ __attribute__((target("avx512f"))) static void values512_##NV##_##P( \
 
 /* Any head size: the same chains, one pair at a time. */
 __attribute__((target("avx512f"))) static void values512_any(
-    int64_t D, const float *V, int64_t nk, const float *sc, float total, float *o) {
+    int64_t D, const kv_rows *V, int64_t nk, const float *sc, float total, float *o) {
     const int64_t nv = D / LANES;
     for (int64_t c0 = 0; c0 < nv; c0 += 8) {
         const int64_t cn = nv - c0 < 8 ? nv - c0 : 8;
         __m512 ov[8];
         for (int64_t c = 0; c < cn; c++) ov[c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nk; j++) {
-            const float *vj = V + j * D + c0 * LANES;
+        for (int64_t j = 0, n; j < nk;)
+        for (const float *vj = kv_span(V, j, nk, &n) + c0 * LANES, *vend = vj + n * D; vj < vend;
+             vj += D, j++) {
             __m512 e = _mm512_set1_ps(sc[j]);
             for (int64_t c = 0; c < cn; c++)
                 ov[c] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vj + c * LANES), ov[c]);
@@ -801,9 +851,9 @@ DEF_VALUES512(4, 1) DEF_VALUES512(4, 2) DEF_VALUES512(4, 3) DEF_VALUES512(4, 4)
 DEF_VALUES512(4, 5) DEF_VALUES512(4, 6)
 DEF_VALUES512(8, 1) DEF_VALUES512(8, 2) DEF_VALUES512(8, 3)
 
-typedef void (*scores_fn)(const attn_args *, const float *const *, const float *,
+typedef void (*scores_fn)(const attn_args *, const float *const *, const kv_rows *,
                           const int64_t *, int, float *const *, float *);
-typedef void (*values_fn)(const float *, const int64_t *, float *const *, const float *,
+typedef void (*values_fn)(const kv_rows *, const int64_t *, float *const *, const float *,
                           float *const *);
 static scores_fn scores512_for(int64_t nv) {
     switch (nv) {
@@ -909,14 +959,16 @@ __attribute__((target("avx2,fma"))) static inline __m256 tree8x8(const float *h)
  * as lo + hi (the tree's first level) in h[p] + (t + i) * 8. */
 #define DEF_DOTS256(P, J) \
 __attribute__((target("avx2,fma"))) static inline void dots256_##P##_##J( \
-    const float *const *q, const float *K, int64_t D, int64_t j, float *const *h, int64_t t) { \
+    const float *const *q, const kv_rows *K, int64_t D, int64_t j, float *const *h, int64_t t) { \
     __m256 acc[P][J]; \
+    const float *kr[J]; \
+    for (int i = 0; i < J; i++) kr[i] = kv_row(K, j + i); \
     for (int half = 0; half < 2; half++) { \
         for (int p = 0; p < P; p++) \
             for (int i = 0; i < J; i++) acc[p][i] = _mm256_setzero_ps(); \
         for (int64_t c = 8 * half; c < D; c += LANES) { \
             __m256 kv[J]; \
-            for (int i = 0; i < J; i++) kv[i] = _mm256_loadu_ps(K + (j + i) * D + c); \
+            for (int i = 0; i < J; i++) kv[i] = _mm256_loadu_ps(kr[i] + c); \
             for (int p = 0; p < P; p++) { \
                 __m256 qv = _mm256_loadu_ps(q[p] + c); \
                 for (int i = 0; i < J; i++) acc[p][i] = _mm256_fmadd_ps(qv, kv[i], acc[p][i]); \
@@ -935,7 +987,7 @@ DEF_DOTS256(1, 3) DEF_DOTS256(2, 3) DEF_DOTS256(3, 3)
 
 /* Keys [j0, j1) of P pairs (P <= ATT_PS), 3 at a time, then one at a time. */
 __attribute__((target("avx2,fma"))) static void dots256(
-    int P, const float *const *q, const float *K, int64_t D, int64_t j0, int64_t j1,
+    int P, const float *const *q, const kv_rows *K, int64_t D, int64_t j0, int64_t j1,
     float *const *h, int64_t kb) {
     int64_t j = j0;
     for (; j + 3 <= j1; j += 3) {
@@ -958,7 +1010,7 @@ __attribute__((target("avx2,fma"))) static void dots256(
  * rule (a score replaces the running maximum only when greater), so it is the
  * same value (a zero's sign aside, which exp(s - max) does not see). */
 __attribute__((target("avx2,fma"))) static void scores256(
-    const attn_args *a, const float *const *q, const float *K, const int64_t *nk, int np,
+    const attn_args *a, const float *const *q, const kv_rows *K, const int64_t *nk, int np,
     float *const *sc, float *mx) {
     const int64_t D = a->D;
     const __m256 scale = _mm256_set1_ps(a->scale);
@@ -1041,15 +1093,17 @@ __attribute__((target("avx2,fma"))) static float expsum256(float *sc, int64_t nk
  * in order. 2P independent chains, each value row loaded once for all P. */
 #define DEF_VALUES256(P) \
 __attribute__((target("avx2,fma"))) static void values256_##P( \
-    const float *V, int64_t D, int64_t c, int64_t j0, int64_t j1, float *const *sc, \
+    const kv_rows *V, int64_t D, int64_t c, int64_t j0, int64_t j1, float *const *sc, \
     float *const *o) { \
     __m256 lo[P], hi[P]; \
     for (int p = 0; p < P; p++) { \
         lo[p] = _mm256_loadu_ps(o[p] + c); \
         hi[p] = _mm256_loadu_ps(o[p] + c + 8); \
     } \
-    for (int64_t j = j0; j < j1; j++) { \
-        const __m256 vl = _mm256_loadu_ps(V + j * D + c), vh = _mm256_loadu_ps(V + j * D + c + 8); \
+    for (int64_t j = j0, n; j < j1;) \
+    for (const float *vj = kv_span(V, j, j1, &n) + c, *vend = vj + n * D; vj < vend; \
+         vj += D, j++) { \
+        const __m256 vl = _mm256_loadu_ps(vj), vh = _mm256_loadu_ps(vj + 8); \
         for (int p = 0; p < P; p++) { \
             const __m256 e = _mm256_set1_ps(sc[p][j]); \
             lo[p] = _mm256_fmadd_ps(e, vl, lo[p]); \
@@ -1064,7 +1118,7 @@ __attribute__((target("avx2,fma"))) static void values256_##P( \
 DEF_VALUES256(1) DEF_VALUES256(2) DEF_VALUES256(3)
 DEF_VALUES256(4) DEF_VALUES256(5) DEF_VALUES256(6)
 
-typedef void (*values256_fn)(const float *, int64_t, int64_t, int64_t, int64_t, float *const *,
+typedef void (*values256_fn)(const kv_rows *, int64_t, int64_t, int64_t, int64_t, float *const *,
                              float *const *);
 static const values256_fn VALUES256[ATT_PV] = {values256_1, values256_2, values256_3,
                                                values256_4, values256_5, values256_6};
@@ -1073,7 +1127,7 @@ static const values256_fn VALUES256[ATT_PV] = {values256_1, values256_2, values2
  * read from L2/L3 once and from L1 by every tile and 16-element slice), then
  * the division by each pair's denominator. */
 __attribute__((target("avx2,fma"))) static void values256(
-    int64_t D, const float *V, const int64_t *nk, int np, float *const *sc,
+    int64_t D, const kv_rows *V, const int64_t *nk, int np, float *const *sc,
     const float *total, float *const *o) {
     int64_t nkmax = 0;
     for (int p = 0; p < np; p++) {
@@ -1172,7 +1226,7 @@ static void attn_task(void *ctx, int64_t i0, int64_t i1, int tid) {
     int64_t s = find_seg(a, i0);
     for (int64_t it = i0; it < i1; it++) {
         while (it >= a->item0[s + 1]) s++;
-        const int64_t *sg = a->seg + s * 6;
+        const int64_t *sg = a->seg + s * SEG_FIELDS;
         int64_t local = it - a->item0[s];
         int64_t blk = local / per_block, rem = local % per_block;
         int64_t kvh = rem / passes, h0 = kvh * group + (rem % passes) * hp;
@@ -1186,7 +1240,10 @@ static void attn_task(void *ctx, int64_t i0, int64_t i1, int tid) {
             int64_t lo = first_key(a, sg[2] + ra), rz = ra + 1;
             if (lo == 0)
                 while (rz < r1 && first_key(a, sg[2] + rz) == 0) rz++;
-            const float *K = Kh + lo * D, *V = Vh + lo * D;
+            const int64_t *tab = (const int64_t *)(uintptr_t)sg[6];
+            const int64_t shift = sg[7], mask = ((int64_t)1 << shift) - 1;
+            const kv_rows Kr = {Kh, tab, lo, shift, mask, D}, Vr = {Vh, tab, lo, shift, mask, D};
+            const kv_rows *K = &Kr, *V = &Vr;
             const float *qs[ATT_NPMAX];
             float *outs[ATT_NPMAX], *scs[ATT_NPMAX], mx[ATT_NPMAX], totals[ATT_NPMAX];
             int64_t nks[ATT_NPMAX];
@@ -1350,7 +1407,9 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_attend(PyObject *self, PyObject *args) {
+/* attend: segments of 6 fields over contiguous mirrors; attend_paged: of
+ * SEG_FIELDS, each with its block table (or 0) and log2 of rows per block. */
+static PyObject *attend_call(PyObject *args, int fields) {
     attn_args a;
     unsigned long long q, seg, out;
     long long ldq, H, Hkv, D, nseg, window, ldo, max_keys;
@@ -1362,7 +1421,20 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "attend: bad shape");
         return NULL;
     }
-    a.q = ptr(q); a.ldq = ldq; a.H = H; a.Hkv = Hkv; a.D = D; a.seg = ptr(seg);
+    int64_t *segs = malloc(sizeof(int64_t) * (size_t)(nseg * SEG_FIELDS));
+    if (!segs) return PyErr_NoMemory();
+    const int64_t *given = ptr(seg);
+    for (int64_t i = 0; i < nseg; i++) {
+        int64_t *d = segs + i * SEG_FIELDS;
+        const int64_t *g = given + i * fields;
+        for (int f = 0; f < SEG_FIELDS; f++) d[f] = f < fields ? g[f] : 0;
+        if (d[6] && (d[7] < 0 || d[7] > 30)) {
+            free(segs);
+            PyErr_SetString(PyExc_ValueError, "attend: bad rows per block");
+            return NULL;
+        }
+    }
+    a.q = ptr(q); a.ldq = ldq; a.H = H; a.Hkv = Hkv; a.D = D; a.seg = segs;
     a.nseg = nseg; a.window = window; a.scale = scale; a.out = ptr(out); a.ldo = ldo;
     a.max_keys = max_keys;
     /* Pairs (row, head) attended together: as many as the value sums keep in
@@ -1387,11 +1459,12 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     if (!a.scratch || !item0) {
         free(a.scratch);
         free(item0);
+        free(segs);
         return PyErr_NoMemory();
     }
     item0[0] = 0;
     for (int64_t i = 0; i < nseg; i++) {
-        int64_t rows = a.seg[i * 6 + 1];
+        int64_t rows = a.seg[i * SEG_FIELDS + 1];
         item0[i + 1] = item0[i] + (rows + a.rows_per_item - 1) / a.rows_per_item * per_block;
     }
     a.item0 = item0;
@@ -1405,7 +1478,14 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     free(a.scratch);
     free(item0);
+    free(segs);
     Py_RETURN_NONE;
+}
+
+static PyObject *py_attend(PyObject *self, PyObject *args) { return attend_call(args, 6); }
+
+static PyObject *py_attend_paged(PyObject *self, PyObject *args) {
+    return attend_call(args, SEG_FIELDS);
 }
 
 static PyObject *py_rope(PyObject *self, PyObject *args) {
@@ -1476,6 +1556,9 @@ static PyMethodDef methods[] = {
     {"attend", py_attend, METH_VARARGS,
      "attend(q, ldq, H, Hkv, D, seg, nseg, window, scale, out, ldo, "
      "max_keys)"},
+    {"attend_paged", py_attend_paged, METH_VARARGS,
+     "attend_paged(q, ldq, H, Hkv, D, seg, nseg, window, scale, out, ldo, max_keys): "
+     "segments of 8 fields, keys read through each one's block table"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n): threads per call"},
     {"threads", py_threads, METH_NOARGS, "threads per call"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): force a path (tests)"},

@@ -129,3 +129,55 @@ def test_attention_tiles_give_the_scalar_bits(heads: int, kv_heads: int, head_di
     finally:
         bik.use_path(before)
     assert torch.isfinite(want).all()
+
+
+@pytest.mark.parametrize("block_tokens", [16, 64])
+@pytest.mark.parametrize("window", [0, 37])
+def test_reading_the_pool_through_block_tables_gives_the_mirrors_bits(
+        block_tokens: int, window: int) -> None:
+    """The engine's CPU attention reads a sequence's keys in the paged pool
+    (engine/attention.py): scattered blocks, in any order, give exactly what
+    the same keys laid out contiguously give, on every SIMD path and layer."""
+    g = torch.Generator().manual_seed(block_tokens + window)
+    layers, kv_heads, heads, d, nb = 2, 3, 9, 64, 64
+    pool = torch.randn(layers, 2, kv_heads, nb, block_tokens, d, generator=g)
+    shapes = [(21, 700), (1, 300), (40, 0), (9, 71), (1, 16 * block_tokens - 1)]
+    perm = torch.randperm(nb, generator=g)
+    segs, mirrors, r0, used = [], [], 0, 0
+    for r, start in shapes:
+        need = -(-(start + r) // block_tokens)
+        if used + need > nb:
+            used = 0                      # tables may share blocks: reads only
+        table = perm[used:used + need].to(torch.int64)
+        used += need
+        segs.append(bik.PagedSegment(r0, r, start, table))
+        mirrors.append(pool[:, :, :, table].reshape(layers, 2, kv_heads, need * block_tokens, d)
+                       .contiguous())
+        r0 += r
+    q = torch.randn(r0, heads, d, generator=g)
+    plan = bik.PagedAttention(pool, segs)
+    before = bik.current_path()
+    try:
+        for path in bik.paths():
+            bik.use_path(path)
+            for layer in range(layers):
+                paged = torch.empty(r0, heads * d)
+                plan(layer, q, window, paged)
+                want = _attend(q, [bik.AttnSegment(s.row0, s.rows, s.q_start, m[layer])
+                                   for s, m in zip(segs, mirrors, strict=True)],
+                               kv_heads, window)
+                assert torch.equal(paged, want), (path, layer)
+    finally:
+        bik.use_path(before)
+
+
+def test_a_block_table_outside_the_pool_is_refused() -> None:
+    """The kernel trusts the tables: they are checked when the plan is made."""
+    pool = torch.zeros(1, 2, 1, 4, 16, 16)
+    with pytest.raises(ValueError, match="outside the pool"):
+        bik.PagedAttention(pool, [bik.PagedSegment(0, 1, 20, torch.tensor([0, 4]))])
+    with pytest.raises(ValueError, match="table has 1 blocks"):
+        bik.PagedAttention(pool, [bik.PagedSegment(0, 1, 20, torch.tensor([0]))])
+    with pytest.raises(ValueError, match="power of two"):
+        bik.PagedAttention(torch.zeros(1, 2, 1, 4, 12, 16),
+                           [bik.PagedSegment(0, 1, 0, torch.tensor([0]))])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+from typing import Any
 
 import grpc
 import pytest
@@ -157,26 +158,48 @@ def test_warm_turn_after_a_running_cold_prompt(policy: str) -> None:
             cold = asyncio.ensure_future(stub.Prefill(prefill_pb2.PrefillRequest(
                 token_ids=long), timeout=60))
             await _until(lambda: entry(sched.running, 900), "the long prompt running")
-            gate = threading.Event()
+            gate, hold = threading.Event(), threading.Event()
             svc.thread.submit(gate.wait, 60)        # at most the step in flight completes
+            seen: dict[str, tuple[bool, int]] = {}
             try:
                 turn = asyncio.ensure_future(stub.Prefill(prefill_pb2.PrefillRequest(
                     token_ids=[*warm, 9, 10, 11]), timeout=60))
                 await _until(lambda: (e := entry(sched.waiting, 303)) and e.ready, "turn warmed")
+                long_entry = entry(sched.running, 900)
+                assert long_entry is not None
+                before = long_entry.remaining
+
+                def answered(_: object) -> None:
+                    # Runs on the loop as the turn's first token is settled, before the
+                    # step loop plans again: the long prompt as that step left it. The
+                    # engine thread is then held, so its caller can leave mid-prompt
+                    # however fast the steps run.
+                    seen["long"] = (long_entry.request_id in sched.running,
+                                    long_entry.remaining)
+                    svc.thread.submit(hold.wait, 60)
+                turn_job: Any = entry(sched.waiting, 303).payload   # type: ignore[union-attr]
+                turn_job.first.add_done_callback(answered)
             finally:
                 gate.set()
-            done, _ = await asyncio.wait([cold, turn], return_when=asyncio.FIRST_COMPLETED)
-            if policy == "src":
-                assert done == {turn} and turn.result().cached_tokens == 288
-                long_entry = entry(sched.running, 900)
-                assert long_entry is not None and long_entry.remaining > 700
-                cold.cancel()                   # the long one's caller leaves mid-prompt
-                await _until(lambda: svc.stats.stopped_total == 1, "the long prompt stopped")
-                live = await svc.thread.call(lambda: svc.engine.live_sequences)
-                assert set(live) == set(svc.steps.resident_ids)     # held for their pull
-                assert long_entry.request_id not in live
-            else:
-                assert done == {cold}
-                await turn
+            try:
+                await _until(lambda: "long" in seen, "the turn answered")
+                running, left = seen["long"]
+                if policy == "src":
+                    # Answered at the next step: at most the step in flight went before it.
+                    assert running and left >= before - 16
+                    assert (await turn).cached_tokens == 288
+                    cold.cancel()               # the long one's caller leaves mid-prompt
+                    hold.set()
+                    await _until(lambda: svc.stats.stopped_total == 1, "the long prompt stopped")
+                    live = await svc.thread.call(lambda: svc.engine.live_sequences)
+                    assert set(live) == set(svc.steps.resident_ids)     # held for their pull
+                    assert long_entry.request_id not in live
+                else:
+                    assert not running or left < 16     # the long one went first
+                    hold.set()
+                    await cold
+                    await turn
+            finally:
+                hold.set()
 
     asyncio.run(asyncio.wait_for(body(), 120))
