@@ -17,20 +17,24 @@ A prefill program (``PREFILL_ROWS`` rows: query tokens x the GQA group of one KV
 head, so K/V are never repeated) walks all its splits itself. A decode program
 (one token, the GQA group of one KV head) puts each tile's 64 keys on the
 matrix instruction's row side and the group's few query heads on its narrow
-side (with the group on the row side, 4 of 64 rows were live at GQA 4), takes
-a contiguous share of its row's splits and folds them; a second kernel folds
-the shares in order (``_fold_parts``). The transposed products are the same
-numbers: a matrix-unit output does not depend on which operand side its
-inputs came from, and the only reduction over keys left is a maximum.
-Both give the prefill bits: folding into the fresh state is exact (0 x 0 + a x 1
-= a), so ((fresh + A) + B) + C and (fresh + ((fresh + A) + B)) + (fresh + C) are
-the same numbers — but a fold is not associative, so a share after the first
-holds exactly one split ((A + B) + (C + D) is not ((A + B) + C) + D: a share
-of two splits there broke decode rows' bits at batch 8 past 4k keys, found on
-the H200). The first share takes the splits the others cannot. So decode at
-batch 1 spreads a 32k context over the whole GPU (flash-decoding) and still
-returns the bits a prefill of the same token would; past ``parts`` splits the
-first share is the longest.
+side (with the group on the row side, 4 of 64 rows were live at GQA 4). With
+one program a row it folds all the row's splits itself; with several
+(``parts``, flash-decoding at small batch), the row's splits are dealt round
+the programs and each split's own state goes to a slot of the scratch, and a
+second kernel folds the slots in ascending order (``_fold_splits``). The
+transposed products are the same numbers: a matrix-unit output does not depend
+on which operand side its inputs came from, and the only reduction over keys
+left is a maximum. Both give the prefill bits: a split's state is the same
+numbers wherever it is computed, and folding into the fresh state is exact
+(0 x 0 + a x 1 = a), so the fold pass repeats the prefill's left fold
+((fresh + A) + B) + C exactly. Only the order of the folds matters — a fold is
+not associative ((A + B) + (C + D) is not ((A + B) + C) + D: programs that
+folded their own shares of two splits broke decode rows' bits at batch 8 past
+4k keys, found on the H200), which is why no program folds a share of splits
+itself; the version before this one (same bits) let the first share take all
+but one split a program, and a 32k-key row at 4 programs then cost one program
+29 splits. So decode at batch 1 spreads a 32k context over the whole GPU and
+still returns the bits a prefill of the same token would.
 
 Tiles or splits a row cannot see (past its position, before its sliding window,
 or beyond its own keys inside a shared tile) leave its state unchanged bit for
@@ -71,6 +75,9 @@ DECODE_WARPS = 4
 # 19.3 / 15.4 / 41.2 us a layer at b1/8/64 (stages only schedule the loads);
 # not measured again for the keys-major program.
 DECODE_STAGES = 2
+# Split states the decode fold loads at once: a 32-split row (32k keys) is 4
+# memory round trips instead of 32 dependent ones.
+FOLD_CHUNK = 8
 LOG2E = 1.4426950408889634
 
 
@@ -88,6 +95,20 @@ def _fold(m, lsum, acc, m2, l2, acc2):
     lsum = tl.fma(lsum, alpha, l2 * beta)
     acc = tl.fma(acc, alpha[:, None], acc2 * beta[:, None])
     return m_new, lsum, acc
+
+
+@triton.jit
+def _fold_t(m, lsum, acc_t, m2, l2, acc2_t):
+    """``_fold`` on transposed accumulators ([D, rows]): the same element-wise
+    operations on the same numbers, so the same bits, without moving a decode
+    split's [D, NQ] state into the other layout."""
+    m_new = tl.maximum(m, m2)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_sub)
+    beta = tl.exp2(m2 - m_sub)
+    lsum = tl.fma(lsum, alpha, l2 * beta)
+    acc_t = tl.fma(acc_t, alpha[None, :], acc2_t * beta[None, :])
+    return m_new, lsum, acc_t
 
 
 @triton.jit
@@ -194,28 +215,14 @@ def _split_tiles(q, m, lsum, acc, kb, vb, TBL, t_off, a, b, fa, fb, q_pos, hi, w
 
 
 @triton.jit
-def _key_range(p_first, hi, window, BN: tl.constexpr, TPS: tl.constexpr, PARTS: tl.constexpr):
-    """Key tiles [ta, tb) of rows at positions p_first..hi (this program's share
-    of them for a decode row, PARTS >= 1) and [fa, fb), those every row sees
-    whole (no mask needed)."""
+def _key_range(p_first, hi, window, BN: tl.constexpr):
+    """Key tiles [ta, tb) of rows at positions p_first..hi and [fa, fb), those
+    every row sees whole (no mask needed)."""
     lo = 0
     if window > 0:
         lo = tl.maximum(p_first - window + 1, 0)
     ta = lo // BN
     tb = hi // BN + 1
-    if PARTS > 0:
-        # The shares are folded in order afterwards, and a fold is not
-        # associative: a later share holding two splits gives T + (D + E), not
-        # the prefill's (T + D) + E. So every share but the first holds one
-        # split, and the first holds the rest (its own left fold from a fresh
-        # state is exactly the prefill's prefix).
-        s0 = ta // TPS
-        extra = tl.maximum((tb - 1) // TPS + 1 - s0 - PARTS, 0)
-        part = tl.program_id(2)
-        sa = s0 + part + tl.where(part > 0, extra, 0)
-        se = sa + 1 + tl.where(part == 0, extra, 0)
-        ta = tl.minimum(tl.maximum(ta, sa * TPS), tb)
-        tb = tl.maximum(tl.minimum(tb, se * TPS), ta)
     fa = ta
     if window > 0:
         fa = tl.cdiv(tl.maximum(hi - window + 1, 0), BN)
@@ -250,7 +257,7 @@ def _attn_kernel(Q, KP, VP, TBL, SEG, TILE, OUT,
                 mask=row_ok[:, None], other=0.0)     # [R, D]
     p_first = q_start + t0                           # the tile's first and last positions
     hi = q_start + tl.minimum(t0 + TQ, rows) - 1
-    ta, tb, fa, fb = _key_range(p_first, hi, window, BN, TPS, 0)
+    ta, tb, fa, fb = _key_range(p_first, hi, window, BN)
     kb = KP + hk * s_kh
     vb = VP + hk * s_kh
     zero_m = tl.full([TQ * GP], float("-inf"), tl.float32)
@@ -277,9 +284,11 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
                    G: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                    TPS: tl.constexpr, PARTS: tl.constexpr, PREC: tl.constexpr):
     """Decode row ``program_id(0)`` (a one-token segment), the GQA group of KV
-    head ``program_id(1)``, share ``program_id(2)`` of its splits: with one share
-    the output, else the share's state for ``_fold_parts``. Keys on the
-    instruction's row side (``_key_tile_t``); the same numbers as a prefill row."""
+    head ``program_id(1)``. PARTS 1: all its splits, folded, and the output.
+    PARTS > 1: share ``program_id(2)`` takes every PARTS-th split (balanced to
+    one split) and stores each split's own state in its slot of the scratch,
+    for ``_fold_splits``. Keys on the instruction's row side (``_key_tile_t``);
+    the same numbers as a prefill row."""
     seg = tl.program_id(0)
     hk = tl.program_id(1)
     qrow = tl.load(SEG + 4 * seg).to(tl.int64)
@@ -291,54 +300,87 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
     d = tl.arange(0, D)
     qt = tl.load(Q + qrow * s_qm + heads[None, :] * s_qh + d[:, None], mask=g_ok[None, :],
                  other=0.0)                          # [D, NQ]
-    ta, tb, fa, fb = _key_range(q_pos, q_pos, window, BN, TPS, PARTS)
+    ta, tb, fa, fb = _key_range(q_pos, q_pos, window, BN)
     kb = KP + hk * s_kh
     vb = VP + hk * s_kh
     zero_m = tl.full([NQ], float("-inf"), tl.float32)
     zero_l = tl.zeros([BN, NQ], tl.float32)
     zero_acc = tl.zeros([D, NQ], tl.float32)
-    m, lsum, acc = zero_m, tl.zeros([NQ], tl.float32), tl.zeros([NQ, D], tl.float32)
-    for sp in range(ta // TPS, tl.cdiv(tb, TPS)):
-        a = tl.maximum(ta, sp * TPS)
-        b = tl.minimum(tb, sp * TPS + TPS)
-        ms, ls, accs = zero_m, zero_l, zero_acc
-        ms, ls, accs = _split_tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa, fb,
-                                    q_pos, q_pos, window, qk_scale, block_tokens, D, BN, PREC,
-                                    True)
-        m, lsum, acc = _fold(m, lsum, acc, ms, tl.max(ls, 0), tl.trans(accs))
     if PARTS <= 1:
-        o = acc / tl.where(g_ok, lsum, 1.0)[:, None] + 0.0
-        tl.store(OUT + qrow * s_om + heads[:, None] * D + d[None, :],
-                 o.to(OUT.dtype.element_ty), mask=g_ok[:, None])
+        m, lsum, acc_t = zero_m, tl.zeros([NQ], tl.float32), zero_acc
+        for sp in range(ta // TPS, tl.cdiv(tb, TPS)):
+            a = tl.maximum(ta, sp * TPS)
+            b = tl.minimum(tb, sp * TPS + TPS)
+            ms, ls, accs = zero_m, zero_l, zero_acc
+            ms, ls, accs = _split_tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa, fb,
+                                        q_pos, q_pos, window, qk_scale, block_tokens, D, BN,
+                                        PREC, True)
+            m, lsum, acc_t = _fold_t(m, lsum, acc_t, ms, tl.max(ls, 0), accs)
+        o = acc_t / tl.where(g_ok, lsum, 1.0)[None, :] + 0.0                   # [D, NQ]
+        tl.store(OUT + qrow * s_om + heads[None, :] * D + d[:, None],
+                 o.to(OUT.dtype.element_ty), mask=g_ok[None, :])
     else:
-        part = tl.program_id(2)
-        tl.store(ACC + qrow * s_ab + part * s_ap + heads[:, None] * s_ah + d[None, :],
-                 acc, mask=g_ok[:, None])
-        tl.store(ML + qrow * s_mb + part * s_mp + heads * s_mh, m, mask=g_ok)
-        tl.store(ML + qrow * s_mb + part * s_mp + heads * s_mh + 1, lsum, mask=g_ok)
+        # A split's state is the same numbers wherever it is computed; only the
+        # fold order matters, and _fold_splits keeps the prefill's. So the
+        # shares need not be contiguous: the row's i-th split goes to share
+        # i % PARTS, and a 32-split row at 4 shares costs a program 8 splits
+        # (29 when a share's splits were folded in the program).
+        for sp in range(ta // TPS + tl.program_id(2), tl.cdiv(tb, TPS), PARTS):
+            a = tl.maximum(ta, sp * TPS)
+            b = tl.minimum(tb, sp * TPS + TPS)
+            ms, ls, accs = zero_m, zero_l, zero_acc
+            ms, ls, accs = _split_tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa, fb,
+                                        q_pos, q_pos, window, qk_scale, block_tokens, D, BN,
+                                        PREC, True)
+            slot = seg * s_ab + sp * s_ap
+            tl.store(ACC + slot + heads[None, :] * s_ah + d[:, None], accs, mask=g_ok[None, :])
+            mslot = seg * s_mb + sp * s_mp + heads * s_mh
+            tl.store(ML + mslot, ms, mask=g_ok)
+            tl.store(ML + mslot + 1, tl.max(ls, 0), mask=g_ok)
 
 
 @triton.jit
-def _fold_parts(ACC, ML, OUT, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh, s_om,
-                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
-    """Decode: row b's shares folded in order, normalised: the prefill's bits."""
-    b = tl.program_id(0)
+def _fold_splits(SEG, ACC, ML, OUT, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh, s_om, window,
+                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                 TPS: tl.constexpr, CH: tl.constexpr):
+    """Decode row ``program_id(0)``, KV head ``program_id(1)``: the split states
+    ``_decode_kernel`` stored, folded in ascending order from a fresh state and
+    normalised: the prefill's bits. CH splits are loaded at once (one memory
+    round trip, not one per split) and then folded one by one; a split past
+    the row's last loads as the fresh state, which a fold leaves unchanged."""
+    seg = tl.program_id(0)
     hk = tl.program_id(1)
+    qrow = tl.load(SEG + 4 * seg).to(tl.int64)
+    q_pos = tl.load(SEG + 4 * seg + 2)
+    ta, tb, _, _ = _key_range(q_pos, q_pos, window, BN)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
+    c = tl.arange(0, CH)
     ok = g < G
     heads = hk * G + g
     m = tl.full([GP], float("-inf"), tl.float32)
     lsum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    for part in range(PARTS):
-        acc2 = tl.load(ACC + b * s_ab + part * s_ap + heads[:, None] * s_ah + d[None, :],
-                       mask=ok[:, None], other=0.0)
-        m2 = tl.load(ML + b * s_mb + part * s_mp + heads * s_mh, mask=ok, other=0.0)
-        l2 = tl.load(ML + b * s_mb + part * s_mp + heads * s_mh + 1, mask=ok, other=0.0)
-        m, lsum, acc = _fold(m, lsum, acc, m2, l2, acc2)
+    s_end = tl.cdiv(tb, TPS)
+    for s0 in range(ta // TPS, s_end, CH):
+        sp = s0 + c
+        live = (sp < s_end)[:, None] & ok[None, :]                                 # [CH, GP]
+        mslot = ML + seg * s_mb + sp[:, None] * s_mp + heads[None, :] * s_mh
+        m_c = tl.load(mslot, mask=live, other=float("-inf"))
+        l_c = tl.load(mslot + 1, mask=live, other=0.0)
+        a_c = tl.load(ACC + seg * s_ab + sp[:, None, None] * s_ap
+                      + heads[None, :, None] * s_ah + d[None, None, :],
+                      mask=live[:, :, None], other=0.0)                           # [CH, GP, D]
+        for j in tl.static_range(CH):
+            # one split's state out of the chunk, exactly: the other CH - 1
+            # entries are -inf (maximum) or 0 (sum of one number and zeros)
+            pick = (c == j)[:, None]
+            m2 = tl.max(tl.where(pick, m_c, float("-inf")), 0)
+            l2 = tl.max(tl.where(pick, l_c, 0.0), 0)
+            a2 = tl.sum(tl.where(pick[:, :, None], a_c, 0.0), 0)
+            m, lsum, acc = _fold(m, lsum, acc, m2, l2, a2)
     o = acc / tl.where(ok, lsum, 1.0)[:, None] + 0.0
-    tl.store(OUT + b * s_om + heads[:, None] * D + d[None, :], o.to(OUT.dtype.element_ty),
+    tl.store(OUT + qrow * s_om + heads[:, None] * D + d[None, :], o.to(OUT.dtype.element_ty),
              mask=ok[:, None])
 
 
@@ -350,18 +392,30 @@ def tile_tokens(group: int, rows: int) -> int:
     return rows // gp
 
 
+def decode_scratch(rows: int, max_keys: int, heads: int, dim: int, device: torch.device,
+                   split: int = KEY_SPLIT) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split states of ``rows`` decode rows of up to ``max_keys`` keys:
+    ``acc`` [rows, splits, H, D] and ``ml`` [rows, splits, H, 2], fp32, one slot
+    per key split (by absolute position), whatever the number of shares."""
+    n = -(-max_keys // split)
+    return (torch.empty(rows, n, heads, dim, dtype=torch.float32, device=device),
+            torch.empty(rows, n, heads, 2, dtype=torch.float32, device=device))
+
+
 def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor,
            seg_meta: torch.Tensor, tiles: torch.Tensor, n_tiles: int, group: int,
            window: int, out: torch.Tensor, parts: int = 0,
            acc: torch.Tensor | None = None, ml: torch.Tensor | None = None,
-           split: int = KEY_SPLIT) -> None:
+           split: int = KEY_SPLIT, stages: int = 0, maxnreg: int = 0) -> None:
     """One launch for every tile of every segment of one layer. ``parts`` 0:
     prefill tiles; >= 1: one-token decode rows (program i = segment i; ``tiles``
-    is read by prefill only), each split over
-    ``parts`` programs whose states go to ``acc`` [rows, parts, H, D] and ``ml``
-    [rows, parts, H, 2] (fp32) and are folded here by a second kernel. ``split``
-    (keys, a multiple of KEY_TILE) is part of the arithmetic: other values are
-    for checks and timings only."""
+    is read by prefill only), their splits dealt over ``parts`` programs a row
+    whose split states go to ``acc`` and ``ml`` (``decode_scratch``: a slot for
+    every split a row can have) and are folded here by a second kernel.
+    ``split`` (keys, a multiple of KEY_TILE) is part of the arithmetic: other
+    values are for checks and timings only; ``parts``, ``stages`` (decode
+    pipeline stages, 0: ``DECODE_STAGES``) and ``maxnreg`` (a decode program's
+    register cap, 0: none) are not."""
     if split % KEY_TILE:
         raise ValueError(f"key split {split} is not a multiple of {KEY_TILE}")
     _, _, kv_heads, _, block_tokens, dim = pool.shape
@@ -370,11 +424,12 @@ def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor
     gp = triton.next_power_of_2(group)
     kp, vp = pool[layer, 0], pool[layer, 1]                      # [Hkv, nb, B, D]
     scale = LOG2E / dim ** 0.5
+    tps = split // KEY_TILE
     if not parts:
         _attn_kernel[(n_tiles, kv_heads)](
             q, kp, vp, tables, seg_meta, tiles, out, q.stride(0), q.stride(1), kp.stride(0),
             out.stride(0), window, scale, block_tokens, G=group, GP=gp,
-            TQ=tile_tokens(group, PREFILL_ROWS), D=dim, BN=KEY_TILE, TPS=split // KEY_TILE,
+            TQ=tile_tokens(group, PREFILL_ROWS), D=dim, BN=KEY_TILE, TPS=tps,
             PREC=_prec(q.dtype), num_warps=PREFILL_ROWS // 16, num_stages=3,
             enable_fp_fusion=False)
         return
@@ -384,17 +439,19 @@ def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor
     else:
         acc = ml = out
         sa = sm = (0, 0, 0, 0)
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
     _decode_kernel[(n_tiles, kv_heads, parts)](
         q, kp, vp, tables, seg_meta, out, acc, ml,
         q.stride(0), q.stride(1), kp.stride(0), out.stride(0), sa[0], sa[1], sa[2],
         sm[0], sm[1], sm[2], window, scale, block_tokens,
-        G=group, NQ=max(DECODE_COLS, gp), D=dim, BN=KEY_TILE, TPS=split // KEY_TILE,
-        PARTS=parts, PREC=_prec(q.dtype), num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
-        enable_fp_fusion=False)
+        G=group, NQ=max(DECODE_COLS, gp), D=dim, BN=KEY_TILE, TPS=tps,
+        PARTS=parts, PREC=_prec(q.dtype), num_warps=DECODE_WARPS,
+        num_stages=stages or DECODE_STAGES, enable_fp_fusion=False, **extra)
     if parts > 1:
-        _fold_parts[(n_tiles, kv_heads)](acc, ml, out, sa[0], sa[1], sa[2], sm[0], sm[1],
-                                         sm[2], out.stride(0), G=group, GP=gp, D=dim,
-                                         PARTS=parts, enable_fp_fusion=False)
+        _fold_splits[(n_tiles, kv_heads)](seg_meta, acc, ml, out, sa[0], sa[1], sa[2], sm[0],
+                                          sm[1], sm[2], out.stride(0), window, G=group, GP=gp,
+                                          D=dim, BN=KEY_TILE, TPS=tps, CH=FOLD_CHUNK,
+                                          enable_fp_fusion=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,9 +468,10 @@ class InvariantAttention:
     sequences of a (batched) prefill, or one-token decode rows."""
 
     def __init__(self, pool: torch.Tensor, segments: Seq[AttnSegment], num_heads: int,
-                 parts: int = 0, split: int = KEY_SPLIT) -> None:
+                 parts: int = 0, split: int = KEY_SPLIT, stages: int = 0,
+                 maxnreg: int = 0) -> None:
         # pool: [L, 2, Hkv, num_blocks, B, D] (engine.kv_pool.KVStorage.data)
-        self.pool, self.split = pool, split
+        self.pool, self.split, self.stages, self.maxnreg = pool, split, stages, maxnreg
         self.group = num_heads // pool.shape[2]
         self.parts = parts
         if parts and any(s.rows != 1 for s in segments):
@@ -442,4 +500,5 @@ class InvariantAttention:
         # q: [M, H, D] (unit stride in D); out: [M, H * D]
         if self.n_tiles:
             attend(self.pool, layer, q, self.tables, self.seg_meta, self.tiles, self.n_tiles,
-                   self.group, window, out, self.parts, acc, ml, self.split)
+                   self.group, window, out, self.parts, acc, ml, self.split, self.stages,
+                   self.maxnreg)

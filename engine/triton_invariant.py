@@ -29,7 +29,14 @@ import torch
 
 from engine.kv_pool import KVStorage
 from engine.paged_decode import StepBuffers, write_kv
-from engine.triton_attention import KEY_SPLIT, KEY_TILE, AttnSegment, InvariantAttention, attend
+from engine.triton_attention import (
+    KEY_SPLIT,
+    KEY_TILE,
+    AttnSegment,
+    InvariantAttention,
+    attend,
+    decode_scratch,
+)
 from engine.triton_gemm import BK, linear
 
 __all__ = ["KERNEL_ID", "AttnSegment", "DecodeAttention", "InvariantAttention", "linear"]
@@ -46,8 +53,10 @@ class DecodeAttention:
     """The attend callback of a CUDA-graph decode bucket (engine/paged_decode.py
     DecodeRunner, ``attention=``) through the invariant kernel: row i is a
     one-token segment at position ``lens[i] - 1`` over block table ``tables[i]``,
-    its key splits shared by ``buf.splits`` programs; padding rows point at the
-    scratch block. Everything it reads lives in the bucket's static buffers, so a
+    its key splits dealt over ``buf.splits`` programs; padding rows point at the
+    scratch block. Everything it reads lives in the bucket's static buffers (and
+    its own split-state scratch: a slot for every key split a row of
+    ``max_blocks`` blocks can have, where ``buf.acc`` has one a program), so a
     captured graph replays it."""
 
     def __init__(self, storage: KVStorage, windows: tuple[int, ...], num_heads: int,
@@ -61,6 +70,10 @@ class DecodeAttention:
                                      rows * max_blocks], 1).contiguous()      # [b, 4]
         self.tiles = torch.stack([rows, torch.zeros_like(rows)], 1).contiguous()
         self.width = num_heads * storage.layout.head_dim
+        self.acc, self.ml = buf.acc, buf.ml
+        if buf.splits > 1:
+            self.acc, self.ml = decode_scratch(b, max_blocks * storage.layout.block_tokens,
+                                               num_heads, storage.layout.head_dim, dev)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
@@ -71,5 +84,5 @@ class DecodeAttention:
             self.seg_meta[:, 2].copy_(b.lens - 1)
         out = q.new_empty(q.shape[0], self.width)
         attend(self.storage.data, layer, q, b.tables, self.seg_meta, self.tiles,
-               q.shape[0], self.group, self.windows[layer], out, b.splits, b.acc, b.ml)
+               q.shape[0], self.group, self.windows[layer], out, b.splits, self.acc, self.ml)
         return out

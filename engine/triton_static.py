@@ -163,14 +163,23 @@ def attention_builds(dtype: str = "bf16", dim: int = 128, group: int = 4) -> lis
                                  f"s{stages}", b))
         ops[f"prefill s{stages}"] = reduce_ops(str(b["ttgir"]))
     for label, parts in (("decode", 1), ("decode-split", 4)):
-        b = compile_offline(ta._decode_kernel, {
-            **common, "ACC": "*fp32", "ML": "*fp32", "s_ab": 4 * 32 * dim, "s_ap": 32 * dim,
-            "s_ah": dim, "s_mb": 4 * 32 * 2, "s_mp": 32 * 2, "s_mh": 2}, {
-            "G": group, "NQ": max(ta.DECODE_COLS, gp), "D": dim, "BN": ta.KEY_TILE,
-            "TPS": tps, "PARTS": parts, "PREC": prec}, ta.DECODE_WARPS, ta.DECODE_STAGES)
-        out.append(inspect_build(f"attn {dtype} D={dim} {label} keys-major "
-                                 f"s{ta.DECODE_STAGES}", b))
-        ops[label] = reduce_ops(str(b["ttgir"]))
+        for stages in (1, ta.DECODE_STAGES):
+            b = compile_offline(ta._decode_kernel, {
+                **common, "ACC": "*fp32", "ML": "*fp32", "s_ab": 4 * 32 * dim, "s_ap": 32 * dim,
+                "s_ah": dim, "s_mb": 4 * 32 * 2, "s_mp": 32 * 2, "s_mh": 2}, {
+                "G": group, "NQ": max(ta.DECODE_COLS, gp), "D": dim, "BN": ta.KEY_TILE,
+                "TPS": tps, "PARTS": parts, "PREC": prec}, ta.DECODE_WARPS, stages)
+            out.append(inspect_build(f"attn {dtype} D={dim} {label} keys-major s{stages}", b))
+            ops[f"{label} s{stages}"] = reduce_ops(str(b["ttgir"]))
+    # the split fold reduces over a chunk of split states (picking one of
+    # them exactly), not over keys: built here, left out of the check below
+    b = compile_offline(ta._fold_splits, {
+        "SEG": "*i32", "ACC": "*fp32", "ML": "*fp32", "OUT": f"*{dtype}", "s_ab": 4 * 32 * dim,
+        "s_ap": 32 * dim, "s_ah": dim, "s_mb": 4 * 32 * 2, "s_mp": 32 * 2, "s_mh": 2,
+        "s_om": 32 * dim, "window": 0}, {
+        "G": group, "GP": gp, "D": dim, "BN": ta.KEY_TILE, "TPS": tps, "CH": ta.FOLD_CHUNK},
+        4, 3)
+    out.append(inspect_build(f"attn {dtype} D={dim} split fold", b))
     if any(not o or not o <= {"arith.maxnumf", "arith.maximumf"} for o in ops.values()):
         raise AssertionError(f"a reduction over keys other than a maximum: {ops}")
     return out

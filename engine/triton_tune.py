@@ -173,6 +173,10 @@ def tune_decode(su: Setup) -> dict[str, object]:
     return out
 
 
+# decode attention variants timed: (pipeline stages, register cap or 0)
+VARIANTS = ((1, 0), (2, 0), (3, 0), (1, 128), (2, 128))
+
+
 def _pool(su: Setup, t: int, batch: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
     _, kv_heads, dim, bt = su.heads
     per = -(-t // bt)
@@ -218,21 +222,37 @@ def tune_attention(su: Setup) -> dict[str, object]:
             pool, tables = _pool(su, ctx, b)
             q = torch.randn(b, heads, dim, device=dev).to(su.dtype)
             parts = splits_for(b, kv_heads, sms)
-            acc = torch.empty(b, parts, heads, dim, device=dev)
-            ml = torch.empty(b, parts, heads, 2, device=dev)
+            acc, ml = ta.decode_scratch(b, ctx, heads, dim, dev)
             out = torch.empty(b, heads * dim, device=dev, dtype=su.dtype)
-            inv = ta.InvariantAttention(pool, [ta.AttnSegment(i, 1, ctx - 1, tb)
-                                               for i, tb in enumerate(tables)], heads, parts)
-            ms = _ms(lambda inv=inv, q=q, out=out, acc=acc, ml=ml: inv(0, q, 0, out, acc, ml))
+            segs = [ta.AttnSegment(i, 1, ctx - 1, tb) for i, tb in enumerate(tables)]
+            # pipeline stages and a register cap do not change the bits: which is
+            # fastest at this batch (at b64, 512 programs: 2 stages' 72 KB of
+            # shared memory and 141 registers leave 3 programs an SM; 1 stage
+            # capped at 128 registers, 4)
+            by_var: dict[str, float] = {}
+            same = True
+            first: torch.Tensor | None = None
+            for st, nreg in VARIANTS:
+                inv = ta.InvariantAttention(pool, segs, heads, parts, stages=st, maxnreg=nreg)
+                inv(0, q, 0, out, acc, ml)
+                first = out.clone() if first is None else first
+                same &= torch.equal(out, first)
+                by_var[f"s{st}r{nreg}"] = _ms(lambda inv=inv, q=q, out=out, acc=acc, ml=ml:
+                                              inv(0, q, 0, out, acc, ml))
+            ms = by_var[f"s{ta.DECODE_STAGES}r0"]
             tbl = torch.stack(tables).to(torch.int32)
             lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+            pacc = torch.empty(b, parts, heads, dim, device=dev)
+            pml = torch.empty(b, parts, heads, 2, device=dev)
             base = _ms(partial(paged_decode, q, pool[0, 0], pool[0, 1], tbl, lens, 0, parts,
-                               acc, ml))
+                               pacc, pml))
             kv_bytes = 2 * b * ctx * kv_heads * dim * 2
-            res[f"decode_b{b}_ctx{ctx}"] = {"invariant_ms": ms, "paged_ms": base, "parts": parts}
+            res[f"decode_b{b}_ctx{ctx}"] = {"invariant_ms": ms, "paged_ms": base, "parts": parts,
+                                            "variants_ms": by_var, "variants_same_bits": same}
             _log(f"decode attn b={b:>2} ctx={ctx:>5} parts={parts:>2}: {ms * 1e3:7.1f} us "
                  f"({kv_bytes / ms / 1e6:5.0f} GB/s) vs triton paged {base * 1e3:7.1f} us "
-                 f"({base / ms:.2f}x)")
+                 f"({base / ms:.2f}x); same bits {same}: "
+                 + " ".join(f"{k} {v * 1e3:.1f}" for k, v in by_var.items()))
     return res
 
 

@@ -9,6 +9,7 @@
 # kernels (issue 21, one device call of < 10 min): the GPU tests, the invariant
 # kernels against cuBLAS / SDPA / the triton paged decode (engine/triton_tune.py),
 # and triton_bi against triton on llama-8b-shape (benchmarks/kernels.py).
+# TUNE="attn" (default "gemm attn decode") times only those parts of triton_tune.
 # Wheels the image lacks travel in .whl/ (see docs/BENCHMARKS.md); results go to $OUT.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -33,7 +34,7 @@ if [ "$what" = kernels ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider --noconftest tests/engine/test_gpu_invariant.py \
     tests/engine/test_gpu.py > "$OUT/pytest_gpu.log" 2>&1; echo "gpu tests rc=$?"
   tail -n 15 "$OUT/pytest_gpu.log"
-  timeout 200 python3 -m engine.triton_tune gemm attn decode --json "$OUT/tune.json" \
+  timeout 200 python3 -m engine.triton_tune ${TUNE:-gemm attn decode} --json "$OUT/tune.json" \
     > "$OUT/tune.log" 2>&1; echo "tune rc=$?"
   grep -E "shipped|cuBLAS|failed|attn" "$OUT/tune.log"
   timeout 230 python3 -m benchmarks.kernels --model llama-8b-shape --json "$OUT/bench_kernels.json" \

@@ -101,7 +101,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -
 
 
 def check_attention() -> None:
-    from engine.triton_attention import KEY_TILE, AttnSegment, InvariantAttention
+    from engine import triton_attention as ta
+    from engine.triton_attention import KEY_TILE, AttnSegment, InvariantAttention, decode_scratch
 
     heads, kv_heads, dim, bt, split = 8, 2, 16, 16, 128      # splits of 2 key tiles
     t = 300
@@ -139,14 +140,13 @@ def check_attention() -> None:
             r0 += b - a
         InvariantAttention(pool, segs, heads, split=split)(0, q[rows], window, out)
         assert torch.equal(out, whole[rows]), window
-        # decode rows: one token each, its splits shared by 1..5 programs; with
-        # splits of one key tile a row has more splits than programs (the case a
-        # share holding several splits used to fold out of the prefill's order)
+        # decode rows: one token each, its splits dealt over 1..5 programs (a
+        # row of 3 splits at 2 programs: one program holds two of them)
         at = [*rng.sample(range(t), 6), t - 1, 0]
         for n_parts in (1, 2, 3, 5):
             out = torch.full((len(at), heads * dim), float("nan"), dtype=torch.float16)
-            acc = torch.full((len(at), n_parts, heads, dim), float("nan"))
-            ml = torch.full((len(at), n_parts, heads, 2), float("nan"))
+            acc, ml = (x.fill_(float("nan")) for x in decode_scratch(
+                len(at), t, heads, dim, torch.device("cpu"), split))
             InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
                                heads, parts=n_parts, split=split)(0, q[at], window, out, acc, ml)
             assert torch.equal(out, whole[at]), (window, n_parts)
@@ -157,17 +157,21 @@ def check_attention() -> None:
         whole64 = torch.full((t, heads * dim), float("nan"))
         InvariantAttention(pool32, [AttnSegment(0, t, 0, table)], heads, split=KEY_TILE)(
             0, q32, window, whole64)
-        late = list(range(t - 48, t))        # rows with 5 splits: more than shares
-        for n_parts in (2, 3):
+        # rows with 5 splits, more than programs: 2 or 3 splits a program; the
+        # fold pass in chunks of 8 splits and of 2 (a row's splits across chunks)
+        late = list(range(t - 48, t))
+        for n_parts, chunk in ((2, 8), (3, 8), (3, 2)):
+            ta.FOLD_CHUNK = chunk
             out = torch.full((len(late), heads * dim), float("nan"))
-            acc = torch.full((len(late), n_parts, heads, dim), float("nan"))
-            ml = torch.full((len(late), n_parts, heads, 2), float("nan"))
+            acc, ml = (x.fill_(float("nan")) for x in decode_scratch(
+                len(late), t, heads, dim, torch.device("cpu"), KEY_TILE))
             InvariantAttention(pool32, [AttnSegment(i, 1, p, table)
                                         for i, p in enumerate(late)],
                                heads, parts=n_parts, split=KEY_TILE)(0, q32[late], window, out,
                                                                      acc, ml)
             diff = (out != whole64[late]).sum().item()
-            assert diff == 0, (window, n_parts, "one-tile splits", diff)
+            assert diff == 0, (window, n_parts, chunk, "one-tile splits", diff)
+        ta.FOLD_CHUNK = 8
     print("attention ok")
 
 

@@ -96,7 +96,8 @@ def test_attention_row_is_the_same_in_any_chunk_batch_and_as_decode(
         heads: int, kv_heads: int, dim: int, window: int) -> None:
     """2,600 tokens (three key splits of 1,024): one call, any chunking, several
     sequences in one call (batched prefill), and one-token decode rows in calls of
-    1 to 64 rows whose splits are shared by 1, 4 or 32 programs: the same bits."""
+    1 to 64 rows whose splits are dealt over 1, 4 or 32 programs: the same bits."""
+    from engine.triton_attention import decode_scratch
     from engine.triton_invariant import AttnSegment, InvariantAttention
 
     g = torch.Generator(device="cuda").manual_seed(dim + window)
@@ -145,24 +146,23 @@ def test_attention_row_is_the_same_in_any_chunk_batch_and_as_decode(
     for n, parts in ((1, 32), (1, 1), (5, 4), (64, 1), (64, 4)):
         at = rng.sample(range(T), n)
         out = torch.empty(n, heads * dim, device="cuda", dtype=torch.bfloat16)
-        acc = torch.full((n, parts, heads, dim), float("nan"), device="cuda")
-        ml = torch.full((n, parts, heads, 2), float("nan"), device="cuda")
+        acc, ml = (x.fill_(float("nan")) for x in decode_scratch(n, T, heads, dim, pool.device))
         InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
                            heads, parts=parts)(0, q[at], window, out, acc, ml)
         assert torch.equal(out, whole[at]), (n, parts)
-    # more splits than shares (21 splits of 128 keys): a share after the first
-    # holding several splits folded out of the prefill's order
+    # more splits than programs (21 splits of 128 keys, 3 to 11 a program; the
+    # fold pass's 8-split chunks crossed)
     fine = torch.empty(T, heads * dim, device="cuda", dtype=torch.bfloat16)
     InvariantAttention(pool, [AttnSegment(0, T, 0, table)], heads, split=128)(
         0, q, window, fine)
     at = list(range(T - 64, T))
     for parts in (2, 4, 8):
         out = torch.empty(len(at), heads * dim, device="cuda", dtype=torch.bfloat16)
-        acc = torch.full((len(at), parts, heads, dim), float("nan"), device="cuda")
-        ml = torch.full((len(at), parts, heads, 2), float("nan"), device="cuda")
+        acc, ml = (x.fill_(float("nan"))
+                   for x in decode_scratch(len(at), T, heads, dim, pool.device, 128))
         InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
                            heads, parts=parts, split=128)(0, q[at], window, out, acc, ml)
-        assert torch.equal(out, fine[at]), ("splits > shares", parts)
+        assert torch.equal(out, fine[at]), ("splits > programs", parts)
 
 
 # ------------------------------------------------- (c) the engine, end to end
