@@ -9,7 +9,9 @@ device, in one process (for one planned device call):
 - ``attn``: prefill attention of one 4k / 16k / 32k sequence against SDPA's
   flash kernel (causal, GQA, same FLOPs), with the shipped key split and
   others (the fold's cost); decode rows at batch 1 / 8 / 64 and context 256 /
-  4k / 32k against the ``triton`` family's paged kernel.
+  4k / 32k against the ``triton`` family's paged kernel, each in the decode
+  pipeline variants of ``VARIANTS`` (their bits compared); ``attn_decode``:
+  the decode rows alone.
 
 - ``decode``: the decode-sized plans (M = 1, 8, 64) on the llama-8b-shape
   layer weights: each candidate's rows against the shipped 2,048-row call bit
@@ -174,7 +176,7 @@ def tune_decode(su: Setup) -> dict[str, object]:
 
 
 # decode attention variants timed: (pipeline stages, register cap or 0)
-VARIANTS = ((1, 0), (2, 0), (3, 0), (1, 128), (2, 128))
+VARIANTS = ((2, 0), (1, 0), (1, 128))
 
 
 def _pool(su: Setup, t: int, batch: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -185,7 +187,7 @@ def _pool(su: Setup, t: int, batch: int = 1) -> tuple[torch.Tensor, list[torch.T
     return pool, [perm[i * per:(i + 1) * per] for i in range(batch)]
 
 
-def tune_attention(su: Setup) -> dict[str, object]:
+def tune_attention(su: Setup, prefill: bool = True) -> dict[str, object]:
     import torch.nn.functional as F
 
     from engine.paged_decode import paged_decode, splits_for
@@ -193,7 +195,7 @@ def tune_attention(su: Setup) -> dict[str, object]:
     dev, _ms = su.dev, su.ms
     heads, kv_heads, dim, _ = su.heads
     res: dict[str, object] = {}
-    for t in su.lengths:
+    for t in su.lengths if prefill else ():
         pool, (table,) = _pool(su, t)
         q = torch.randn(t, heads, dim, device=dev).to(su.dtype)
         out = torch.empty(t, heads * dim, device=dev, dtype=su.dtype)
@@ -258,7 +260,7 @@ def tune_attention(su: Setup) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", nargs="+", choices=["gemm", "attn", "decode"])
+    p.add_argument("what", nargs="+", choices=["gemm", "attn", "attn_decode", "decode"])
     p.add_argument("--json", default="")
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
     a = p.parse_args(argv)
@@ -266,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     res: dict[str, object] = {"device": torch.cuda.get_device_name() if not a.smoke else "cpu",
                               "triton": triton.__version__, "torch": torch.__version__}
     for what in a.what:
-        res[what] = {"gemm": tune_gemm, "attn": tune_attention, "decode": tune_decode}[what](su)
+        res[what] = {"gemm": tune_gemm, "attn": tune_attention, "decode": tune_decode,
+                     "attn_decode": partial(tune_attention, prefill=False)}[what](su)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
