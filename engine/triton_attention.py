@@ -75,9 +75,6 @@ DECODE_WARPS = 4
 # 19.3 / 15.4 / 41.2 us a layer at b1/8/64 (stages only schedule the loads);
 # not measured again for the keys-major program.
 DECODE_STAGES = 2
-# Split states the decode fold loads at once: a 32-split row (32k keys) is 4
-# memory round trips instead of 32 dependent ones.
-FOLD_CHUNK = 8
 LOG2E = 1.4426950408889634
 
 
@@ -340,14 +337,28 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
 
 
 @triton.jit
+def _split_state(ACC, ML, acc_row, ml_row, sp, s_end, heads, d, ok, s_ap, s_ah, s_mp, s_mh):
+    """Split ``sp``'s stored state ([GP], [GP], [GP, D]); past the row's last
+    split the fresh state (-inf, 0, 0), which a fold leaves unchanged."""
+    live = ok & (sp < s_end)
+    mp = ML + ml_row + sp * s_mp + heads * s_mh
+    m2 = tl.load(mp, mask=live, other=float("-inf"))
+    l2 = tl.load(mp + 1, mask=live, other=0.0)
+    a2 = tl.load(ACC + acc_row + sp * s_ap + heads[:, None] * s_ah + d[None, :],
+                 mask=live[:, None], other=0.0)
+    return m2, l2, a2
+
+
+@triton.jit
 def _fold_splits(SEG, ACC, ML, OUT, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh, s_om, window,
                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 TPS: tl.constexpr, CH: tl.constexpr):
+                 TPS: tl.constexpr):
     """Decode row ``program_id(0)``, KV head ``program_id(1)``: the split states
     ``_decode_kernel`` stored, folded in ascending order from a fresh state and
-    normalised: the prefill's bits. CH splits are loaded at once (one memory
-    round trip, not one per split) and then folded one by one; a split past
-    the row's last loads as the fresh state, which a fold leaves unchanged."""
+    normalised: the prefill's bits. Four splits are loaded before the four
+    folds (one memory round trip for four, not one each: 8 for a 32k-key row);
+    a split past the row's last loads as the fresh state, which a fold leaves
+    unchanged (the sign of a zero aside, which the final ``+ 0.0`` folds)."""
     seg = tl.program_id(0)
     hk = tl.program_id(1)
     qrow = tl.load(SEG + 4 * seg).to(tl.int64)
@@ -355,30 +366,27 @@ def _fold_splits(SEG, ACC, ML, OUT, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh, s_om, wi
     ta, tb, _, _ = _key_range(q_pos, q_pos, window, BN)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
-    c = tl.arange(0, CH)
     ok = g < G
     heads = hk * G + g
+    acc_row = seg * s_ab
+    ml_row = seg * s_mb
     m = tl.full([GP], float("-inf"), tl.float32)
     lsum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     s_end = tl.cdiv(tb, TPS)
-    for s0 in range(ta // TPS, s_end, CH):
-        sp = s0 + c
-        live = (sp < s_end)[:, None] & ok[None, :]                                 # [CH, GP]
-        mslot = ML + seg * s_mb + sp[:, None] * s_mp + heads[None, :] * s_mh
-        m_c = tl.load(mslot, mask=live, other=float("-inf"))
-        l_c = tl.load(mslot + 1, mask=live, other=0.0)
-        a_c = tl.load(ACC + seg * s_ab + sp[:, None, None] * s_ap
-                      + heads[None, :, None] * s_ah + d[None, None, :],
-                      mask=live[:, :, None], other=0.0)                           # [CH, GP, D]
-        for j in tl.static_range(CH):
-            # one split's state out of the chunk, exactly: the other CH - 1
-            # entries are -inf (maximum) or 0 (sum of one number and zeros)
-            pick = (c == j)[:, None]
-            m2 = tl.max(tl.where(pick, m_c, float("-inf")), 0)
-            l2 = tl.max(tl.where(pick, l_c, 0.0), 0)
-            a2 = tl.sum(tl.where(pick[:, :, None], a_c, 0.0), 0)
-            m, lsum, acc = _fold(m, lsum, acc, m2, l2, a2)
+    for s0 in range(ta // TPS, s_end, 4):
+        m0, l0, a0 = _split_state(ACC, ML, acc_row, ml_row, s0, s_end, heads, d, ok, s_ap, s_ah,
+                                  s_mp, s_mh)
+        m1, l1, a1 = _split_state(ACC, ML, acc_row, ml_row, s0 + 1, s_end, heads, d, ok, s_ap,
+                                  s_ah, s_mp, s_mh)
+        m2, l2, a2 = _split_state(ACC, ML, acc_row, ml_row, s0 + 2, s_end, heads, d, ok, s_ap,
+                                  s_ah, s_mp, s_mh)
+        m3, l3, a3 = _split_state(ACC, ML, acc_row, ml_row, s0 + 3, s_end, heads, d, ok, s_ap,
+                                  s_ah, s_mp, s_mh)
+        m, lsum, acc = _fold(m, lsum, acc, m0, l0, a0)
+        m, lsum, acc = _fold(m, lsum, acc, m1, l1, a1)
+        m, lsum, acc = _fold(m, lsum, acc, m2, l2, a2)
+        m, lsum, acc = _fold(m, lsum, acc, m3, l3, a3)
     o = acc / tl.where(ok, lsum, 1.0)[:, None] + 0.0
     tl.store(OUT + qrow * s_om + heads[:, None] * D + d[None, :], o.to(OUT.dtype.element_ty),
              mask=ok[:, None])
@@ -450,8 +458,7 @@ def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor
     if parts > 1:
         _fold_splits[(n_tiles, kv_heads)](seg_meta, acc, ml, out, sa[0], sa[1], sa[2], sm[0],
                                           sm[1], sm[2], out.stride(0), window, G=group, GP=gp,
-                                          D=dim, BN=KEY_TILE, TPS=tps, CH=FOLD_CHUNK,
-                                          enable_fp_fusion=False)
+                                          D=dim, BN=KEY_TILE, TPS=tps, enable_fp_fusion=False)
 
 
 @dataclass(frozen=True, slots=True)

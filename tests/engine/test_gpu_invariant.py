@@ -151,7 +151,7 @@ def test_attention_row_is_the_same_in_any_chunk_batch_and_as_decode(
                            heads, parts=parts)(0, q[at], window, out, acc, ml)
         assert torch.equal(out, whole[at]), (n, parts)
     # more splits than programs (21 splits of 128 keys, 3 to 11 a program; the
-    # fold pass's 8-split chunks crossed)
+    # fold pass's rounds of 4 splits crossed)
     fine = torch.empty(T, heads * dim, device="cuda", dtype=torch.bfloat16)
     InvariantAttention(pool, [AttnSegment(0, T, 0, table)], heads, split=128)(
         0, q, window, fine)
