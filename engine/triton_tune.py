@@ -10,8 +10,9 @@ device, in one process (for one planned device call):
   flash kernel (causal, GQA, same FLOPs), with the shipped key split and
   others (the fold's cost); decode rows at batch 1 / 8 / 64 and context 256 /
   4k / 32k against the ``triton`` family's paged kernel, each in the decode
-  pipeline variants of ``VARIANTS`` (their bits compared); ``attn_decode``:
-  the decode rows alone.
+  pipeline variants of ``VARIANTS`` with ``--variants`` (their bits compared;
+  one of them hit an illegal address on the H200, 2026-12-02, so they are
+  opt-in); ``attn_decode``: the decode rows alone.
 
 - ``decode``: the decode-sized plans (M = 1, 8, 64) on the llama-8b-shape
   layer weights: each candidate's rows against the shipped 2,048-row call bit
@@ -176,7 +177,7 @@ def tune_decode(su: Setup) -> dict[str, object]:
 
 
 # decode attention variants timed: (pipeline stages, register cap or 0)
-VARIANTS = ((2, 0), (1, 0), (1, 128))
+VARIANTS = ((1, 0), (1, 128))
 
 
 def _pool(su: Setup, t: int, batch: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -187,7 +188,8 @@ def _pool(su: Setup, t: int, batch: int = 1) -> tuple[torch.Tensor, list[torch.T
     return pool, [perm[i * per:(i + 1) * per] for i in range(batch)]
 
 
-def tune_attention(su: Setup, prefill: bool = True) -> dict[str, object]:
+def tune_attention(su: Setup, prefill: bool = True,
+                   variants: tuple[tuple[int, int], ...] = ()) -> dict[str, object]:
     import torch.nn.functional as F
 
     from engine.paged_decode import paged_decode, splits_for
@@ -234,7 +236,7 @@ def tune_attention(su: Setup, prefill: bool = True) -> dict[str, object]:
             by_var: dict[str, float] = {}
             same = True
             first: torch.Tensor | None = None
-            for st, nreg in VARIANTS:
+            for st, nreg in ((ta.DECODE_STAGES, 0), *variants):
                 inv = ta.InvariantAttention(pool, segs, heads, parts, stages=st, maxnreg=nreg)
                 inv(0, q, 0, out, acc, ml)
                 first = out.clone() if first is None else first
@@ -263,13 +265,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("what", nargs="+", choices=["gemm", "attn", "attn_decode", "decode"])
     p.add_argument("--json", default="")
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
+    p.add_argument("--variants", action="store_true",
+                   help="attn: also time the decode variants of VARIANTS")
     a = p.parse_args(argv)
     su = SMOKE if a.smoke else DEVICE
     res: dict[str, object] = {"device": torch.cuda.get_device_name() if not a.smoke else "cpu",
                               "triton": triton.__version__, "torch": torch.__version__}
     for what in a.what:
-        res[what] = {"gemm": tune_gemm, "attn": tune_attention, "decode": tune_decode,
-                     "attn_decode": partial(tune_attention, prefill=False)}[what](su)
+        variants = VARIANTS if a.variants else ()
+        res[what] = {"gemm": tune_gemm, "decode": tune_decode,
+                     "attn": partial(tune_attention, variants=variants),
+                     "attn_decode": partial(tune_attention, prefill=False,
+                                            variants=variants)}[what](su)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
