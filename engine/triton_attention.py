@@ -340,7 +340,9 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
 def _split_state(ACC, ML, acc_row, ml_row, sp, s_end, heads, d, ok, s_ap, s_ah, s_mp, s_mh):
     """Split ``sp``'s stored state ([GP], [GP], [GP, D]); past the row's last
     split the fresh state (-inf, 0, 0), which a fold leaves unchanged."""
-    live = ok & (sp < s_end)
+    # A [GP] vector compare, not a scalar one: under the Triton 3.9 interpreter
+    # int1 & a broadcast scalar int1 makes a mask tl.load refuses.
+    live = ok & (heads * 0 + sp < s_end)
     mp = ML + ml_row + sp * s_mp + heads * s_mh
     m2 = tl.load(mp, mask=live, other=float("-inf"))
     l2 = tl.load(mp + 1, mask=live, other=0.0)
