@@ -19,9 +19,12 @@ head, so K/V are never repeated) walks all its splits itself. A decode program
 matrix instruction's row side and the group's few query heads on its narrow
 side (with the group on the row side, 4 of 64 rows were live at GQA 4). With
 one program a row it folds all the row's splits itself; with several
-(``parts``, flash-decoding at small batch), the row's splits are dealt round
-the programs and each split's own state goes to a slot of the scratch, and a
-second kernel folds the slots in ascending order (``_fold_splits``). The
+(``parts``, flash-decoding at small batch), a row of several splits has them
+dealt round the programs, each split's own state goes to a slot of the
+scratch, and a second kernel folds the slots in ascending order
+(``_fold_splits``), while a row of one split is done by its first program
+alone, as with one program a row (no scratch round trip: which way a row goes
+follows from its own position and window, and both ways give its bits). The
 transposed products are the same numbers: a matrix-unit output does not depend
 on which operand side its inputs came from, and the only reduction over keys
 left is a maximum. Both give the prefill bits: a split's state is the same
@@ -92,20 +95,6 @@ def _fold(m, lsum, acc, m2, l2, acc2):
     lsum = tl.fma(lsum, alpha, l2 * beta)
     acc = tl.fma(acc, alpha[:, None], acc2 * beta[:, None])
     return m_new, lsum, acc
-
-
-@triton.jit
-def _fold_t(m, lsum, acc_t, m2, l2, acc2_t):
-    """``_fold`` on transposed accumulators ([D, rows]): the same element-wise
-    operations on the same numbers, so the same bits, without moving a decode
-    split's [D, NQ] state into the other layout."""
-    m_new = tl.maximum(m, m2)
-    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_sub)
-    beta = tl.exp2(m2 - m_sub)
-    lsum = tl.fma(lsum, alpha, l2 * beta)
-    acc_t = tl.fma(acc_t, alpha[None, :], acc2_t * beta[None, :])
-    return m_new, lsum, acc_t
 
 
 @triton.jit
@@ -275,17 +264,41 @@ def _attn_kernel(Q, KP, VP, TBL, SEG, TILE, OUT,
 
 
 @triton.jit
+def _decode_whole(qt, kb, vb, TBL, t_off, ta, tb, fa, fb, q_pos, window, qk_scale,
+                  block_tokens, OUT, qrow, s_om, heads, g_ok, d, NQ: tl.constexpr,
+                  D: tl.constexpr, BN: tl.constexpr, TPS: tl.constexpr, PREC: tl.constexpr):
+    """One program takes all the row's splits, folds them in order and stores the
+    output (main's one-share decode, unchanged: the fold in the [NQ, D] layout)."""
+    zero_m = tl.full([NQ], float("-inf"), tl.float32)
+    zero_l = tl.zeros([BN, NQ], tl.float32)
+    zero_acc = tl.zeros([D, NQ], tl.float32)
+    m, lsum, acc = zero_m, tl.zeros([NQ], tl.float32), tl.zeros([NQ, D], tl.float32)
+    for sp in range(ta // TPS, tl.cdiv(tb, TPS)):
+        a = tl.maximum(ta, sp * TPS)
+        b = tl.minimum(tb, sp * TPS + TPS)
+        ms, ls, accs = zero_m, zero_l, zero_acc
+        ms, ls, accs = _split_tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa, fb,
+                                    q_pos, q_pos, window, qk_scale, block_tokens, D, BN, PREC,
+                                    True)
+        m, lsum, acc = _fold(m, lsum, acc, ms, tl.max(ls, 0), tl.trans(accs))
+    o = acc / tl.where(g_ok, lsum, 1.0)[:, None] + 0.0
+    tl.store(OUT + qrow * s_om + heads[:, None] * D + d[None, :],
+             o.to(OUT.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
 def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
                    s_qm, s_qh, s_kh, s_om, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh,
                    window, qk_scale, block_tokens,
                    G: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                    TPS: tl.constexpr, PARTS: tl.constexpr, PREC: tl.constexpr):
     """Decode row ``program_id(0)`` (a one-token segment), the GQA group of KV
-    head ``program_id(1)``. PARTS 1: all its splits, folded, and the output.
-    PARTS > 1: share ``program_id(2)`` takes every PARTS-th split (balanced to
-    one split) and stores each split's own state in its slot of the scratch,
-    for ``_fold_splits``. Keys on the instruction's row side (``_key_tile_t``);
-    the same numbers as a prefill row."""
+    head ``program_id(1)``. PARTS 1, or a row of one split: one program takes all
+    its splits, folds them and stores the output (``_decode_whole``). PARTS > 1
+    and a row of several splits: share ``program_id(2)`` takes every PARTS-th
+    split (balanced to one split) and stores each split's own state in its slot
+    of the scratch, for ``_fold_splits``. Keys on the instruction's row side
+    (``_key_tile_t``); the same numbers as a prefill row."""
     seg = tl.program_id(0)
     hk = tl.program_id(1)
     qrow = tl.load(SEG + 4 * seg).to(tl.int64)
@@ -300,40 +313,49 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
     ta, tb, fa, fb = _key_range(q_pos, q_pos, window, BN)
     kb = KP + hk * s_kh
     vb = VP + hk * s_kh
-    zero_m = tl.full([NQ], float("-inf"), tl.float32)
-    zero_l = tl.zeros([BN, NQ], tl.float32)
-    zero_acc = tl.zeros([D, NQ], tl.float32)
     if PARTS <= 1:
-        m, lsum, acc_t = zero_m, tl.zeros([NQ], tl.float32), zero_acc
-        for sp in range(ta // TPS, tl.cdiv(tb, TPS)):
-            a = tl.maximum(ta, sp * TPS)
-            b = tl.minimum(tb, sp * TPS + TPS)
-            ms, ls, accs = zero_m, zero_l, zero_acc
-            ms, ls, accs = _split_tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa, fb,
-                                        q_pos, q_pos, window, qk_scale, block_tokens, D, BN,
-                                        PREC, True)
-            m, lsum, acc_t = _fold_t(m, lsum, acc_t, ms, tl.max(ls, 0), accs)
-        o = acc_t / tl.where(g_ok, lsum, 1.0)[None, :] + 0.0                   # [D, NQ]
-        tl.store(OUT + qrow * s_om + heads[None, :] * D + d[:, None],
-                 o.to(OUT.dtype.element_ty), mask=g_ok[None, :])
+        _decode_whole(qt, kb, vb, TBL, t_off, ta, tb, fa, fb, q_pos, window, qk_scale,
+                      block_tokens, OUT, qrow, s_om, heads, g_ok, d, NQ, D, BN, TPS, PREC)
     else:
-        # A split's state is the same numbers wherever it is computed; only the
-        # fold order matters, and _fold_splits keeps the prefill's. So the
-        # shares need not be contiguous: the row's i-th split goes to share
-        # i % PARTS, and a 32-split row at 4 shares costs a program 8 splits
-        # (29 when a share's splits were folded in the program).
-        for sp in range(ta // TPS + tl.program_id(2), tl.cdiv(tb, TPS), PARTS):
-            a = tl.maximum(ta, sp * TPS)
-            b = tl.minimum(tb, sp * TPS + TPS)
-            ms, ls, accs = zero_m, zero_l, zero_acc
-            ms, ls, accs = _split_tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa, fb,
-                                        q_pos, q_pos, window, qk_scale, block_tokens, D, BN,
-                                        PREC, True)
-            slot = seg * s_ab + sp * s_ap
-            tl.store(ACC + slot + heads[None, :] * s_ah + d[:, None], accs, mask=g_ok[None, :])
-            mslot = seg * s_mb + sp * s_mp + heads * s_mh
-            tl.store(ML + mslot, ms, mask=g_ok)
-            tl.store(ML + mslot + 1, tl.max(ls, 0), mask=g_ok)
+        # Which path a row takes is decided by the row alone: its split count
+        # comes from its own position and window (_key_range), never from the
+        # batch, the bucket or PARTS. And both paths give the same bits anyway:
+        # a split's state is the same numbers wherever it is computed, and a fold
+        # into or of the fresh state is exact (see the module docstring), so one
+        # split folded here equals that split stored and folded by _fold_splits.
+        # A row of one split (a short context, e.g. 256 keys) skips the scratch
+        # round trip: share 0 stores its output, the other shares and its
+        # _fold_splits program do nothing (the 3 % a layer the second pass cost
+        # at 256 keys on the H200, b1 / b8).
+        s_first = ta // TPS
+        s_end = tl.cdiv(tb, TPS)
+        if s_end - s_first <= 1:
+            if tl.program_id(2) == 0:
+                _decode_whole(qt, kb, vb, TBL, t_off, ta, tb, fa, fb, q_pos, window, qk_scale,
+                              block_tokens, OUT, qrow, s_om, heads, g_ok, d, NQ, D, BN, TPS,
+                              PREC)
+        else:
+            # A split's state is the same numbers wherever it is computed; only
+            # the fold order matters, and _fold_splits keeps the prefill's. So
+            # the shares need not be contiguous: the row's i-th split goes to
+            # share i % PARTS, and a 32-split row at 4 shares costs a program 8
+            # splits (29 when a share's splits were folded in the program).
+            zero_m = tl.full([NQ], float("-inf"), tl.float32)
+            zero_l = tl.zeros([BN, NQ], tl.float32)
+            zero_acc = tl.zeros([D, NQ], tl.float32)
+            for sp in range(s_first + tl.program_id(2), s_end, PARTS):
+                a = tl.maximum(ta, sp * TPS)
+                b = tl.minimum(tb, sp * TPS + TPS)
+                ms, ls, accs = zero_m, zero_l, zero_acc
+                ms, ls, accs = _split_tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa,
+                                            fb, q_pos, q_pos, window, qk_scale, block_tokens,
+                                            D, BN, PREC, True)
+                slot = seg * s_ab + sp * s_ap
+                tl.store(ACC + slot + heads[None, :] * s_ah + d[:, None], accs,
+                         mask=g_ok[None, :])
+                mslot = seg * s_mb + sp * s_mp + heads * s_mh
+                tl.store(ML + mslot, ms, mask=g_ok)
+                tl.store(ML + mslot + 1, tl.max(ls, 0), mask=g_ok)
 
 
 @triton.jit
@@ -366,32 +388,36 @@ def _fold_splits(SEG, ACC, ML, OUT, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh, s_om, wi
     qrow = tl.load(SEG + 4 * seg).to(tl.int64)
     q_pos = tl.load(SEG + 4 * seg + 2)
     ta, tb, _, _ = _key_range(q_pos, q_pos, window, BN)
-    g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    ok = g < G
-    heads = hk * G + g
-    acc_row = seg * s_ab
-    ml_row = seg * s_mb
-    m = tl.full([GP], float("-inf"), tl.float32)
-    lsum = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    s_first = ta // TPS
     s_end = tl.cdiv(tb, TPS)
-    for s0 in range(ta // TPS, s_end, 4):
-        m0, l0, a0 = _split_state(ACC, ML, acc_row, ml_row, s0, s_end, heads, d, ok, s_ap, s_ah,
-                                  s_mp, s_mh)
-        m1, l1, a1 = _split_state(ACC, ML, acc_row, ml_row, s0 + 1, s_end, heads, d, ok, s_ap,
-                                  s_ah, s_mp, s_mh)
-        m2, l2, a2 = _split_state(ACC, ML, acc_row, ml_row, s0 + 2, s_end, heads, d, ok, s_ap,
-                                  s_ah, s_mp, s_mh)
-        m3, l3, a3 = _split_state(ACC, ML, acc_row, ml_row, s0 + 3, s_end, heads, d, ok, s_ap,
-                                  s_ah, s_mp, s_mh)
-        m, lsum, acc = _fold(m, lsum, acc, m0, l0, a0)
-        m, lsum, acc = _fold(m, lsum, acc, m1, l1, a1)
-        m, lsum, acc = _fold(m, lsum, acc, m2, l2, a2)
-        m, lsum, acc = _fold(m, lsum, acc, m3, l3, a3)
-    o = acc / tl.where(ok, lsum, 1.0)[:, None] + 0.0
-    tl.store(OUT + qrow * s_om + heads[:, None] * D + d[None, :], o.to(OUT.dtype.element_ty),
-             mask=ok[:, None])
+    # A row of one split was finished by _decode_kernel's share 0 (its own rule,
+    # from the row's position and window alone): nothing stored, nothing to fold.
+    if s_end - s_first > 1:
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        ok = g < G
+        heads = hk * G + g
+        acc_row = seg * s_ab
+        ml_row = seg * s_mb
+        m = tl.full([GP], float("-inf"), tl.float32)
+        lsum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for s0 in range(s_first, s_end, 4):
+            m0, l0, a0 = _split_state(ACC, ML, acc_row, ml_row, s0, s_end, heads, d, ok, s_ap,
+                                      s_ah, s_mp, s_mh)
+            m1, l1, a1 = _split_state(ACC, ML, acc_row, ml_row, s0 + 1, s_end, heads, d, ok,
+                                      s_ap, s_ah, s_mp, s_mh)
+            m2, l2, a2 = _split_state(ACC, ML, acc_row, ml_row, s0 + 2, s_end, heads, d, ok,
+                                      s_ap, s_ah, s_mp, s_mh)
+            m3, l3, a3 = _split_state(ACC, ML, acc_row, ml_row, s0 + 3, s_end, heads, d, ok,
+                                      s_ap, s_ah, s_mp, s_mh)
+            m, lsum, acc = _fold(m, lsum, acc, m0, l0, a0)
+            m, lsum, acc = _fold(m, lsum, acc, m1, l1, a1)
+            m, lsum, acc = _fold(m, lsum, acc, m2, l2, a2)
+            m, lsum, acc = _fold(m, lsum, acc, m3, l3, a3)
+        o = acc / tl.where(ok, lsum, 1.0)[:, None] + 0.0
+        tl.store(OUT + qrow * s_om + heads[:, None] * D + d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=ok[:, None])
 
 
 def tile_tokens(group: int, rows: int) -> int:

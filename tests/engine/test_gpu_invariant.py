@@ -150,6 +150,16 @@ def test_attention_row_is_the_same_in_any_chunk_batch_and_as_decode(
         InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
                            heads, parts=parts)(0, q[at], window, out, acc, ml)
         assert torch.equal(out, whole[at]), (n, parts)
+    # rows of one split (finished by their first program alone) beside rows of
+    # two and three (dealt, stored and folded by _fold_splits) in one call
+    at = [0, 255, 1023, 1024, 2047, 2599]
+    for parts in (4, 32):
+        out = torch.empty(len(at), heads * dim, device="cuda", dtype=torch.bfloat16)
+        acc, ml = (x.fill_(float("nan"))
+                   for x in decode_scratch(len(at), T, heads, dim, pool.device))
+        InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
+                           heads, parts=parts)(0, q[at], window, out, acc, ml)
+        assert torch.equal(out, whole[at]), ("one split and several", parts)
     # more splits than programs (21 splits of 128 keys, 3 to 11 a program; the
     # fold pass's rounds of 4 splits crossed)
     fine = torch.empty(T, heads * dim, device="cuda", dtype=torch.bfloat16)
