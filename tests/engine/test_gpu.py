@@ -150,7 +150,13 @@ def test_paged_decode_sequences_hold_no_mirrors(kernels: str) -> None:
     for _ in range(23):
         eng.decode_step([*ids, "a"])
         assert eng.memory().mirror_bytes == 0
-    assert torch.cuda.memory_allocated() - before < 64 * 2**20    # graphs + a block or two
+    # graphs + a block or two, and with torch.mm (kernels="triton") cuBLAS's
+    # workspace for each stream it first runs on here, 32 MiB each on Hopper: the
+    # graph's warm-up side stream and torch's capture stream (66.1 MiB on the H200
+    # once the engine's start had collected earlier tests' engines; the 64 MiB
+    # bound before held only while their garbage was freed inside this loop)
+    grown = torch.cuda.memory_allocated() - before
+    assert grown < 128 * 2**20, grown
     got = [eng.seq_tokens(i)[len(p):] for i, p in zip(ids, prompts, strict=True)]
     assert eng.seq_tokens("a")[len(prompts[0]):] == got[0]
     if kernels == "triton_bi":      # invariant: bit-exact against the non-paged decode
