@@ -109,18 +109,24 @@ def _draw_device(x: torch.Tensor, temps: Sequence[float], top_ps: Sequence[float
                  keys: Sequence[int]) -> list[int]:
     from engine.triton_draw import draw
 
-    dev = x.device
-    t = torch.tensor(temps, dtype=torch.float32, device=dev)
-    cut = torch.full((len(temps),), float("-inf"), dtype=torch.float32, device=dev)
-    nucleus = [i for i, (tt, p) in enumerate(zip(temps, top_ps, strict=True))
-               if tt > 0.0 and p < 1.0]
+    # Every per-row input in one host array and one asynchronous copy (a pageable
+    # source is staged at once): a blocking copy would wait for the forward on the
+    # stream, and one per input would add a round trip each.
+    n = len(temps)
+    nucleus = [i for i, (t, p) in enumerate(zip(temps, top_ps, strict=True))
+               if t > 0.0 and p < 1.0]
+    host = np.zeros((n, 5), dtype=np.float64)        # t, top_p, k0, k1, nucleus rows
+    host[:, 0] = np.asarray(temps, dtype=np.float32)
+    host[:, 1] = top_ps
+    host[:, 2:4] = [key_halves(k) for k in keys]
+    host[: len(nucleus), 4] = nucleus
+    dev = torch.from_numpy(host).to(x.device, non_blocking=True)
+    t = dev[:, 0].float()
+    cut = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
     if nucleus:
-        idx = torch.tensor(nucleus, device=dev)
-        cut[idx] = nucleus_cut(x[idx], t[idx], torch.tensor(
-            [top_ps[i] for i in nucleus], dtype=torch.float64, device=dev))
-    words = torch.tensor(np.array([key_halves(k) for k in keys], dtype=np.uint32)
-                         .view(np.int32), device=dev)
-    return draw(x, t, cut, words).tolist()
+        idx = dev[: len(nucleus), 4].long()
+        cut[idx] = nucleus_cut(x[idx], t[idx], dev[:, 1][idx])
+    return draw(x, t, cut, dev[:, 2:4].long()).tolist()
 
 
 def draw_rows(logits: torch.Tensor, temps: Sequence[float], top_ps: Sequence[float],

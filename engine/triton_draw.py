@@ -34,8 +34,8 @@ def _draw_kernel(X, s_x, T, CUT, WORDS, VALS, IDX, vocab, per_split, BLOCK: tl.c
     sp = tl.program_id(1)
     t = tl.load(T + row)
     cut = tl.load(CUT + row)
-    k0 = tl.load(WORDS + row * 2).to(tl.uint32, bitcast=True)
-    k1 = tl.load(WORDS + row * 2 + 1).to(tl.uint32, bitcast=True)
+    k0 = tl.load(WORDS + row * 2).to(tl.uint32)      # int64 words < 2**32
+    k1 = tl.load(WORDS + row * 2 + 1).to(tl.uint32)
     greedy = t == 0.0
     inv = tl.where(greedy, 1.0, t)
     lo = sp * per_split
@@ -67,7 +67,7 @@ def splits_for(rows: int, vocab: int, sms: int) -> int:
 
 def draw(x: torch.Tensor, t: torch.Tensor, cut: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """x: [n, V] fp32 (unit stride in V); t [n] fp32 (0: greedy); cut [n] fp32
-    (logits below it are out; -inf: none); words [n, 2] int32 (the key's halves).
+    (logits below it are out; -inf: none); words [n, 2] int64 (the key's halves).
     -> [n] int64 token ids, on x's device."""
     if x.stride(1) != 1:
         x = x.contiguous()

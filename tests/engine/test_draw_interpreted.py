@@ -31,8 +31,6 @@ def test_kernel_draws_the_host_paths_tokens() -> None:
 
 
 def _check() -> None:
-    import numpy as np
-
     from engine import draw as d
     from engine import triton_draw as td
 
@@ -52,12 +50,13 @@ def _check() -> None:
             if temps[i] > 0 and tops[i] < 1:
                 cut[i] = d.nucleus_cut(x[i:i + 1], t[i:i + 1],
                                        torch.tensor([tops[i]], dtype=torch.float64))[0]
-        words = torch.tensor(np.array([d.key_halves(k) for k in keys], dtype=np.uint32)
-                             .view(np.int32))
+        words = torch.tensor([d.key_halves(k) for k in keys], dtype=torch.int64)
         for splits in (1, 2, 3):
             td.splits_for = lambda rows, voc, sms, s=splits: s  # type: ignore[assignment]
             got = td.draw(x, t, cut, words).tolist()
             assert got == want, (n, vocab, splits, got, want)
+        # the CUDA path's packing of the per-row inputs, on CPU tensors here
+        assert d._draw_device(x, temps, tops, keys) == want, n
     print("draw ok")
 
 
