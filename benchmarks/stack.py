@@ -38,7 +38,7 @@ from typing import Any
 
 from benchmarks import stack_aiperf as ap
 from benchmarks.harness import Chart, Goal, Report, Table, check_goals, load_average
-from benchmarks.stack_figures import decode_figures, prefill_figures
+from benchmarks.stack_figures import STEP_PARTS, decode_figures, prefill_figures, step_breakdown
 from benchmarks.stack_limits import Limits
 
 GOALS = (Goal("effective prefill >= 0.7x compute of misses + PCIe of G2 hits",
@@ -129,6 +129,11 @@ def _phase(args: argparse.Namespace, out: Path, doc: dict[str, Any], tool: ap.AI
                if v and k.endswith(("_sum", "_count", "seconds_total", "bytes_total",
                                     "tokens_total", "_s_total"))}
         for role, d in delta.items()}
+    steps = step_breakdown(delta["decode"])
+    if steps:
+        doc.setdefault("decode_steps", {})[phase.name] = {k: round(v, 3) for k, v in steps.items()}
+        say(f"{phase.name} phase: decode step {steps['step_ms']:.1f} ms = " + ", ".join(
+            f"{p} {steps[f'step_{p}_ms']:.1f}" for p in (*STEP_PARTS, "loop")))
     if phase.name == "agent":
         doc["prefill"] = prefill_figures(res.records, limits, delta["prefill"], delta["decode"])
     else:
@@ -321,8 +326,13 @@ def _report(doc: dict[str, Any], out: Path) -> Report:
                   df["roofline_tps"], df["vs_roofline"],
                   f"TPOT p50 {df['itl_p50_s'] * 1e3:.1f} ms (SLO "
                   f"{df['slo_tpot_s'] * 1e3:.0f} ms), context {df['context']:.0f}")
+    step = "; ".join(
+        f"{ph} phase: decode step {b['step_ms']:.1f} ms = " + ", ".join(
+            f"{part} {b[f'step_{part}_ms']:.1f}" for part in (*STEP_PARTS, "loop"))
+        for ph, b in doc.get("decode_steps", {}).items())
     notes = [f"{doc.get('stack_ready_s', 0):.0f} s to a ready stack (limits included), "
              f"{doc['wall_s']:.0f} s in all; errors {errors}", *doc["problems"],
+             *([step] if step else []),
              *doc.get("notes", []),
              *(f"GPU memory after the {ph} phase: " + ", ".join(
                  f"{role} peak {m.get('device_peak_reserved_gib', 0):.1f} GiB (cap "

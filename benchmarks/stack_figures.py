@@ -80,7 +80,8 @@ def decode_figures(records: Sequence[Record], limits: Limits, decode: Mapping[st
     ok = [r for r in records if r.ok]
     lat = latency(records)
     steps = counter(decode, "_batch_steps_total")
-    mean_batch = counter(decode, "_batch_tokens_total") / steps if steps else 0.0
+    rows = counter(decode, "_batch_step_rows_total") or counter(decode, "_batch_tokens_total")
+    mean_batch = rows / steps if steps else 0.0
     itl = lat["itl_p50_s"]
     tps = mean_batch / itl if itl > 0 else 0.0
     roof = limits.decode_roofline(mean_batch, context + tokens / 2) if mean_batch else 0.0
@@ -91,4 +92,22 @@ def decode_figures(records: Sequence[Record], limits: Limits, decode: Mapping[st
             "tokens": float(tokens), "steps": steps, "mean_batch": mean_batch,
             "decode_tps": tps, "roofline_tps": roof, "vs_roofline": tps / roof if roof else 0.0,
             "slo_tpot_s": slo_tpot_s, "tpot_met": float(0 < itl <= slo_tpot_s),
-            "wall_output_tps": out_tokens / span if span > 0 else 0.0, **lat}
+            "wall_output_tps": out_tokens / span if span > 0 else 0.0,
+            **step_breakdown(decode), **lat}
+
+
+STEP_PARTS = ("wait", "forward", "sample", "read", "chunk")
+
+
+def step_breakdown(decode: Mapping[str, float]) -> dict[str, float]:
+    """A decode step's mean time and its parts in ms (decode_svc/batcher.py's
+    ``step_*`` counters); ``step_loop_ms`` is what the parts leave: the event
+    loop's work between steps and the hop to the engine thread."""
+    steps = counter(decode, "_batch_step_seconds_count")
+    if not steps:
+        return {}
+    out = {"step_ms": counter(decode, "_batch_step_seconds_sum") / steps * 1e3}
+    for part in STEP_PARTS:
+        out[f"step_{part}_ms"] = counter(decode, f"_batch_step_{part}_seconds_total") / steps * 1e3
+    out["step_loop_ms"] = out["step_ms"] - sum(out[f"step_{p}_ms"] for p in STEP_PARTS)
+    return out

@@ -77,6 +77,17 @@ class _Out(NamedTuple):
 
 
 @dataclass(slots=True)
+class _Parts:
+    """Where one step's time went, measured on the engine thread."""
+
+    wait_s: float = 0.0             # from the loop's call until the job started
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    read_s: float = 0.0
+    chunk_s: float = 0.0
+
+
+@dataclass(slots=True)
 class _Seq:
     seq_id: str
     prompt_tokens: int
@@ -101,6 +112,17 @@ class BatcherStats:
     cancelled_total: int = 0
     finished_total: dict[str, int] = field(default_factory=dict)
     queue_seconds: Hist = field(default_factory=Hist)   # waiting for a slot and KV blocks
+    # One step as the batch sees it (the loop's call to its tokens' events queued),
+    # then its parts, summed over steps (per-step means: divide by steps_total). What
+    # is left of step_seconds after the parts is the event loop's and the thread hops'.
+    step_seconds: Hist = field(default_factory=Hist)
+    step_rows_total: int = 0                # rows stepped (mean batch: / steps_total)
+    step_wait_seconds_total: float = 0.0    # queued behind other engine jobs (adopt, free,
+    #                                         canonical blocks, restores)
+    step_forward_seconds_total: float = 0.0  # the forwards (device time on CUDA)
+    step_sample_seconds_total: float = 0.0  # the rest of decode_step: inputs, sampling, copies
+    step_read_seconds_total: float = 0.0    # each sequence's text and finish verdict
+    step_chunk_seconds_total: float = 0.0   # prompt chunks computed after the step
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,26 +273,37 @@ class Batcher:
             return None
         return self._read(seq_id, self._engine.seq_tokens(seq_id)[-1])
 
-    def _step(self, seq_ids: list[str],
-              building: list[str]) -> tuple[dict[str, _Out], dict[str, _Out] | Exception]:
+    def _step(self, seq_ids: list[str], building: list[str], t_call: float
+              ) -> tuple[dict[str, _Out], dict[str, _Out] | Exception, _Parts]:
         """One decode step, then one chunk of each building prompt; -> the decode
-        outputs and the first tokens of the prompts completed (or the chunk's error)."""
+        outputs, the first tokens of the prompts completed (or the chunk's error),
+        and where the time went."""
+        t0 = time.perf_counter()
+        parts = _Parts(wait_s=t0 - t_call)
         outs: dict[str, _Out] = {}
         if seq_ids:
             tokens = self._engine.decode_step(seq_ids)
+            t1 = time.perf_counter()
             if self._after_step is not None:
                 self._after_step()
             outs = {s: self._read(s, t) for s, t in tokens.items()}
+            times = getattr(self._engine, "last_step", None)
+            parts.forward_s = times.forward_s if times is not None else t1 - t0
+            parts.sample_s = (t1 - t0) - parts.forward_s
+            parts.read_s = time.perf_counter() - t1
         if not building:
-            return outs, {}
+            return outs, {}, parts
+        t2 = time.perf_counter()
         try:
             done = self._engine.prefill_step(dict.fromkeys(building, self._rebuild_chunk))
         except Exception as exc:  # fails the rebuilds only, not the decoding sequences
             for seq_id in building:
                 self._free_quietly(seq_id)
-            return outs, exc
+            return outs, exc, parts
+        finally:
+            parts.chunk_s = time.perf_counter() - t2
         self.stats.rebuild_chunks_total += len(building)
-        return outs, {d.seq_id: self._read(d.seq_id, d.result.first_token) for d in done}
+        return outs, {d.seq_id: self._read(d.seq_id, d.result.first_token) for d in done}, parts
 
     def _free_quietly(self, seq_id: str) -> None:
         with contextlib.suppress(Exception):
@@ -322,13 +355,13 @@ class Batcher:
                 continue
             ids, building = list(self._active), list(self._building)
             self._update_gauges()
+            t_call = time.perf_counter()
             try:
-                outs, firsts = await self._thread.call(self._step, ids, building)
+                outs, firsts, parts = await self._thread.call(self._step, ids, building, t_call)
             except Exception:  # fail the batch's sequences, keep serving
                 log.exception("decode step failed for %d sequences", len(ids))
                 self._fail(ids)
                 continue
-            self.stats.steps_total += 1 if ids else 0
             for seq_id in ids:
                 seq = self._active.get(seq_id)
                 if seq is None or seq.done:
@@ -345,7 +378,24 @@ class Batcher:
                 self._accept(seq, out, shown=seq.first_shown)
                 if not seq.done:
                     self._active[seq_id] = seq
+            if ids:                    # the step through its tokens' events
+                self._account(len(ids), time.perf_counter() - t_call, parts)
             self._update_gauges()
+
+    def _account(self, rows: int, step_s: float, p: _Parts) -> None:
+        st = self.stats
+        st.steps_total += 1
+        st.step_rows_total += rows
+        st.step_seconds.observe(step_s)
+        st.step_wait_seconds_total += p.wait_s
+        st.step_forward_seconds_total += p.forward_s
+        st.step_sample_seconds_total += p.sample_s
+        st.step_read_seconds_total += p.read_s
+        st.step_chunk_seconds_total += p.chunk_s
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step of %d rows: %.2f ms (wait %.2f, forward %.2f, sample %.2f, "
+                      "read %.2f, chunk %.2f)", rows, step_s * 1e3, p.wait_s * 1e3,
+                      p.forward_s * 1e3, p.sample_s * 1e3, p.read_s * 1e3, p.chunk_s * 1e3)
 
     def _fail(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:

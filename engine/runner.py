@@ -42,6 +42,7 @@ from engine.prefill_steps import PrefillSteps
 from engine.sampling import RowSampler, SamplingParams, sample_rows
 from engine.sequence import G1Admission, GenerationResult, PrefillResult, Sequence
 from engine.source import load_source
+from engine.step_clock import StepClock, StepTimes
 
 if TYPE_CHECKING:
     from engine.paged_decode import DecodeRunner
@@ -133,6 +134,7 @@ class Engine(PrefillSteps):
         self._counts = (torch.zeros(mc.num_layers, mc.moe.n_experts, dtype=torch.int64,
                                     device=self.device) if mc.moe else None)
         self._gen_ids = 0
+        self.last_step: StepTimes | None = None     # the latest decode_step's times
         self._grammars: GrammarCompiler | None = None   # built on the first grammar
         self._paged = self._paged_runner(cfg)
         # The paged decode kernel reads the pool: decode steps need no mirror either.
@@ -307,17 +309,19 @@ class Engine(PrefillSteps):
             if s.kv_len >= limit:
                 raise EngineInputError(f"sequence {s.seq_id!r} reached the context limit "
                                        f"of {limit} tokens")
+        clock = StepClock(self.device)
         self._grow(seqs)
         out: dict[str, int] = {}
         rows = self._rows_per_forward(len(seqs))
         for i in range(0, len(seqs), rows):
             group = seqs[i: i + rows]
-            logits = self._decode_logits(group, rows)             # [len(group), V]
+            logits = clock.forward(lambda g=group: self._decode_logits(g, rows))  # [len(g), V]
             nxt = sample_rows(logits, [self._row(s) for s in group])
             for s, t in zip(group, nxt, strict=True):
                 s.kv_len += 1
                 s.tokens.append(t)
                 out[s.seq_id] = t
+        self.last_step = clock.stop(len(seqs))
         return out
 
     def _rows_per_forward(self, n: int) -> int:

@@ -1,14 +1,17 @@
 """Sampling: greedy, temperature, top-p, per-sequence seed, penalties, logit bias,
 and grammar constraints.
 
-The i-th token of a sequence is drawn with its own ``torch.Generator`` seeded
-from (seed, i), and rows are sampled one at a time, so a sequence draws the
-same tokens whether it runs alone or batched, cold or restored, or with its
-prefill and decode on different machines.
+The i-th token of a sequence is drawn from its logits with noise keyed by
+(seed, i) alone (engine/draw.py: Gumbel-max over a counter-based hash), so a
+sequence draws the same tokens whether it runs alone or batched, cold or
+restored, or with its prefill and decode on different machines. A step's rows
+are drawn together: one launch and one copy of the tokens to the host on CUDA,
+never a sync or a host-side draw per row (issue 18: those took 398 ms of a
+decode step at batch 46 on the H200).
 
 Logit processing (logit bias, presence/frequency penalties over the tokens the
-sequence generated, the grammar mask) is per row, after the forward pass, and
-reads only the row's own state (``RowSampler``): batch invariance holds for
+sequence generated, the grammar mask) is per row, before the draw, and reads
+only the row's own state (``RowSampler``): batch invariance holds for
 constrained and penalised sequences too.
 """
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.constrained import Constraint, GrammarSpec
+from engine.draw import draw_rows
 from engine.errors import EngineInputError
 
 MAX_LOGIT_BIAS = 100.0
@@ -76,31 +80,14 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.grammar is not None)
 
-    def generator(self, step: int) -> torch.Generator:
-        """The generator for the sequence's ``step``-th sampled token."""
-        mixed = (self.seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (2**63 - 1)
-        return torch.Generator(device="cpu").manual_seed(mixed)
-
-
-def _draw(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """logits: [V] (any device) -> a token id; ``step`` = tokens sampled so far."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    generator = params.generator(step)
-    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (at least one token).
-        drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= params.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        choice = torch.multinomial(sorted_p, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    def key(self, step: int) -> int:
+        """The draw's key for the sequence's ``step``-th sampled token (< 2**63)."""
+        return (self.seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     """Stateless sampling of one row (no penalties or grammar: those need a RowSampler)."""
-    return _draw(logits, params, step)
+    return draw_rows(logits[None], [params.temperature], [params.top_p], [params.key(step)])[0]
 
 
 # Builds a sequence's grammar constraint (the engine's compiler, made on first use).
@@ -148,10 +135,7 @@ class RowSampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits: [V] -> the next token, accepted into the state."""
-        p = self.params
-        token = _draw(self.process(logits) if p.processed else logits, p, self.step)
-        self.accept(token)
-        return token
+        return sample_rows(logits[None], [self])[0]
 
     def accept(self, token: int) -> None:
         """Record a token the sequence took (sampled here or, on decode, by prefill)."""
@@ -163,10 +147,18 @@ class RowSampler:
 
 
 def sample_rows(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]:
-    """logits: [N, V] for N sequences (rows beyond N are ignored)."""
-    if all(s.params.greedy and not s.params.processed for s in samplers):
-        tokens = torch.argmax(logits[: len(samplers)], dim=-1).tolist()
-        for s, t in zip(samplers, tokens, strict=True):
-            s.accept(t)
-        return tokens
-    return [s.sample(logits[i]) for i, s in enumerate(samplers)]
+    """logits: [N, V] for N sequences (rows beyond N are ignored); each token is
+    accepted into its sampler's state."""
+    n = len(samplers)
+    rows = logits[:n]
+    if any(s.params.processed for s in samplers):
+        rows = rows.float().clone()
+        for i, s in enumerate(samplers):
+            if s.params.processed:
+                rows[i] = s.process(rows[i])
+    tokens = draw_rows(rows, [s.params.temperature for s in samplers],
+                       [s.params.top_p for s in samplers],
+                       [s.params.key(s.step) for s in samplers])
+    for s, t in zip(samplers, tokens, strict=True):
+        s.accept(t)
+    return tokens

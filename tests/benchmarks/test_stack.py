@@ -139,3 +139,17 @@ def test_byte_tokenizer_for_aiperf_matches_the_engines(tmp_path: Path) -> None:
     assert tok.encode(text).ids == ByteTokenizer(128_256).encode(text)
     assert tok.decode(tok.encode(text).ids) == text
     assert json.loads((d / "tokenizer_config.json").read_text())["tokenizer_class"]
+
+
+def test_decode_step_breakdown_from_the_batchers_counters() -> None:
+    from benchmarks.stack_figures import step_breakdown
+
+    p = "kvserve_decode_batch_"
+    delta = {f"{p}step_seconds_sum": 4.0, f"{p}step_seconds_count": 10.0,
+             f"{p}step_wait_seconds_total": 0.5, f"{p}step_forward_seconds_total": 0.1,
+             f"{p}step_sample_seconds_total": 3.0, f"{p}step_read_seconds_total": 0.2,
+             f"{p}step_chunk_seconds_total": 0.05}
+    b = step_breakdown(delta)
+    assert b["step_ms"] == pytest.approx(400.0) and b["step_sample_ms"] == pytest.approx(300.0)
+    assert b["step_loop_ms"] == pytest.approx(400.0 - 50 - 10 - 300 - 20 - 5)
+    assert step_breakdown({}) == {}
