@@ -1,7 +1,8 @@
 """Micro-benchmark of the batch-invariant kernels (engine/bik.py): GEMM at the
 SmolLM2 prefill and decode shapes against torch.mm (MKL), attention at 1.5k
-keys and over an agent's 5.5k-token context (30 to 512 new rows), and
-optionally cold TTFT; with ``--against OLD.so`` every figure is also taken on
+keys and over an agent's 5.5k-token context (30 to 512 new rows; read
+contiguously and through a block table), and optionally cold TTFT and the TTFT
+of a resent 5.5k-token context; with ``--against OLD.so`` every figure is also taken on
 another build of the kernels in the same process, the two timed in alternation
 (on a shared host the load moves between runs; alternating keeps the ratio
 fair). Timing is the best of several rounds.
@@ -31,6 +32,7 @@ DECODE_SHAPES = tuple((m, k, n) for m in (1, 8) for k, n in ((576, 576), (576, 3
 HEADS, KV_HEADS, HEAD_DIM, KEYS = 9, 3, 64, 1493
 # Agent traffic: a turn's new rows over a cached context of AGENT_KEYS tokens.
 AGENT_KEYS, AGENT_ROWS = 5504, (30, 60, 128, 512)
+RESEND_NEW = 52             # new tokens of a resent agent context (--ttft)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,23 +131,71 @@ def _attention(opts: BenchBikOptions, res: BenchBikResult) -> None:
                for name, ctx in _builds(opts).items()}
         for name, t in _best(fns, 1 if rows > 128 else 3, opts.rounds).items():
             res.values[f"attend_ctx{AGENT_KEYS}_rows{rows}_{name}_gflops"] = flops / t / 1e9
+        if bik.paged():
+            res.values[f"attend_ctx{AGENT_KEYS}_rows{rows}_paged_vs_contiguous"] = \
+                _paged_vs_contiguous(g, kv, q, rows, opts.rounds)
+
+
+def _paged_vs_contiguous(g: torch.Generator, kv: torch.Tensor, q: torch.Tensor, rows: int,
+                         rounds: int) -> float:
+    """Time of the same keys read through a block table (blocks scattered in a
+    pool, as the engine reads them) over the contiguous read, this build."""
+    B = 64
+    n = -(-AGENT_KEYS // B)
+    spare = 3 * n                                    # other sessions' blocks between them
+    pool = torch.randn(1, 2, KV_HEADS, n + spare, B, HEAD_DIM, generator=g)
+    table = torch.randperm(n + spare, generator=g)[:n].to(torch.int64)
+    for i, blk in enumerate(table.tolist()):
+        lo, hi = i * B, min((i + 1) * B, AGENT_KEYS)
+        pool[0, :, :, blk, :hi - lo] = kv[:, :, lo:hi]
+    contiguous = [bik.AttnSegment(0, rows, AGENT_KEYS - rows, kv)]
+    plan = bik.PagedAttention(pool, [bik.PagedSegment(0, rows, AGENT_KEYS - rows, table)])
+    o1, o2 = torch.empty(rows, HEADS * HEAD_DIM), torch.empty(rows, HEADS * HEAD_DIM)
+    best = _best({"paged": lambda: plan(0, q, 0, o1),
+                  "contiguous": lambda: bik.attend(q, contiguous, KV_HEADS, 0, o2)},
+                 1 if rows > 128 else 3, rounds)
+    if not torch.equal(o1, o2):
+        raise AssertionError("paged attention changed the bits")
+    return best["paged"] / best["contiguous"]
 
 
 def _ttft(opts: BenchBikOptions, res: BenchBikResult) -> None:
+    """Cold TTFT at KEYS tokens, and an agent's resend: AGENT_KEYS cached in G1,
+    RESEND_NEW tokens to compute (its admission included: on builds without
+    paged attention it fills the sequence's contiguous copy of the prefix)."""
     from engine.config import EngineConfig
     from engine.runner import Engine
 
-    eng = Engine(EngineConfig(model="smollm2", block_tokens=64, num_blocks=512))
+    engines = {}
+    for name, ctx in _builds(opts).items():
+        with ctx():                 # the engine reads the pool only on builds that can
+            engines[name] = Engine(EngineConfig(model="smollm2", block_tokens=64,
+                                                num_blocks=512))
     g = torch.Generator().manual_seed(7)
-    toks = torch.randint(0, eng.model_config.vocab_size, (KEYS,), generator=g).tolist()
+    vocab = engines["bik"].model_config.vocab_size
+    toks = torch.randint(0, vocab, (KEYS,), generator=g).tolist()
+    ctx_toks = torch.randint(0, vocab, (AGENT_KEYS + RESEND_NEW,), generator=g).tolist()
+    keys = [i.to_bytes(8, "little") * 2 for i in range(AGENT_KEYS // 64)]
+    for eng in engines.values():        # the context in G1, as a finished turn leaves it
+        eng.prefill("ctx", ctx_toks[:AGENT_KEYS], block_keys=keys)
+        eng.free("ctx", keep_keys=keys)
 
-    def cold() -> None:
+    def cold(eng: Engine) -> None:
         eng.prefill("c", toks)
         eng.free("c")
 
-    fns = {name: _on(ctx, cold) for name, ctx in _builds(opts).items()}
-    for name, t in _best(fns, 1, opts.rounds).items():
-        res.values[f"ttft_cold_{KEYS}_{name}_s"] = t
+    def resend(eng: Engine) -> None:
+        got = eng.prefill("r", ctx_toks, block_keys=keys)
+        eng.free("r", keep_keys=keys)
+        if got.g1_tokens != AGENT_KEYS:
+            raise AssertionError(f"the resend found {got.g1_tokens} tokens in G1")
+
+    for what, fn in (("cold", cold), ("resend", resend)):
+        fns = {name: _on(ctx, lambda fn=fn, eng=engines[name]: fn(eng))
+               for name, ctx in _builds(opts).items()}
+        for name, t in _best(fns, 1, opts.rounds).items():
+            label = f"{KEYS}" if what == "cold" else f"{AGENT_KEYS}+{RESEND_NEW}"
+            res.values[f"ttft_{what}_{label}_{name}_s"] = t
 
 
 def run_bench_bik(opts: BenchBikOptions) -> BenchBikResult:
