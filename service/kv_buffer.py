@@ -126,6 +126,9 @@ class BufferEntry:
     filling: asyncio.Task[None] | None = None   # the copy-out of a resident entry, once
     # start token -> (file name, checksum): the KV from that token on, written on first use
     shm: dict[int, tuple[str, bytes]] = field(default_factory=dict)
+    # Guards ``shm``: one writer per entry; other entries' files are written meanwhile
+    # (one lock for the whole buffer queued every pull behind every other's write).
+    shm_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +172,6 @@ class KVBuffer:
         self._clock = clock
         self._names = names
         self._entries: dict[str, BufferEntry] = {}       # oldest first (insertion order)
-        self._shm_lock = threading.Lock()
         self._gone: dict[str, tuple[float, str]] = {}    # request id -> (when, why)
         self._bytes = 0
         self._counts = {"released": 0, "evicted": 0, "abandoned": 0, "unbuffered": 0}
@@ -342,7 +344,7 @@ class KVBuffer:
             raise InvalidRequest("this prefill instance offers no shared-memory pulls")
         self.check_start(entry, first)
         assert entry.kv is not None, "pulled entries are held (KVBuffer.hold)"
-        with self._shm_lock:
+        with entry.shm_lock:
             if first not in entry.shm:
                 tail = entry.kv if first == entry.start else entry.tail(first).contiguous()
                 raw = _raw(tail)
@@ -417,8 +419,10 @@ class KVAssembler:
     result tensor: one copy, as the byte stream makes."""
 
     def __init__(self, shape: KVShape, n_tokens: int, *, seed: int,
-                 shm_dir: str = "/dev/shm", first: int = 0) -> None:
-        """Tokens [``first``, ``n_tokens``) of a prompt (decode holds the ones before)."""
+                 shm_dir: str = "/dev/shm", first: int = 0, pin: bool = False) -> None:
+        """Tokens [``first``, ``n_tokens``) of a prompt (decode holds the ones before).
+        ``pin``: the result in pinned memory (a CUDA engine adopts it with one DMA;
+        the host allocator hands back blocks already faulted in)."""
         if not 0 <= first < n_tokens:
             raise ValueError(f"first token {first} is outside a prompt of {n_tokens} tokens")
         self._shape = shape
@@ -427,6 +431,7 @@ class KVAssembler:
         self._seed = seed
         self._shm_dir = Path(shm_dir)
         self._kv: torch.Tensor | None = None
+        self._pin = pin
         self._filled = first
 
     @property
@@ -434,7 +439,7 @@ class KVAssembler:
         """Tokens [first, n): index 0 is token ``first``."""
         if self._kv is None:
             self._kv = torch.empty(self._shape.dims(self._n - self._first),
-                                   dtype=self._shape.dtype)
+                                   dtype=self._shape.dtype, pin_memory=self._pin)
         return self._kv
 
     def add(self, piece: KVPiece) -> None:
