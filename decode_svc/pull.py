@@ -59,15 +59,12 @@ def _host_of(address: str) -> str:
 
 class KVPuller:
     def __init__(self, endpoint: Endpoint, *, timeout_s: float, use_shm: bool,
-                 shm_dir: str, security: SecurityConfig | None = None,
-                 pin: bool = False) -> None:
-        """``pin``: pulled KV lands in pinned host memory (the engine is on CUDA)."""
+                 shm_dir: str, security: SecurityConfig | None = None) -> None:
         self._endpoint = endpoint
         self._security = security or endpoint.security_for("decode")
         self._timeout_s = timeout_s
         self._use_shm = use_shm
         self._shm_dir = shm_dir
-        self._pin = pin
         self._stubs: dict[str, tuple[grpc.aio.Channel, prefill_pb2_grpc.PrefillStub]] = {}
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
@@ -99,8 +96,7 @@ class KVPuller:
 
     async def _pull_once(self, handle: prefill_pb2.KVHandle, shape: KVShape, n: int,
                          first: int, shm: bool, timeout_s: float) -> KVAssembler | None:
-        asm = KVAssembler(shape, n, seed=handle.kv_seed, shm_dir=self._shm_dir, first=first,
-                           pin=self._pin)
+        asm = KVAssembler(shape, n, seed=handle.kv_seed, shm_dir=self._shm_dir, first=first)
         call = self._stub(handle.prefill_address).PullKV(
             prefill_pb2.PullKVRequest(request_id=handle.ctx.request_id, use_shm=shm,
                                       start_token=first),

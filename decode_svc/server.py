@@ -125,8 +125,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         security = cfg.endpoint.security_for("decode")
         self.secret = security.require_secret()  # keys tenant salts (kvstore.keys)
         self.puller = KVPuller(cfg.endpoint, timeout_s=cfg.pull_timeout_s,
-                               use_shm=cfg.use_shm, shm_dir=cfg.shm_dir, security=security,
-                               pin=engine.device.type == "cuda")
+                               use_shm=cfg.use_shm, shm_dir=cfg.shm_dir, security=security)
         self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s,
                                security=security)
         self.cost = CostModel(cfg.cost, block_nbytes=engine.layout.block_nbytes,

@@ -73,7 +73,6 @@ class KVStorage:
         # Views over the same memory (no copies):
         self._slots = self.data.view(L, 2, H, num_blocks * B, D)        # token slots
         self._blocks = self.data.permute(3, 0, 1, 2, 4, 5)              # [nb, L, 2, H, B, D]
-        self._copy_stream: torch.cuda.Stream | None = None              # host copies (CUDA)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [M, H, D] rows for token slots (block * B + offset): [M]
@@ -104,38 +103,13 @@ class KVStorage:
         src = blocks.to(self.device, non_blocking=True)
         self._blocks.index_copy_(0, block_ids, src)
 
-    def export_tokens(self, slots: torch.Tensor, *, host: bool = False) -> torch.Tensor:
-        """[L, 2, H, n_tokens, D] of these token slots; ``host``: on the host.
-
-        On CUDA the host copy is one gather and one DMA into pinned memory on a
-        stream of its own: a pageable ``.cpu()`` on the default stream first
-        waited for every step the engine thread had queued there, then copied
-        through the driver's bounce buffer into fresh pages (the prefill ->
-        decode hand-off ran at 0.34 GB/s a pull on the H200 host). The caller
-        guarantees the slots' KV is complete (its prompt's first token was read
-        on the host, which waits for the kernels that wrote it) and that nothing
-        writes them until this returns (the sequence is held, not freed)."""
-        if not host:
-            return self._slots.index_select(3, slots)
-        if self.device.type != "cuda":
-            return self._slots.index_select(3, slots.cpu())
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        stream = self._copy_stream
-        with torch.cuda.stream(stream):
-            slots = slots.to(self.device, non_blocking=True)
-            gathered = self._slots.index_select(3, slots)
-            out = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-            out.copy_(gathered, non_blocking=True)
-        stream.synchronize()
-        return out
+    def export_tokens(self, slots: torch.Tensor) -> torch.Tensor:
+        # -> [L, 2, H, n_tokens, D]
+        return self._slots.index_select(3, slots)
 
     def import_tokens(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """kv: [L, 2, H, n_tokens, D]. Pinned host KV goes over without a
-        bounce buffer and without blocking the caller (the host allocator keeps
-        the pinned block until the copy is done)."""
-        src = kv.to(self.device, non_blocking=kv.device.type == "cpu" and kv.is_pinned())
-        self._slots.index_copy_(3, slots, src)
+        # kv: [L, 2, H, n_tokens, D]
+        self._slots.index_copy_(3, slots, kv.to(self.device))
 
 
 class BlockPool:

@@ -427,12 +427,7 @@ class Engine(PrefillSteps):
         if not 0 <= start <= end <= s.kv_len:
             raise EngineInputError(f"tokens [{start}, {end}) out of range: sequence "
                                    f"{seq_id!r} has KV for {s.kv_len} tokens")
-        # Slots made on the host: the copy's own stream must not wait for the default
-        # stream (where the engine thread's steps queue) to read them.
-        B = self.config.block_tokens
-        pos = torch.arange(start, end)
-        slots = torch.tensor(s.blocks, dtype=torch.int64)[pos // B] * B + pos % B
-        return self.storage.export_tokens(slots, host=True)
+        return self.storage.export_tokens(self._slots(s.table, start, end)).cpu()
 
     @torch.inference_mode()
     def pin_prefix(self, block_keys: Seq[bytes]) -> list[int]:

@@ -419,10 +419,8 @@ class KVAssembler:
     result tensor: one copy, as the byte stream makes."""
 
     def __init__(self, shape: KVShape, n_tokens: int, *, seed: int,
-                 shm_dir: str = "/dev/shm", first: int = 0, pin: bool = False) -> None:
-        """Tokens [``first``, ``n_tokens``) of a prompt (decode holds the ones before).
-        ``pin``: the result in pinned memory (a CUDA engine adopts it with one DMA;
-        the host allocator hands back blocks already faulted in)."""
+                 shm_dir: str = "/dev/shm", first: int = 0) -> None:
+        """Tokens [``first``, ``n_tokens``) of a prompt (decode holds the ones before)."""
         if not 0 <= first < n_tokens:
             raise ValueError(f"first token {first} is outside a prompt of {n_tokens} tokens")
         self._shape = shape
@@ -431,7 +429,6 @@ class KVAssembler:
         self._seed = seed
         self._shm_dir = Path(shm_dir)
         self._kv: torch.Tensor | None = None
-        self._pin = pin
         self._filled = first
 
     @property
@@ -439,7 +436,7 @@ class KVAssembler:
         """Tokens [first, n): index 0 is token ``first``."""
         if self._kv is None:
             self._kv = torch.empty(self._shape.dims(self._n - self._first),
-                                   dtype=self._shape.dtype, pin_memory=self._pin)
+                                   dtype=self._shape.dtype)
         return self._kv
 
     def add(self, piece: KVPiece) -> None:
