@@ -126,6 +126,9 @@ class BufferEntry:
     filling: asyncio.Task[None] | None = None   # the copy-out of a resident entry, once
     # start token -> (file name, checksum): the KV from that token on, written on first use
     shm: dict[int, tuple[str, bytes]] = field(default_factory=dict)
+    # Guards ``shm``: one writer per entry; other entries' files are written meanwhile
+    # (one lock for the whole buffer queued every pull behind every other's write).
+    shm_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +172,6 @@ class KVBuffer:
         self._clock = clock
         self._names = names
         self._entries: dict[str, BufferEntry] = {}       # oldest first (insertion order)
-        self._shm_lock = threading.Lock()
         self._gone: dict[str, tuple[float, str]] = {}    # request id -> (when, why)
         self._bytes = 0
         self._counts = {"released": 0, "evicted": 0, "abandoned": 0, "unbuffered": 0}
@@ -342,7 +344,7 @@ class KVBuffer:
             raise InvalidRequest("this prefill instance offers no shared-memory pulls")
         self.check_start(entry, first)
         assert entry.kv is not None, "pulled entries are held (KVBuffer.hold)"
-        with self._shm_lock:
+        with entry.shm_lock:
             if first not in entry.shm:
                 tail = entry.kv if first == entry.start else entry.tail(first).contiguous()
                 raw = _raw(tail)

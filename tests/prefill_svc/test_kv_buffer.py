@@ -420,3 +420,39 @@ def test_a_demoted_resident_entry_holds_the_whole_prompt() -> None:
             await huge.hold(e, 0)
 
     asyncio.run(body())
+
+
+@needs_shm
+def test_one_entrys_shm_write_does_not_hold_up_anothers() -> None:
+    """Concurrent pulls of different prompts write their files at once: a
+    buffer-wide lock queued every pull behind every other's 268 MB write
+    (issue 18 run 7: 0.34 GB/s a pull on the H200 host). Entry a's write is
+    held inside its file creation until entry b's whole pull is served."""
+    import threading
+
+    b_done = threading.Event()
+    first = threading.Event()
+
+    def names() -> str:
+        if not first.is_set():              # entry a's file: wait for b's pull
+            first.set()
+            assert b_done.wait(10), "entry b's shared-memory pull waited for entry a's write"
+        return kv_shm.new_name()
+
+    buf = _buf(shm_dir=SHM, names=names)
+    a, b = buf.put("a", _kv(20), seed=1), buf.put("b", _kv(12), seed=2)
+    assert a is not None and b is not None
+    got: dict[str, KVPiece] = {}
+    ta = threading.Thread(target=lambda: got.__setitem__("a", buf.shm_piece(a)))
+    ta.start()
+    assert first.wait(10)
+    got["b"] = buf.shm_piece(b)             # served while a's write is under way
+    b_done.set()
+    ta.join(10)
+    assert not ta.is_alive() and set(got) == {"a", "b"}
+    for rid, n, seed in (("a", 20, 1), ("b", 12, 2)):
+        asm = KVAssembler(KVShape.of(_kv(n)), n, seed=seed)
+        asm.add(got[rid])
+        assert torch.equal(asm.done(), _kv(n))
+    buf.close()
+    assert not any(Path(SHM, got[r].shm_name).exists() for r in got)
