@@ -115,6 +115,7 @@ def _prefill(conn: Any, pulls: int, tokens: int, shm_dir: str) -> None:
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         conn.send(stages.table())
         await server.stop(None)
+        svc.buffer.close()          # its /dev/shm files: 8 x 268 MB a run otherwise
 
     asyncio.run(serve())
 
