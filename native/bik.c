@@ -560,14 +560,9 @@ static inline const float *kv_row(const kv_rows *r, int64_t j) {
  * end of its block): the hot loops walk each such run with a pointer, as they
  * walked the whole mirror (an address per row cost 1.5-1.8x, measured). */
 static inline const float *kv_span(const kv_rows *r, int64_t j, int64_t j1, int64_t *n) {
-    const int64_t a = r->off + j;
-    if (!r->tab) {
-        *n = j1 - j;
-        return r->base + a * r->D;
-    }
-    const int64_t left = r->mask + 1 - (a & r->mask);
+    const int64_t left = r->tab ? r->mask + 1 - ((r->off + j) & r->mask) : j1 - j;
     *n = left < j1 - j ? left : j1 - j;
-    return r->base + (r->tab[a >> r->shift] << r->shift | (a & r->mask)) * r->D;
+    return kv_row(r, j);
 }
 
 /* The addresses of rows j .. j+15. */
