@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import triton_pdl
 from engine.kv_pool import KVStorage
+from engine.triton_pdl import pdl_enter
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -38,7 +40,9 @@ def _paged_decode_kernel(Q, K, V, TBL, LENS, ACC, ML, OUT,
                          s_ab, s_as, s_ah, s_mb, s_ms, s_mh,
                          window, scale,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                         BT: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr):
+                         BT: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -110,18 +114,20 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         ml.stride(0), ml.stride(1), ml.stride(2), window, 1.0 / dim ** 0.5,
         G=group, GP=max(16, triton.next_power_of_2(group)), D=dim, BT=bt, SPLITS=splits,
         # fp32 models stay fp32 (Triton's default for an fp32 dot is tf32)
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **triton_pdl.opts())
     if splits > 1:
         _merge_splits_kernel[(bsz, heads)](acc, ml, out, acc.stride(0), acc.stride(1),
                                            acc.stride(2), ml.stride(0), ml.stride(1),
                                            ml.stride(2), out.stride(0), splits, D=dim,
-                                           SP=triton.next_power_of_2(splits))
+                                           SP=triton.next_power_of_2(splits),
+                                           **triton_pdl.opts())
     return out
 
 
 @triton.jit
 def _merge_splits_kernel(ACC, ML, OUT, s_ab, s_as, s_ah, s_mb, s_ms, s_mh, s_ob, splits,
-                         D: tl.constexpr, SP: tl.constexpr):
+                         D: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     # one (row, head): the splits' partial softmax states merged in one pass
     # (one launch per layer instead of the seven of the torch expression)
     b = tl.program_id(0)
@@ -140,7 +146,8 @@ def _merge_splits_kernel(ACC, ML, OUT, s_ab, s_as, s_ah, s_mb, s_ms, s_mh, s_ob,
 
 @triton.jit
 def _write_kv_kernel(K, V, SLOTS, KP, VP, s_km, s_kh, s_vm, s_vh, s_ph,
-                     D: tl.constexpr):
+                     D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -160,7 +167,8 @@ def write_kv(data: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tenso
     if k.stride(2) != 1 or v.stride(2) != 1:
         k, v = k.contiguous(), v.contiguous()
     _write_kv_kernel[(rows, kv_heads)](k, v, slots, kp, vp, k.stride(0), k.stride(1),
-                                       v.stride(0), v.stride(1), kp.stride(0), D=dim)
+                                       v.stride(0), v.stride(1), kp.stride(0), D=dim,
+                                       **triton_pdl.opts())
 
 
 @dataclass(slots=True)
@@ -206,13 +214,17 @@ class DecodeRunner:
 
     def __init__(self, storage: KVStorage, windows: tuple[int, ...], num_heads: int,
                  max_blocks: int, scratch_block: int, forward: ForwardFn,
-                 use_graphs: bool, attention: AttentionFactory = PagedDecodeAttention) -> None:
+                 use_graphs: bool, attention: AttentionFactory = PagedDecodeAttention,
+                 pdl: bool = triton_pdl.WANTED) -> None:
         # attention: PagedDecodeAttention, or the batch-invariant kernel's decode
         # callback (engine/triton_invariant.py) when the engine's kernels are invariant
         self.attention = attention
         self.storage, self.windows, self.heads = storage, windows, num_heads
         self.max_blocks, self.scratch = max_blocks, scratch_block
         self.forward, self.use_graphs = forward, use_graphs
+        # the graphs' Triton kernels start while their predecessors finish
+        # (engine/triton_pdl.py); eager steps launch plainly
+        self.pdl = pdl
         self.device = storage.device
         lay = storage.layout
         self.block_tokens, self.head_dim = lay.block_tokens, lay.head_dim
@@ -249,16 +261,25 @@ class DecodeRunner:
             attn = self.attention(self.storage, self.windows, self.heads, buf)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):          # warm-up: Triton compiles, cuBLAS plans
-                for _ in range(2):
-                    self.forward(buf.tokens, buf.positions, attn)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self.forward(buf.tokens, buf.positions, attn)
+            with triton_pdl.dependent_launches(self.pdl):
+                with torch.cuda.stream(side):      # warm-up: Triton compiles, cuBLAS plans
+                    for _ in range(2):
+                        self.forward(buf.tokens, buf.positions, attn)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    logits = self.forward(buf.tokens, buf.positions, attn)
             self._graphs[b] = (graph, logits)
             self._attends[b] = attn
         return self._graphs[b]
+
+    def reset_graphs(self) -> None:
+        """Drop the captured graphs (recaptured on next use, e.g. after ``pdl``
+        changed), with their private memory pool."""
+        self._graphs.clear()
+        self._attends.clear()
+        if self.use_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
 
     def step(self, pending: list[int], positions: list[int],
              blocks: list[list[int]]) -> torch.Tensor:

@@ -65,6 +65,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import triton_pdl
+from engine.triton_pdl import pdl_enter
+
 KEY_TILE = 64                 # keys per tile
 KEY_SPLIT = 1024              # keys per split (a multiple of KEY_TILE)
 PREFILL_ROWS = 128            # rows per prefill program: 8 warps, 2 warpgroups along M
@@ -291,7 +294,8 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
                    s_qm, s_qh, s_kh, s_om, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh,
                    window, qk_scale, block_tokens,
                    G: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                   TPS: tl.constexpr, PARTS: tl.constexpr, PREC: tl.constexpr):
+                   TPS: tl.constexpr, PARTS: tl.constexpr, PREC: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Decode row ``program_id(0)`` (a one-token segment), the GQA group of KV
     head ``program_id(1)``. PARTS 1, or a row of one split: one program takes all
     its splits, folds them and stores the output (``_decode_whole``). PARTS > 1
@@ -299,6 +303,7 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
     split (balanced to one split) and stores each split's own state in its slot
     of the scratch, for ``_fold_splits``. Keys on the instruction's row side
     (``_key_tile_t``); the same numbers as a prefill row."""
+    pdl_enter(PDL)
     seg = tl.program_id(0)
     hk = tl.program_id(1)
     qrow = tl.load(SEG + 4 * seg).to(tl.int64)
@@ -376,13 +381,14 @@ def _split_state(ACC, ML, acc_row, ml_row, sp, s_end, heads, d, ok, s_ap, s_ah, 
 @triton.jit
 def _fold_splits(SEG, ACC, ML, OUT, s_ab, s_ap, s_ah, s_mb, s_mp, s_mh, s_om, window,
                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 TPS: tl.constexpr):
+                 TPS: tl.constexpr, PDL: tl.constexpr = False):
     """Decode row ``program_id(0)``, KV head ``program_id(1)``: the split states
     ``_decode_kernel`` stored, folded in ascending order from a fresh state and
     normalised: the prefill's bits. Four splits are loaded before the four
     folds (one memory round trip for four, not one each: 8 for a 32k-key row);
     a split past the row's last loads as the fresh state, which a fold leaves
     unchanged (the sign of a zero aside, which the final ``+ 0.0`` folds)."""
+    pdl_enter(PDL)
     seg = tl.program_id(0)
     hk = tl.program_id(1)
     qrow = tl.load(SEG + 4 * seg).to(tl.int64)
@@ -482,11 +488,13 @@ def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor
         sm[0], sm[1], sm[2], window, scale, block_tokens,
         G=group, NQ=max(DECODE_COLS, gp), D=dim, BN=KEY_TILE, TPS=tps,
         PARTS=parts, PREC=_prec(q.dtype), num_warps=DECODE_WARPS,
-        num_stages=stages or DECODE_STAGES, enable_fp_fusion=False, **extra)
+        num_stages=stages or DECODE_STAGES, enable_fp_fusion=False, **extra,
+        **triton_pdl.opts())
     if parts > 1:
         _fold_splits[(n_tiles, kv_heads)](seg_meta, acc, ml, out, sa[0], sa[1], sa[2], sm[0],
                                           sm[1], sm[2], out.stride(0), window, G=group, GP=gp,
-                                          D=dim, BN=KEY_TILE, TPS=tps, enable_fp_fusion=False)
+                                          D=dim, BN=KEY_TILE, TPS=tps, enable_fp_fusion=False,
+                                          **triton_pdl.opts())
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import triton_pdl
+from engine.triton_pdl import pdl_enter
+
 BK = 64                       # the K tile: part of the arithmetic (triton_invariant.KERNEL_ID)
 
 
@@ -75,6 +78,13 @@ def _decode_bn(n: int) -> int:
     return 128 if n >= 128 * 128 else 64 if n >= 64 * 128 else 32
 
 
+# 33-64 rows on outputs narrower than 16,384 columns (qkv, o, down at b64): 64-96
+# programs at 2.9 TB/s on the H200, yet 64 x 32 and 64 x 16 tiles (more programs)
+# measured slower in the engine's b64 graph, each program re-reading the 64 input
+# rows from L2 (docs/benchmarks-history.md, dependent launches in the decode graphs)
+NARROW_64 = GemmPlan(64, 64, 4, 6, bk=128)
+
+
 def x_tile(m: int) -> int:
     """The input-row side of a weight-major tile: 16, 32 or 64 rows."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
@@ -92,7 +102,7 @@ def plan_16bit(m: int, n: int) -> GemmPlan:
             return GemmPlan(x_tile(m), 128, 4, 4, swap=True)
         if m <= 32:
             return GemmPlan(x_tile(m), 64, 4, 10, swap=True)
-        return GemmPlan(64, 64, 4, 6, bk=128)
+        return NARROW_64
     if m <= 512:
         return GemmPlan(128, 128, 8, 4)
     return GemmPlan(128, 256, 8, 3)
@@ -122,7 +132,7 @@ def _prec(dtype: torch.dtype) -> str:
 def _gemm_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
@@ -137,6 +147,7 @@ def _gemm_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
     # rows past M are masked (a one-row decode then fetches one row, not 64);
     # columns past N read a valid column again (never stored), mask-free
     bn = (rn % N).to(tl.int64)
+    pdl_enter(PDL)
     rk = tl.arange(0, BK)
     a_ptr = A + rm[:, None].to(tl.int64) * s_am + rk[None, :] * s_ak
     b_ptr = B + rk[:, None] * s_bk + bn[None, :] * s_bn
@@ -204,7 +215,8 @@ def _store_swap(acc, BIAS, C, M, N, s_cm, pn, pm, HAS_BIAS: tl.constexpr, BM: tl
 @triton.jit(do_not_specialize=["M"])
 def _gemm_swap_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """C^T = W^T A^T tile by tile: the weight panel [BN, BK] is the instruction's
     row operand and A^T [BK, BM] its column operand. Each output element is still
     one fp32 accumulator advanced by the same 16-deep K steps from k = 0 (the
@@ -216,6 +228,7 @@ def _gemm_swap_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
     rm = pm * BM + tl.arange(0, BM)
     row_ok = rm < M
     bn = (rn % N).to(tl.int64)
+    pdl_enter(PDL)
     rk = tl.arange(0, BK)
     w_ptr = B + bn[:, None] * s_bn + rk[None, :] * s_bk           # [BN, BK]
     x_ptr = A + rm[None, :].to(tl.int64) * s_am + rk[:, None] * s_ak  # [BK, BM]
@@ -295,15 +308,16 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
         _linear_tma(x, w_t, bias, out, p)
         return out
     b = bias.contiguous() if bias is not None else out
+    extra = triton_pdl.opts()         # inside a decode graph's capture: PDL
     if p.swap:
         _gemm_swap_kernel[(triton.cdiv(n, p.bn), triton.cdiv(m, p.bm))](
             x, w_t, b, out, m, n, k, x.stride(0), x.stride(1), w_t.stride(0), w_t.stride(1),
             out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % p.bk == 0, BM=p.bm, BN=p.bn,
-            BK=p.bk, PREC=_prec(x.dtype), num_warps=p.warps, num_stages=p.stages)
+            BK=p.bk, PREC=_prec(x.dtype), num_warps=p.warps, num_stages=p.stages, **extra)
         return out
     grid = (triton.cdiv(m, p.bm) * triton.cdiv(n, p.bn),)
     _gemm_kernel[grid](x, w_t, b, out, m, n, k, x.stride(0), x.stride(1), w_t.stride(0),
                        w_t.stride(1), out.stride(0), HAS_BIAS=bias is not None,
                        EVEN_K=k % p.bk == 0, BM=p.bm, BN=p.bn, BK=p.bk, GROUP_M=p.group_m,
-                       PREC=_prec(x.dtype), num_warps=p.warps, num_stages=p.stages)
+                       PREC=_prec(x.dtype), num_warps=p.warps, num_stages=p.stages, **extra)
     return out

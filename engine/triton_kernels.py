@@ -16,9 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import triton_pdl
+from engine.triton_pdl import pdl_enter
+
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, s_x, s_y, n, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, s_x, s_y, n, eps, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     mask = i < n
@@ -37,12 +42,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _rms_norm_kernel[(m,)](x, weight, y, x.stride(0), y.stride(0), n, eps,
-                               BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4)
+                               BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4,
+                               **triton_pdl.opts())
     return y
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, D, W, XO, Y, s_x, s_d, s_xo, s_y, n, eps, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(X, D, W, XO, Y, s_x, s_d, s_xo, s_y, n, eps, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     mask = i < n
@@ -73,12 +81,13 @@ def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
     if m:
         _add_rms_norm_kernel[(m,)](x, d, weight, xo, y, x.stride(0), d.stride(0), xo.stride(0),
                                    y.stride(0), n, eps, BLOCK=triton.next_power_of_2(n),
-                                   num_warps=8 if n >= 2048 else 4)
+                                   num_warps=8 if n >= 2048 else 4, **triton_pdl.opts())
     return xo, y
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, s_g, s_y, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Y, s_g, s_y, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < inter
@@ -98,13 +107,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if m:
         block = 1024
         _silu_mul_kernel[(m, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0),
-                                                        y.stride(0), inter, BLOCK=block)
+                                                        y.stride(0), inter, BLOCK=block,
+                                                        **triton_pdl.opts())
     return y
 
 
 @triton.jit
 def _rope_kernel(X, POS, COS, SIN, Y, s_xm, s_xh, s_ym, s_yh, s_c,
-                 HALF: tl.constexpr, BLOCK: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     i = tl.arange(0, BLOCK)
@@ -129,5 +140,5 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         half = d // 2
         _rope_kernel[(m, heads)](x, positions, cos, sin, y, x.stride(0), x.stride(1),
                                  y.stride(0), y.stride(1), cos.stride(0), HALF=half,
-                                 BLOCK=triton.next_power_of_2(half))
+                                 BLOCK=triton.next_power_of_2(half), **triton_pdl.opts())
     return y
