@@ -1,0 +1,256 @@
+"""Where a CUDA decode step's time goes, and what dependent launches
+(engine/triton_pdl.py) and other decode choices change, in one process.
+
+For each kernel family and batch: decode tok/s and its fraction of the HBM
+roofline (a copy timed in the same process, as ``benchmarks.kernels``), the
+step split into the graph's device time and the rest (inputs, sampling, the
+tokens' copy back: ``Engine.last_step``), the graph's replays alone, and each
+launch mode's logits and greedy tokens against the plain mode's, bit for bit.
+Then a ``torch.profiler`` trace of graph replays at the chosen batches: time
+per kernel, and the gaps between kernels inside the graph.
+
+``python3 -m benchmarks.decode_profile --model llama-8b-shape --json OUT.json``.
+A mode is ``plain`` or ``+``-joined parts: ``pdl`` (dependent launches),
+``nBMxBNsSkK`` (``triton_gemm.NARROW_64``, the 33-64-row plan of narrow
+outputs: tile, stages, K per stage), ``asN`` (decode attention pipeline
+stages); ``@B`` at the end runs it at batch B only. Plans and stages only
+schedule the same arithmetic: the bit checks say whether that held. Issue 21,
+docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+from benchmarks.engine import _prompt, decode_limit_tok_s, mem_copy_gbps
+from engine import triton_attention, triton_gemm
+from engine.config import EngineConfig
+from engine.runner import Engine
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+SHIPPED_N64 = triton_gemm.NARROW_64
+SHIPPED_STAGES = triton_attention.DECODE_STAGES
+
+
+def parse_plan(spec: str) -> triton_gemm.GemmPlan:
+    """``64x32s6k128`` -> GemmPlan(64, 32, 4 warps, 6 stages, bk=128)."""
+    tile, rest = spec.split("s")
+    stages, bk = rest.split("k")
+    bm, bn = tile.split("x")
+    return triton_gemm.GemmPlan(int(bm), int(bn), 4, int(stages), bk=int(bk))
+
+
+def set_mode(eng: Engine, mode: str) -> None:
+    runner = eng._paged
+    assert runner is not None
+    parts = mode.split("@")[0].split("+")
+    runner.pdl = "pdl" in parts
+    triton_gemm.NARROW_64 = SHIPPED_N64
+    triton_attention.DECODE_STAGES = SHIPPED_STAGES
+    for part in parts:
+        if part.startswith("n"):
+            triton_gemm.NARROW_64 = parse_plan(part[1:])
+        elif part.startswith("as"):
+            triton_attention.DECODE_STAGES = int(part[2:])
+    runner.reset_graphs()
+
+
+def mode_batches(mode: str, batches: list[int]) -> list[int]:
+    return [int(mode.split("@")[1])] if "@" in mode else batches
+
+
+def _short(name: str) -> str:
+    for key in ("_gemm_swap_kernel", "_gemm_kernel", "_decode_kernel", "_fold_splits",
+                "_add_rms_norm_kernel", "_rms_norm_kernel", "_silu_mul_kernel", "_rope_kernel",
+                "_write_kv_kernel", "_paged_decode_kernel", "_merge_splits_kernel"):
+        if key in name:
+            return key
+    if "gemm" in name or "gemv" in name or "nvjet" in name or "xmma" in name:
+        return "cublas:" + name[:48]
+    return name[:60]
+
+
+def profile_replays(eng: Engine, b: int, replays: int, out_dir: str, tag: str) -> dict:
+    """Kernel time per name and the gaps between kernels, one graph replay's mean."""
+    runner = eng._paged
+    assert runner is not None
+    graph, _ = runner._graph(b)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    path = os.path.join(out_dir, f"trace_{tag}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
+    kern = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kern:
+        return {"kernels": 0}
+    per = len(kern) // replays
+    by: dict[str, list[float]] = defaultdict(list)
+    gaps_before: dict[str, float] = defaultdict(float)
+    spans, busy, gaps = [], [], []
+    for r in range(replays):
+        ks = kern[r * per:(r + 1) * per]
+        spans.append(ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"])
+        busy.append(sum(k["dur"] for k in ks))
+        g = 0.0
+        for prev, k in itertools.pairwise(ks):
+            gap = max(0.0, k["ts"] - (prev["ts"] + prev["dur"]))
+            g += gap
+            gaps_before[_short(k["name"])] += gap / replays
+        gaps.append(g)
+        for k in ks:
+            by[_short(k["name"])].append(k["dur"])
+    table = sorted(((n, len(d) / replays, sum(d) / replays) for n, d in by.items()),
+                   key=lambda x: -x[2])
+    return {"kernels_per_replay": per, "span_us": statistics.median(spans),
+            "busy_us": statistics.median(busy), "gaps_us": statistics.median(gaps),
+            "by_kernel": [{"name": n, "count": c, "us": us,
+                           "gap_before_us": gaps_before[n]} for n, c, us in table]}
+
+
+def run_batch(eng: Engine, b: int, steps: int, ctx: int, bw: float, mode: str,
+              ref: dict[int, dict]) -> dict:
+    set_mode(eng, mode)
+    sids = [f"d{i}" for i in range(b)]
+    try:
+        for i, s in enumerate(sids):
+            eng.prefill(s, _prompt(ctx, eng.model_config.vocab_size, 1000 + i))
+        return _run_batch(eng, sids, b, steps, ctx, bw, mode, ref)
+    finally:
+        for s in sids:
+            if s in eng.live_sequences:
+                eng.free(s)
+
+
+def _run_batch(eng: Engine, sids: list[str], b: int, steps: int, ctx: int, bw: float,
+               mode: str, ref: dict[int, dict]) -> dict:
+    runner = eng._paged
+    assert runner is not None
+    seqs = [eng._seq(s) for s in sids]
+    eng._grow(seqs)
+    args = ([s.pending for s in seqs], [s.kv_len for s in seqs], [list(s.blocks) for s in seqs])
+    logits = runner.step(*args).clone()         # captures this mode's graph
+    eng.decode_step(sids)                       # warm-up (the same token again: same K/V)
+    totals, fwds = [], []
+    torch.cuda.synchronize()
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1 = torch.cuda.Event(enable_timing=True)
+    w0 = time.perf_counter()
+    for _ in range(steps):
+        eng.decode_step(sids)
+        st = eng.last_step
+        assert st is not None
+        totals.append(st.total_s)
+        fwds.append(st.forward_s)
+    wall = time.perf_counter() - w0
+    toks = [eng.seq_tokens(s)[ctx:] for s in sids]
+    graph, _ = runner._graph(runner.bucket(b))
+    t0.record()
+    for _ in range(20):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    replay_ms = t0.elapsed_time(t1) / 20
+    tok_s = b * steps / wall
+    limit = decode_limit_tok_s(eng, b, ctx, steps, bw)
+    res = {"tok_s": tok_s, "vs_roofline": tok_s / limit,
+           "step_ms": 1e3 * statistics.median(totals), "forward_ms": 1e3 * statistics.median(fwds),
+           "other_ms": 1e3 * (statistics.median(totals) - statistics.median(fwds)),
+           "replay_ms": replay_ms, "replay_vs_roofline": (b / (replay_ms / 1e3)) / limit}
+    if mode == "plain" or b not in ref:
+        ref[b] = {"logits": logits, "tokens": toks}
+    else:
+        res["logits_equal"] = bool(torch.equal(logits, ref[b]["logits"]))
+        res["tokens_equal"] = toks == ref[b]["tokens"]
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="llama-8b-shape")
+    p.add_argument("--kernels", nargs="+", default=["triton_bi", "triton"])
+    p.add_argument("--modes", nargs="+", default=["plain", "pdl"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--profile", type=int, nargs="*", default=[1, 64],
+                   help="batches whose graph replays are profiled in --profile-modes")
+    p.add_argument("--profile-modes", nargs="*", default=["plain", "pdl"])
+    p.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))
+    p.add_argument("--json", default="")
+    a = p.parse_args(argv)
+    from engine import triton_pdl
+    _log(f"PDL supported: {triton_pdl.supported()} (gdc in Triton: {triton_pdl.HAVE_GDC})")
+    res: dict[str, object] = {"model": a.model, "ctx": a.ctx, "steps": a.steps}
+    for fam in a.kernels:
+        eng = Engine(EngineConfig(model=a.model, dtype="bfloat16", device="cuda", kernels=fam,
+                                  block_tokens=64, num_blocks=1024, prefill_chunk=2048,
+                                  decode_bucket=max(a.batches)))
+        # the first copy of a process reads low (3.76 against 4.1-4.2 TB/s on the
+        # H200, 2026-12-02: benchmarks.kernels times it after its prefills)
+        mem_copy_gbps(eng.device)
+        bw = mem_copy_gbps(eng.device) * 1e9
+        fr: dict[str, object] = {"hbm_copy_gbps": bw / 1e9}
+        ref: dict[int, dict] = {}
+        # plan and attention variants are triton_bi's kernels
+        modes = a.modes if fam == "triton_bi" else [
+            m for m in a.modes if all(p in ("plain", "pdl") for p in m.split("@")[0].split("+"))]
+        for b in a.batches:
+            for mode in modes:
+                if b not in mode_batches(mode, a.batches):
+                    continue
+                try:
+                    r = run_batch(eng, b, a.steps, a.ctx, bw, mode, ref)
+                except Exception as e:          # one mode failing leaves the others
+                    r = {"error": repr(e)[:300]}
+                fr[f"b{b}_{mode}"] = r
+                _log(f"{fam} b{b} {mode}: " + ", ".join(
+                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in r.items()))
+        for b in a.profile:
+            for mode in a.profile_modes:
+                if mode not in modes:
+                    continue
+                try:
+                    set_mode(eng, mode)
+                    prof = profile_replays(eng, b, 5, a.out, f"{fam}_b{b}_{mode}")
+                except Exception as e:
+                    prof = {"error": repr(e)[:300]}
+                fr[f"profile_b{b}_{mode}"] = prof
+                _log(f"{fam} profile b{b} {mode}: " + json.dumps(
+                    {k: v for k, v in prof.items() if k != "by_kernel"}))
+                for row in prof.get("by_kernel", [])[:14]:
+                    _log(f"    {row['name']:<58} x{row['count']:<5.0f} {row['us']:9.1f} us"
+                         f"  gaps before {row['gap_before_us']:7.1f} us")
+        res[fam] = fr
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
