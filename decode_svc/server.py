@@ -85,6 +85,7 @@ class DecodeStats:
     local_tails_total: int = 0           # prompts computed here with no prefill (short tails)
     local_tail_tokens_total: int = 0     # prompt tokens those computed here
     local_cached_tokens_total: int = 0   # prompt tokens those took from this G1 (not computed)
+    local_colds_total: int = 0           # of those, prompts it held none of (short ones)
     local_declined_total: int = 0        # declined: G1 left more than the tail allowed
     expert_imbalance: float = 1.0
     # Prefill -> decode hand-off (pull or rebuild of the prompt's KV), by how it came.
@@ -267,15 +268,20 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             # What admit will reuse (the hit rule's reserve and, with kernels that
             # are not batch-invariant, the chunk cut applied), read with the pins held.
             reuse = self.engine.g1_admission(keys, n).usable_tokens if hold is not None else 0
-            # Holding none of it, the router's record is stale (a reset, an eviction):
-            # prefill restores what the warehouse has instead of computing it all here.
-            if reuse == 0 or n - reuse > cap:
+            # Holding none of a long prompt (the router's record is stale: a reset, an
+            # eviction), prefill restores what the warehouse has instead of computing
+            # it all here; a short one costs about a step here, and less than the hop.
+            cold_cap = min(cap, self.cfg.local_cold_max_tokens)
+            if n - reuse > cap or (reuse == 0 and n > cold_cap):
                 self.stats.local_declined_total += 1
                 raise PreconditionFailed(
                     f"this decode instance holds {reuse} of the prompt's {n} tokens; the "
                     f"{n - reuse} left exceed the {cap} it computes without a prefill"
-                    if reuse else "this decode instance holds none of the prompt; it computes only "
-                    "a short tail of what it holds without a prefill")
+                    if reuse else f"this decode instance holds none of the prompt; it computes "
+                    f"a prompt without a prefill only when it holds some or when it has at "
+                    f"most {cold_cap} tokens")
+            if reuse == 0:
+                self.stats.local_colds_total += 1
             self.stats.local_tails_total += 1
             self._source("local")
             tracing.annotate(path="local", g1_tokens=reuse)
