@@ -26,7 +26,7 @@ from proto import prefill_pb2, prefill_pb2_grpc
 from security.config import SecurityConfig
 from service.config import Endpoint
 from service.hosting import channel_options
-from service.kv_buffer import KVAssembler, KVPiece, KVShape
+from service.kv_buffer import KVAssembler, KVPiece, KVShape, Upload
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,12 @@ def _host_of(address: str) -> str:
 
 class KVPuller:
     def __init__(self, endpoint: Endpoint, *, timeout_s: float, use_shm: bool,
-                 shm_dir: str, security: SecurityConfig | None = None) -> None:
+                 shm_dir: str, security: SecurityConfig | None = None,
+                 upload: Upload | None = None) -> None:
+        """``upload``: a same-host pull's file goes straight to the engine's
+        device (service.kv_buffer.Upload), not through a host tensor."""
         self._endpoint = endpoint
+        self._upload = upload
         self._security = security or endpoint.security_for("decode")
         self._timeout_s = timeout_s
         self._use_shm = use_shm
@@ -96,7 +100,8 @@ class KVPuller:
 
     async def _pull_once(self, handle: prefill_pb2.KVHandle, shape: KVShape, n: int,
                          first: int, shm: bool, timeout_s: float) -> KVAssembler | None:
-        asm = KVAssembler(shape, n, seed=handle.kv_seed, shm_dir=self._shm_dir, first=first)
+        asm = KVAssembler(shape, n, seed=handle.kv_seed, shm_dir=self._shm_dir, first=first,
+                          upload=self._upload if shm else None)
         call = self._stub(handle.prefill_address).PullKV(
             prefill_pb2.PullKVRequest(request_id=handle.ctx.request_id, use_shm=shm,
                                       start_token=first),

@@ -45,6 +45,7 @@ from decode_svc.kv_gate import NeverFits
 from decode_svc.prefix_hold import PrefixHold, PrefixHolds
 from decode_svc.pull import KVPuller
 from decode_svc.stopping import TextStream
+from engine.staging import DeviceBudget, PinnedChunks
 from kvstore.keys import chain_keys
 from kvstore.registry import LoadReport
 from kvstore.types import PutResult, RequestCtx
@@ -52,7 +53,7 @@ from proto import decode_pb2, decode_pb2_grpc, prefill_pb2
 from service.cost import CostModel
 from service.engine_thread import EngineThread
 from service.errors import InvalidRequest, Overloaded, PreconditionFailed, grpc_stream, grpc_unary
-from service.kv_buffer import KVIntegrityError, KVShape
+from service.kv_buffer import KVIntegrityError, KVShape, Upload
 from service.metrics import Hist, Source
 from service.request import ModelIdentity, check_tokens, sampling_from_proto
 from service.restore import Restorer
@@ -125,7 +126,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         security = cfg.endpoint.security_for("decode")
         self.secret = security.require_secret()  # keys tenant salts (kvstore.keys)
         self.puller = KVPuller(cfg.endpoint, timeout_s=cfg.pull_timeout_s,
-                               use_shm=cfg.use_shm, shm_dir=cfg.shm_dir, security=security)
+                               use_shm=cfg.use_shm, shm_dir=cfg.shm_dir, security=security,
+                               upload=_upload(engine))
         self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s,
                                security=security)
         self.cost = CostModel(cfg.cost, block_nbytes=engine.layout.block_nbytes,
@@ -626,3 +628,17 @@ def _expert_load(cfg: DecodeConfig, mc: Any) -> ExpertLoad | None:
     return ExpertLoad(n_layers, n_experts, placement, window_steps=cfg.expert_window_steps,
                       replan_steps=cfg.expert_replan_steps if auto else 0,
                       redundant=cfg.ep_redundant)
+
+
+# Pulled prompts on the device between their pull and their adopt, outside the
+# engine's pool: 2 GiB is 8 llama-8b-shape prompts of 2,048 tokens, plenty at
+# DMA speed; past it a pull lands on the host and its adopt uploads it.
+_UPLOAD_BYTES = 2 << 30
+
+
+def _upload(engine: Any) -> Upload | None:
+    """On CUDA, same-host pulls go straight to the engine's device."""
+    device = getattr(engine, "device", None)
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        return None
+    return Upload(device, PinnedChunks(sets=4, pin=True), DeviceBudget(_UPLOAD_BYTES))
