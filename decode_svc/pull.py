@@ -37,6 +37,7 @@ class Pulled:
     path: str                       # "shm" | "stream"
     seconds: float
     nbytes: int
+    place_seconds: float = 0.0      # of ``seconds``: reading, verifying and placing the KV
 
 
 @functools.lru_cache(maxsize=256)
@@ -88,18 +89,20 @@ class KVPuller:
         timeout = self._timeout_s if budget_s is None else max(0.001, min(self._timeout_s,
                                                                          budget_s))
         shm = self._use_shm and is_local_host(_host_of(handle.prefill_address))
-        asm = await self._pull_once(handle, shape, n, first, shm, timeout)
+        place = [0.0]
+        asm = await self._pull_once(handle, shape, n, first, shm, timeout, place)
         if asm is None:                     # shm file not usable here: stream it
             asm = await self._pull_once(handle, shape, n, first, False,
-                                        timeout - (time.perf_counter() - t0))
+                                        timeout - (time.perf_counter() - t0), place)
             shm = False
         assert asm is not None
         kv = asm.done()
         return Pulled(kv, "shm" if shm else "stream", time.perf_counter() - t0,
-                      kv.numel() * kv.element_size())
+                      kv.numel() * kv.element_size(), place[0])
 
     async def _pull_once(self, handle: prefill_pb2.KVHandle, shape: KVShape, n: int,
-                         first: int, shm: bool, timeout_s: float) -> KVAssembler | None:
+                         first: int, shm: bool, timeout_s: float,
+                         place: list[float]) -> KVAssembler | None:
         asm = KVAssembler(shape, n, seed=handle.kv_seed, shm_dir=self._shm_dir, first=first,
                           upload=self._upload if shm else None)
         call = self._stub(handle.prefill_address).PullKV(
@@ -112,10 +115,12 @@ class KVPuller:
                 return None
             piece = KVPiece(chunk.start_token, chunk.token_count, chunk.data, chunk.shm_name,
                             chunk.shm_offset, chunk.size, chunk.checksum)
+            t = time.perf_counter()
             if piece.shm_name:          # a file read and checksum: off the event loop
                 await asyncio.to_thread(asm.add, piece)
             else:
                 asm.add(piece)
+            place[0] += time.perf_counter() - t
         return asm
 
     async def release(self, handle: prefill_pb2.KVHandle) -> None:

@@ -73,6 +73,8 @@ class DecodeStats:
     pull_bytes_total: int = 0
     g1_prefix_tokens_total: int = 0      # prompt tokens decode's own G1 held (not pulled)
     pull_seconds_total: float = 0.0
+    pull_place_seconds_total: float = 0.0   # of it: reading, verifying, placing (the upload)
+    pulls_to_device_total: int = 0          # landed on the device (the rest: host, adopt uploads)
     rebuilt_tokens_total: int = 0        # recomputed during rebuilds from the warehouse
     rebuilds_total: dict[str, int] = field(default_factory=dict)   # why the pull was not used
     kv_integrity_failures_total: int = 0  # hand-off pieces that failed their checksum
@@ -470,6 +472,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self._source(pulled.path)
         self.stats.pull_bytes_total += pulled.nbytes
         self.stats.pull_seconds_total += pulled.seconds
+        self.stats.pull_place_seconds_total += pulled.place_seconds
+        self.stats.pulls_to_device_total += pulled.kv.device.type != "cpu"
         self.stats.g1_prefix_tokens_total += first
         self.stats.handoff_seconds[pulled.path].observe(pulled.seconds)
         tracing.annotate(path=pulled.path, bytes=pulled.nbytes, g1_tokens=first)

@@ -455,7 +455,9 @@ class StepLoop:
         if self._take(rid, job) is None:
             return None
         try:
+            t0 = time.perf_counter()
             kv = await asyncio.to_thread(self._copy_out, rid, start, len(job.tokens), alloc)
+            self._stats.handoff_copy_seconds_total += time.perf_counter() - t0
         finally:
             self._thread.submit(self._free, rid, job.g1_keys)
         self._stats.handoff_materialized_total += 1
