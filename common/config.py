@@ -263,12 +263,19 @@ class RouterSection:
     # prefill hop (cache-aware policies only; 0: always prefill). docs/services.md,
     # "A short tail on decode".
     local_tail_tokens: int = 512
+    # A prompt of at most this many tokens that no instance holds goes to the least loaded
+    # decode instance with no prefill hop: computing it there costs about one decode step,
+    # where the hop costs a prefill queue and a hand-off (0: always prefill).
+    # docs/services.md, "A short prompt on decode".
+    local_cold_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.heartbeat_s <= 0 or self.instance_ttl_s <= self.heartbeat_s:
             raise ConfigError("router.instance_ttl_s must exceed router.heartbeat_s > 0")
         if self.local_tail_tokens < 0:
             raise ConfigError("router.local_tail_tokens must be >= 0 (0: always prefill)")
+        if self.local_cold_tokens < 0:
+            raise ConfigError("router.local_cold_tokens must be >= 0 (0: always prefill)")
 
 
 PREFILL_POLICIES = ("fcfs", "src")    # prefill_svc/policy.py registers each

@@ -35,6 +35,10 @@ class DecodeConfig:
     # this instance's G1 leaves at most this many tokens, whatever the router asks; more
     # are declined before any work (docs/services.md, "A short tail on decode").
     local_tail_max_tokens: int = 2048
+    # Such a prompt of which this instance holds nothing: computed here when it has at
+    # most this many tokens, whatever the router asks (docs/services.md, "A short prompt
+    # on decode"); a longer one is declined, and prefill restores what the warehouse has.
+    local_cold_max_tokens: int = 256
     # Prompt tokens computed per sequence between two decode steps (short tails, rebuilds):
     # a tail up to this size gets its first token after one step; a longer one delays the
     # decode of the others by at most one chunk per step.
@@ -57,6 +61,8 @@ class DecodeConfig:
             raise ConfigError("warmup_tokens must be >= 0")
         if self.local_tail_max_tokens < 0:
             raise ConfigError("local_tail_max_tokens must be >= 0 (0: always prefill)")
+        if self.local_cold_max_tokens < 0:
+            raise ConfigError("local_cold_max_tokens must be >= 0 (0: always prefill)")
         if self.prefill_chunk_tokens < 1:
             raise ConfigError("prefill_chunk_tokens must be >= 1")
 

@@ -26,7 +26,7 @@ from proto import prefill_pb2, prefill_pb2_grpc
 from security.config import SecurityConfig
 from service.config import Endpoint
 from service.hosting import channel_options
-from service.kv_buffer import KVAssembler, KVPiece, KVShape
+from service.kv_buffer import KVAssembler, KVPiece, KVShape, Upload
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class Pulled:
     path: str                       # "shm" | "stream"
     seconds: float
     nbytes: int
+    place_seconds: float = 0.0      # of ``seconds``: reading, verifying and placing the KV
 
 
 @functools.lru_cache(maxsize=256)
@@ -59,8 +60,12 @@ def _host_of(address: str) -> str:
 
 class KVPuller:
     def __init__(self, endpoint: Endpoint, *, timeout_s: float, use_shm: bool,
-                 shm_dir: str, security: SecurityConfig | None = None) -> None:
+                 shm_dir: str, security: SecurityConfig | None = None,
+                 upload: Upload | None = None) -> None:
+        """``upload``: a same-host pull's file goes straight to the engine's
+        device (service.kv_buffer.Upload), not through a host tensor."""
         self._endpoint = endpoint
+        self._upload = upload
         self._security = security or endpoint.security_for("decode")
         self._timeout_s = timeout_s
         self._use_shm = use_shm
@@ -84,19 +89,22 @@ class KVPuller:
         timeout = self._timeout_s if budget_s is None else max(0.001, min(self._timeout_s,
                                                                          budget_s))
         shm = self._use_shm and is_local_host(_host_of(handle.prefill_address))
-        asm = await self._pull_once(handle, shape, n, first, shm, timeout)
+        place = [0.0]
+        asm = await self._pull_once(handle, shape, n, first, shm, timeout, place)
         if asm is None:                     # shm file not usable here: stream it
             asm = await self._pull_once(handle, shape, n, first, False,
-                                        timeout - (time.perf_counter() - t0))
+                                        timeout - (time.perf_counter() - t0), place)
             shm = False
         assert asm is not None
         kv = asm.done()
         return Pulled(kv, "shm" if shm else "stream", time.perf_counter() - t0,
-                      kv.numel() * kv.element_size())
+                      kv.numel() * kv.element_size(), place[0])
 
     async def _pull_once(self, handle: prefill_pb2.KVHandle, shape: KVShape, n: int,
-                         first: int, shm: bool, timeout_s: float) -> KVAssembler | None:
-        asm = KVAssembler(shape, n, seed=handle.kv_seed, shm_dir=self._shm_dir, first=first)
+                         first: int, shm: bool, timeout_s: float,
+                         place: list[float]) -> KVAssembler | None:
+        asm = KVAssembler(shape, n, seed=handle.kv_seed, shm_dir=self._shm_dir, first=first,
+                          upload=self._upload if shm else None)
         call = self._stub(handle.prefill_address).PullKV(
             prefill_pb2.PullKVRequest(request_id=handle.ctx.request_id, use_shm=shm,
                                       start_token=first),
@@ -107,10 +115,12 @@ class KVPuller:
                 return None
             piece = KVPiece(chunk.start_token, chunk.token_count, chunk.data, chunk.shm_name,
                             chunk.shm_offset, chunk.size, chunk.checksum)
+            t = time.perf_counter()
             if piece.shm_name:          # a file read and checksum: off the event loop
                 await asyncio.to_thread(asm.add, piece)
             else:
                 asm.add(piece)
+            place[0] += time.perf_counter() - t
         return asm
 
     async def release(self, handle: prefill_pb2.KVHandle) -> None:

@@ -45,6 +45,7 @@ from decode_svc.kv_gate import NeverFits
 from decode_svc.prefix_hold import PrefixHold, PrefixHolds
 from decode_svc.pull import KVPuller
 from decode_svc.stopping import TextStream
+from engine.staging import DeviceBudget, PinnedChunks
 from kvstore.keys import chain_keys
 from kvstore.registry import LoadReport
 from kvstore.types import PutResult, RequestCtx
@@ -52,7 +53,7 @@ from proto import decode_pb2, decode_pb2_grpc, prefill_pb2
 from service.cost import CostModel
 from service.engine_thread import EngineThread
 from service.errors import InvalidRequest, Overloaded, PreconditionFailed, grpc_stream, grpc_unary
-from service.kv_buffer import KVIntegrityError, KVShape
+from service.kv_buffer import KVIntegrityError, KVShape, Upload
 from service.metrics import Hist, Source
 from service.request import ModelIdentity, check_tokens, sampling_from_proto
 from service.restore import Restorer
@@ -72,6 +73,8 @@ class DecodeStats:
     pull_bytes_total: int = 0
     g1_prefix_tokens_total: int = 0      # prompt tokens decode's own G1 held (not pulled)
     pull_seconds_total: float = 0.0
+    pull_place_seconds_total: float = 0.0   # of it: reading, verifying, placing (the upload)
+    pulls_to_device_total: int = 0          # landed on the device (the rest: host, adopt uploads)
     rebuilt_tokens_total: int = 0        # recomputed during rebuilds from the warehouse
     rebuilds_total: dict[str, int] = field(default_factory=dict)   # why the pull was not used
     kv_integrity_failures_total: int = 0  # hand-off pieces that failed their checksum
@@ -85,6 +88,7 @@ class DecodeStats:
     local_tails_total: int = 0           # prompts computed here with no prefill (short tails)
     local_tail_tokens_total: int = 0     # prompt tokens those computed here
     local_cached_tokens_total: int = 0   # prompt tokens those took from this G1 (not computed)
+    local_colds_total: int = 0           # of those, prompts it held none of (short ones)
     local_declined_total: int = 0        # declined: G1 left more than the tail allowed
     expert_imbalance: float = 1.0
     # Prefill -> decode hand-off (pull or rebuild of the prompt's KV), by how it came.
@@ -125,7 +129,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         security = cfg.endpoint.security_for("decode")
         self.secret = security.require_secret()  # keys tenant salts (kvstore.keys)
         self.puller = KVPuller(cfg.endpoint, timeout_s=cfg.pull_timeout_s,
-                               use_shm=cfg.use_shm, shm_dir=cfg.shm_dir, security=security)
+                               use_shm=cfg.use_shm, shm_dir=cfg.shm_dir, security=security,
+                               upload=_upload(engine))
         self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s,
                                security=security)
         self.cost = CostModel(cfg.cost, block_nbytes=engine.layout.block_nbytes,
@@ -267,15 +272,20 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             # What admit will reuse (the hit rule's reserve and, with kernels that
             # are not batch-invariant, the chunk cut applied), read with the pins held.
             reuse = self.engine.g1_admission(keys, n).usable_tokens if hold is not None else 0
-            # Holding none of it, the router's record is stale (a reset, an eviction):
-            # prefill restores what the warehouse has instead of computing it all here.
-            if reuse == 0 or n - reuse > cap:
+            # Holding none of a long prompt (the router's record is stale: a reset, an
+            # eviction), prefill restores what the warehouse has instead of computing
+            # it all here; a short one costs about a step here, and less than the hop.
+            cold_cap = min(cap, self.cfg.local_cold_max_tokens)
+            if n - reuse > cap or (reuse == 0 and n > cold_cap):
                 self.stats.local_declined_total += 1
                 raise PreconditionFailed(
                     f"this decode instance holds {reuse} of the prompt's {n} tokens; the "
                     f"{n - reuse} left exceed the {cap} it computes without a prefill"
-                    if reuse else "this decode instance holds none of the prompt; it computes only "
-                    "a short tail of what it holds without a prefill")
+                    if reuse else f"this decode instance holds none of the prompt; it computes "
+                    f"a prompt without a prefill only when it holds some or when it has at "
+                    f"most {cold_cap} tokens")
+            if reuse == 0:
+                self.stats.local_colds_total += 1
             self.stats.local_tails_total += 1
             self._source("local")
             tracing.annotate(path="local", g1_tokens=reuse)
@@ -468,6 +478,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self._source(pulled.path)
         self.stats.pull_bytes_total += pulled.nbytes
         self.stats.pull_seconds_total += pulled.seconds
+        self.stats.pull_place_seconds_total += pulled.place_seconds
+        self.stats.pulls_to_device_total += pulled.kv.device.type != "cpu"
         self.stats.g1_prefix_tokens_total += first
         self.stats.handoff_seconds[pulled.path].observe(pulled.seconds)
         tracing.annotate(path=pulled.path, bytes=pulled.nbytes, g1_tokens=first)
@@ -626,3 +638,17 @@ def _expert_load(cfg: DecodeConfig, mc: Any) -> ExpertLoad | None:
     return ExpertLoad(n_layers, n_experts, placement, window_steps=cfg.expert_window_steps,
                       replan_steps=cfg.expert_replan_steps if auto else 0,
                       redundant=cfg.ep_redundant)
+
+
+# Pulled prompts on the device between their pull and their adopt, outside the
+# engine's pool: 2 GiB is 8 llama-8b-shape prompts of 2,048 tokens, plenty at
+# DMA speed; past it a pull lands on the host and its adopt uploads it.
+_UPLOAD_BYTES = 2 << 30
+
+
+def _upload(engine: Any) -> Upload | None:
+    """On CUDA, same-host pulls go straight to the engine's device."""
+    device = getattr(engine, "device", None)
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        return None
+    return Upload(device, PinnedChunks(sets=4, pin=True), DeviceBudget(_UPLOAD_BYTES))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import PoolExhaustedError
+from engine.staging import CAPTURE, PinnedChunks, export_rows
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -106,6 +107,17 @@ class KVStorage:
     def export_tokens(self, slots: torch.Tensor) -> torch.Tensor:
         # -> [L, 2, H, n_tokens, D]
         return self._slots.index_select(3, slots)
+
+    def export_tokens_into(self, slots: torch.Tensor, out: torch.Tensor,
+                           chunks: PinnedChunks) -> torch.Tensor:
+        """``export_tokens`` into a contiguous host ``out`` [L, 2, H, n, D]
+        through pinned chunks on a side stream (engine.staging): one DMA per
+        group of (layer, K/V, head) rows, never a pageable copy of the whole."""
+        L, H, D = self.layout.layers, self.layout.kv_heads, self.layout.head_dim
+        rows = self._slots.view(L * 2 * H, -1, D)
+        with CAPTURE.copy():
+            export_rows(rows, slots, out.view(L * 2 * H, -1, D), chunks)
+        return out
 
     def import_tokens(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         # kv: [L, 2, H, n_tokens, D]

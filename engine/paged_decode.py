@@ -29,6 +29,7 @@ import triton.language as tl
 
 from engine import triton_pdl
 from engine.kv_pool import KVStorage
+from engine.staging import CAPTURE
 from engine.triton_pdl import pdl_enter
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -267,7 +268,8 @@ class DecodeRunner:
                         self.forward(buf.tokens, buf.positions, attn)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                # No other thread's staged hand-off copy may run during the capture.
+                with CAPTURE.capture(), torch.cuda.graph(graph, pool=self._pool):
                     logits = self.forward(buf.tokens, buf.positions, attn)
             self._graphs[b] = (graph, logits)
             self._attends[b] = attn

@@ -42,6 +42,7 @@ from engine.prefill_steps import PrefillSteps
 from engine.sampling import RowSampler, SamplingParams, sample_rows
 from engine.sequence import G1Admission, GenerationResult, PrefillResult, Sequence
 from engine.source import load_source
+from engine.staging import PinnedChunks
 from engine.step_clock import StepClock, StepTimes
 
 if TYPE_CHECKING:
@@ -421,13 +422,30 @@ class Engine(PrefillSteps):
         return self.storage.export(s.table[start_block: start_block + n], out)
 
     @torch.no_grad()
-    def export_tokens(self, seq_id: str, start: int, end: int) -> torch.Tensor:
-        """KV of tokens [start, end) as [layers, 2, kv_heads, end - start, head_dim]."""
+    def export_tokens(self, seq_id: str, start: int, end: int, *,
+                      out: torch.Tensor | None = None,
+                      chunks: PinnedChunks | None = None) -> torch.Tensor:
+        """KV of tokens [start, end) as [layers, 2, kv_heads, end - start, head_dim],
+        on the host. ``out`` (contiguous, host, that shape and dtype): written
+        in place, through ``chunks`` where given (the hand-off's copy-out)."""
         s = self._seq(seq_id)
         if not 0 <= start <= end <= s.kv_len:
             raise EngineInputError(f"tokens [{start}, {end}) out of range: sequence "
                                    f"{seq_id!r} has KV for {s.kv_len} tokens")
-        return self.storage.export_tokens(self._slots(s.table, start, end)).cpu()
+        if out is None:
+            return self.storage.export_tokens(self._slots(s.table, start, end)).cpu()
+        L, _, H, _, D = self.layout.block_shape
+        if (tuple(out.shape) != (L, 2, H, end - start, D) or out.dtype != self.dtype
+                or not out.is_contiguous() or out.device.type != "cpu"):
+            raise EngineInputError(f"export destination {tuple(out.shape)} {out.dtype} "
+                                   f"{out.device} does not fit tokens [{start}, {end})")
+        if chunks is not None:
+            # Slots from the host's block list, not the device table: the copy runs
+            # on a side stream, and nothing on the default stream (the step in
+            # flight) is waited for or raced with.
+            host = self._slots(torch.tensor(s.blocks, dtype=torch.int64), start, end)
+            return self.storage.export_tokens_into(host, out, chunks)
+        return out.copy_(self.storage.export_tokens(self._slots(s.table, start, end)))
 
     @torch.inference_mode()
     def pin_prefix(self, block_keys: Seq[bytes]) -> list[int]:
@@ -618,5 +636,5 @@ class Engine(PrefillSteps):
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         B = self.config.block_tokens
-        pos = torch.arange(start, end, device=self.device)
+        pos = torch.arange(start, end, device=table.device)
         return table[pos // B] * B + pos % B

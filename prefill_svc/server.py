@@ -82,6 +82,11 @@ class PrefillStats:
     handoff_materialized_total: int = 0     # copied out by their first pull (from its start)
     handoff_demoted_total: int = 0          # copied out whole: not pulled in time, or room needed
     handoff_bytes_total: int = 0            # KV bytes copied out of the engine for decode
+    # Where a pull's time goes on this side (issue 18: 268 MB took ~1 s a pull
+    # under load on the H200, and nothing said where):
+    handoff_copy_seconds_total: float = 0.0     # the copy-outs themselves (engine -> host)
+    pull_hold_seconds_total: float = 0.0        # PullKV start -> KV on the host (waits included)
+    pull_shm_seconds_total: float = 0.0         # the hand-off file's checksum (or write)
     queue_seconds: Hist = field(default_factory=Hist)   # arrival to admission
 
 
@@ -297,12 +302,16 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     @grpc_stream
     async def PullKV(self, request: prefill_pb2.PullKVRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.KVChunk]:
+        t0 = time.perf_counter()
         await self._buffered(request.request_id)
         first = request.start_token
         entry = await self.buffer.hold(self.buffer.get(request.request_id), first)
+        t1 = time.perf_counter()
+        self.stats.pull_hold_seconds_total += t1 - t0
         if request.use_shm and self.buffer.shm_capable:
             try:
                 p = await asyncio.to_thread(self.buffer.shm_piece, entry, first)
+                self.stats.pull_shm_seconds_total += time.perf_counter() - t1
             except OSError as exc:               # /dev/shm full: stream instead
                 log.warning("shared-memory pull of %s failed (%s); streaming", entry.request_id,
                             exc)

@@ -43,12 +43,13 @@ import torch
 
 from common.config import PrefillSection
 from engine import EngineInputError, PoolExhaustedError, PrefillResult
+from engine.staging import PinnedChunks
 from kvstore.types import RequestCtx
 from prefill_svc.scheduler import Entry, Scheduler, StepPlan
 from service.aio import background, settle
 from service.engine_thread import EngineThread
 from service.errors import Busy, InvalidRequest, UpstreamUnavailable
-from service.kv_buffer import Resident
+from service.kv_buffer import HostAlloc, Resident
 from service.restore import Restore
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,10 @@ class StepLoop:
         self._warming: set[asyncio.Task[Any]] = set()
         self._pool_seen: tuple[int, int, int] = (-1, -1, -1)   # G1 when waiting ones were sized
         self.jobs: dict[str, Job] = {}      # request id -> job, until its KV is buffered
+        # The copy-outs' pinned chunks (CUDA): a few copies at once run at DMA
+        # speed, more would only share the link.
+        on_cuda = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
+        self._chunks = PinnedChunks(sets=4, pin=True) if on_cuda else None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -436,10 +441,12 @@ class StepLoop:
         with self._held_lock:
             return list(self._held)
 
-    async def materialize(self, job: Job, start: int) -> torch.Tensor | None:
+    async def materialize(self, job: Job, start: int,
+                          alloc: HostAlloc | None = None) -> torch.Tensor | None:
         """Decode's first pull: tokens [start, L) of ``job``'s resident prompt to
-        the host, then it is freed. None when it is no longer resident (it was
-        demoted: its whole KV reached ``on_demoted`` first).
+        the host (into a tensor from ``alloc``: the buffer's hand-off file), then
+        it is freed. None when it is no longer resident (it was demoted: its
+        whole KV reached ``on_demoted`` first).
 
         The copy runs on a worker thread, not behind the engine thread's step in
         flight: the claimed sequence is finished and still live, so no step
@@ -448,13 +455,25 @@ class StepLoop:
         if self._take(rid, job) is None:
             return None
         try:
-            kv = await asyncio.to_thread(self._engine.export_tokens, rid, start,
-                                         len(job.tokens))
+            t0 = time.perf_counter()
+            kv = await asyncio.to_thread(self._copy_out, rid, start, len(job.tokens), alloc)
+            self._stats.handoff_copy_seconds_total += time.perf_counter() - t0
         finally:
             self._thread.submit(self._free, rid, job.g1_keys)
         self._stats.handoff_materialized_total += 1
         self._stats.handoff_bytes_total += kv.numel() * kv.element_size()
         return kv
+
+    def _copy_out(self, rid: str, start: int, end: int,
+                  alloc: HostAlloc | None) -> torch.Tensor:
+        """One copy of the tokens into ``alloc``'s tensor: on CUDA by DMA through
+        pinned chunks on a side stream (not behind the step in flight on the
+        default stream; run 7 copied to fresh pageable memory, then wrote it)."""
+        if alloc is None:
+            return self._engine.export_tokens(rid, start, end)
+        L, _, H, _, D = self._engine.layout.block_shape
+        out = alloc((L, 2, H, end - start, D), self._engine.dtype)
+        return self._engine.export_tokens(rid, start, end, out=out, chunks=self._chunks)
 
     def release_held(self, job: Job) -> None:
         """Its entry went unread (released, dropped, replaced): free the sequence.

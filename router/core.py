@@ -65,6 +65,7 @@ class CoreConfig:
                                      # is minutes of CPU decode for a small prompt)
     secret: bytes = field(default=b"", repr=False)  # deployment secret: keys tenant salts
     local_tail_tokens: int = 512     # router.dispatch: short tails computed on decode alone
+    local_cold_tokens: int = 256     # router.dispatch: short cold prompts, likewise
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -75,6 +76,8 @@ class CoreConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.local_tail_tokens < 0:
             raise ValueError(f"local_tail_tokens must be >= 0, got {self.local_tail_tokens}")
+        if self.local_cold_tokens < 0:
+            raise ValueError(f"local_cold_tokens must be >= 0, got {self.local_cold_tokens}")
 
 
 class RouterCore:
@@ -88,7 +91,8 @@ class RouterCore:
         self.admission = admission
         self.inflight = InflightPrefixes()   # router.admission_cost
         self.dispatch = Dispatcher(view, upstreams, metrics, max_attempts=cfg.max_attempts,
-                                   local_tail_tokens=cfg.local_tail_tokens)
+                                   local_tail_tokens=cfg.local_tail_tokens,
+                                   local_cold_tokens=cfg.local_cold_tokens)
         self.ops: Any = None        # router.cluster_ops.ClusterOps: warm-up on arrival
         self.serving = ServingMetrics.on(metrics.registry, meta.served_name)
 

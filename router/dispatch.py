@@ -25,7 +25,11 @@ token itself (Dynamo's "conditional disaggregation"). No hand-off, no
 prefill queue: on a returning turn these were most of the first token's
 wait. An instance that no longer holds enough declines before any work
 (FAILED_PRECONDITION), as does a busy one: the request then takes the usual
-path. docs/services.md, "A short tail on decode".
+path. docs/services.md, "A short tail on decode". A short cold prompt (at
+most ``local_cold_tokens``, held by no decode instance) goes the same way to
+the least loaded decode instance: there it costs about one batched step,
+where the hop costs a prefill queue and a hand-off ("A short prompt on
+decode").
 
 Every call carries what is left of the budget as its gRPC deadline; when it
 runs out the answer is a 504, whatever the instance was doing.
@@ -98,12 +102,14 @@ class _Attempts:
 
 class Dispatcher:
     def __init__(self, view: LiveView, upstreams: Upstreams, metrics: RouterMetrics, *,
-                 max_attempts: int, local_tail_tokens: int = 0) -> None:
+                 max_attempts: int, local_tail_tokens: int = 0,
+                 local_cold_tokens: int = 0) -> None:
         self.view = view
         self.upstreams = upstreams
         self.metrics = metrics
         self.max_attempts = max_attempts
         self.local_tail_tokens = local_tail_tokens
+        self.local_cold_tokens = local_cold_tokens
 
     async def start(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
                     n_tokens: int, sampling: common_pb2.SamplingParams, budget: Budget, *,
@@ -133,14 +139,16 @@ class Dispatcher:
         prefix, computed there with no prefill; None: take the usual path (no
         such instance, or it declined, was busy or failed before any token)."""
         choice = self.view.choose_local(keys, n_tokens, kv_tokens=n_tokens + sampling.max_tokens,
-                                        max_tail_tokens=self.local_tail_tokens)
+                                        max_tail_tokens=self.local_tail_tokens,
+                                        max_cold_tokens=self.local_cold_tokens)
         if choice is None:
             return None
         self._count(choice, "decode")
         inst = choice.instance
         handle = prefill_pb2.KVHandle(ctx=preq.ctx, prompt_ids=preq.token_ids)
         call = self.upstreams.decode(inst.address, handle, sampling, budget_s=budget.left(),
-                                     local_tail_tokens=self.local_tail_tokens)
+                                     local_tail_tokens=max(self.local_tail_tokens,
+                                                           self.local_cold_tokens))
         declined = False
         try:
             first = await call.first()
@@ -154,7 +162,7 @@ class Dispatcher:
             raise
         else:
             if first is not None:
-                self.metrics.local_tails.labels(outcome="served").inc()
+                self._count_local(choice, "served")
                 return Started(handle, call, first, None, choice)
             call.cancel()
             err = UpstreamError(f"decode instance {inst.instance_id} closed the stream "
@@ -169,13 +177,14 @@ class Dispatcher:
             # Quarantined and left out like any failure before the first token, but
             # never the request's end: the usual path has not been tried yet.
             outcome = "failed"
-            log.warning("decode instance %s failed a short tail, prefilling instead: %s",
-                        inst.instance_id, err.message)
+            log.warning("decode instance %s failed a prompt sent with no prefill (%s), "
+                        "prefilling instead: %s", inst.instance_id, choice.reason, err.message)
             self.view.mark_failed(inst.instance_id)
             tries.excluded["decode"].add(inst.instance_id)
-        self.metrics.local_tails.labels(outcome=outcome).inc()
-        log.debug("short tail on decode %s not served (%s): %s", inst.instance_id, outcome,
-                  err.message)
+        self._count_local(choice, outcome)
+        self.view.finished(choice)       # its pending work is not there: placement sees it now
+        log.debug("%s on decode %s not served (%s): %s", choice.reason, inst.instance_id,
+                  outcome, err.message)
         return None
 
     async def _prefill(self, preq: prefill_pb2.PrefillRequest, keys: Sequence[bytes],
@@ -312,6 +321,11 @@ class Dispatcher:
                                  retryable=False, instance=last.instance,
                                  http_status=last.http_status, grpc_code=last.grpc_code)
         return last
+
+    def _count_local(self, choice: Choice, outcome: str) -> None:
+        counter = (self.metrics.local_colds if choice.reason == "local_cold"
+                   else self.metrics.local_tails)
+        counter.labels(outcome=outcome).inc()
 
     def _count(self, choice: Choice, role: str) -> None:
         inst = choice.instance.instance_id

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.config import ConfigError, HitRule
 from kvstore.events import KIND_DELETED, EventReader, KVEvent
@@ -302,31 +302,46 @@ class LiveView:
         return self._choice(cands, decision, sent)
 
     def choose_local(self, keys: Sequence[bytes], prompt_tokens: int, *, kv_tokens: int,
-                     max_tail_tokens: int) -> Choice | None:
+                     max_tail_tokens: int, max_cold_tokens: int = 0) -> Choice | None:
         """The decode instance to compute the prompt on with no prefill hop, or
-        None: it must be where the prompt's prefix was decoded (``DecodeAnchors``;
-        cache-aware policies only), leave at most ``max_tail_tokens`` to compute
-        after the recorded prefix (the prompt's part the previous turn did not
-        have: its answer, the new message), be live, report room for
-        ``kv_tokens`` and carry no more pending work than the least loaded decode
-        instance plus ``slack_tokens``."""
-        if max_tail_tokens <= 0 or not self.placer.policy.uses_cache:
-            return None
-        where, blocks = self.decode_anchors.find(keys)
-        if not where or prompt_tokens - blocks * self.cfg.hit_rule.block_tokens > max_tail_tokens:
+        None. A short tail (reason ``local_tail``): where the prompt's prefix was
+        decoded (``DecodeAnchors``; cache-aware policies only), leaving at most
+        ``max_tail_tokens`` to compute after the recorded prefix (the part the
+        previous turn did not have: its answer, the new message). A short cold
+        prompt (``local_cold``): no decode instance holds it and it has at most
+        ``max_cold_tokens``; the policy's decode choice. Either way the instance
+        must be live, report room for ``kv_tokens`` and carry no more pending
+        work than the least loaded decode instance plus ``slack_tokens``."""
+        block = self.cfg.hit_rule.block_tokens
+        where, blocks = ("", 0)
+        if max_tail_tokens > 0 and self.placer.policy.uses_cache:
+            where, blocks = self.decode_anchors.find(keys)
+        if where and prompt_tokens - blocks * block <= max_tail_tokens:
+            reason = "local_tail"
+        elif not where and 0 < prompt_tokens <= max_cold_tokens:
+            reason = "local_cold"
+        else:
             return None
         cands = self._candidates("decode", set())
-        if where not in cands.ids:
+        if len(cands) == 0:
             return None
-        i = cands.ids.index(where)
         pending = cands.pending_tokens
+        if reason == "local_tail":
+            if where not in cands.ids:
+                return None
+            decision = Decision(where, {}, reason, cands.ids.index(where),
+                                self.placer.policy.name, blocks * block,
+                                float(pending[cands.ids.index(where)]))
+        else:
+            decision = replace(self.placer.place_decode(cands, prompt_tokens), reason=reason)
+        i = decision.index
         if 0 <= cands.infos[i].kv_free_tokens < kv_tokens or (
                 pending[i] - pending.min() > self.cfg.sessions.slack_tokens):
             return None
-        decision = Decision(where, {}, "local_tail", i, self.placer.policy.name,
-                            blocks * self.cfg.hit_rule.block_tokens, float(pending[i]))
-        self.decode_anchors.record(keys, where)
-        return self._choice(cands, decision, self.cluster.add_pending(where, prompt_tokens))
+        if self.placer.policy.uses_cache:
+            self.decode_anchors.record(keys, decision.instance_id)
+        return self._choice(cands, decision,
+                            self.cluster.add_pending(decision.instance_id, prompt_tokens))
 
     def check_decode_room(self, kv_tokens: int) -> None:
         """Refuse before any work a sequence that grows to ``kv_tokens`` (prompt +

@@ -53,6 +53,7 @@ class RouterMetrics:
     warmups: Counter = field(init=False)
     warmed_blocks: Counter = field(init=False)
     local_tails: Counter = field(init=False)
+    local_colds: Counter = field(init=False)
     vllm: VllmSeries | None = None      # vLLM-named series, once the model is known
 
     def __post_init__(self) -> None:
@@ -111,6 +112,11 @@ class RouterMetrics:
                                    "with no prefill (router.dispatch), by outcome: served, "
                                    "declined (the instance no longer held enough: prefilled "
                                    "instead), busy, failed", ["outcome"], registry=r)
+        self.local_colds = Counter("kvserve_router_local_colds",
+                                   "Short prompts no instance held, sent to a decode instance "
+                                   "with no prefill (router.dispatch), by outcome: served, "
+                                   "declined (prefilled instead), busy, failed", ["outcome"],
+                                   registry=r)
 
     def enable_vllm_series(self, model_name: str) -> VllmSeries:
         """Add the vLLM-named series benchmark tools scrape (router.metrics_vllm)."""

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.staging import CAPTURE, DeviceBudget, PinnedChunks, upload_file
 from service import kv_shm
 from service.aio import retrieve
 from service.errors import HandleExpired, InvalidRequest
@@ -102,14 +103,20 @@ class KVPiece:
     checksum: bytes = b""
 
 
+# A contiguous host tensor of these dims and dtype for a copy-out to land in
+# (called from the copy's worker thread).
+HostAlloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Resident:
     """How to get a resident prompt's KV out of the engine that still holds it.
     Compared by identity: it names one prefill of a request id."""
 
-    # tokens [start, n) to the host, then the sequence freed; None when the
-    # engine no longer holds it (demoted: its ``fill`` came first)
-    materialize: Callable[[int], Awaitable[torch.Tensor | None]]
+    # tokens [start, n) to the host (into a tensor from the HostAlloc when it
+    # can), then the sequence freed; None when the engine no longer holds it
+    # (demoted: its ``fill`` came first)
+    materialize: Callable[[int, HostAlloc], Awaitable[torch.Tensor | None]]
     release: Callable[[], None]     # free the sequence unread (never raises)
 
 
@@ -129,6 +136,9 @@ class BufferEntry:
     # Guards ``shm``: one writer per entry; other entries' files are written meanwhile
     # (one lock for the whole buffer queued every pull behind every other's write).
     shm_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # The hand-off file ``kv`` is a mapping of (its copy-out landed there): it
+    # serves a pull from ``start`` without another write.
+    backing: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -225,16 +235,21 @@ class KVBuffer:
         self._gone.pop(request_id, None)
         return entry
 
-    def fill(self, resident: Resident, kv: torch.Tensor, start: int = 0) -> BufferEntry | None:
+    def fill(self, resident: Resident, kv: torch.Tensor, start: int = 0, *,
+             backing: str = "") -> BufferEntry | None:
         """The KV of a resident entry's tokens [``start``, n) is on the host now
         (the engine freed the sequence): the entry holds it. None when the entry
-        went meanwhile, or is larger than the whole buffer (then it goes too)."""
+        went meanwhile, or is larger than the whole buffer (then it goes too).
+        ``backing``: the hand-off file ``kv`` maps (this buffer's ``host_alloc``);
+        it goes with the entry, or now if the entry is not kept."""
         entry = self._resident_entry(resident)
         if entry is None:
+            self._unlink(backing)
             return None
         kv = kv.detach().to("cpu").contiguous()
         KVShape.of(kv)
         if int(kv.shape[3]) != entry.n_tokens - start:
+            self._unlink(backing)
             self.lose(resident, "copied out with the wrong length; rebuild it")
             raise ValueError(f"KV of {kv.shape[3]} tokens from {start} for a prompt of "
                              f"{entry.n_tokens}")
@@ -243,11 +258,12 @@ class KVBuffer:
         del self._entries[entry.request_id]
         entry.resident = None
         if nbytes > self._max_bytes:
+            self._unlink(backing)
             self._counts["unbuffered"] += 1
             self._remember(entry.request_id, "larger than the whole buffer")
             return None
         self._make_room(nbytes)
-        entry.kv, entry.start = kv, start
+        entry.kv, entry.start, entry.backing = kv, start, backing
         self._entries[entry.request_id] = entry
         self._bytes += nbytes
         return entry
@@ -282,13 +298,49 @@ class KVBuffer:
         return entry
 
     async def _materialize(self, entry: BufferEntry, resident: Resident, first: int) -> None:
+        made: list[tuple[torch.Tensor, str]] = []
+
+        def alloc(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            t, name = self.host_alloc(dims, dtype)
+            made.append((t, name))
+            return t
+
         try:
-            kv = await resident.materialize(first)
+            kv = await resident.materialize(first, alloc)
         except Exception as exc:        # the engine freed it: a pull says why, decode rebuilds
+            for _, name in made:
+                self._unlink(name)
             self.lose(resident, f"copy-out failed: {exc}; rebuild it")
             return
+        backing = ""
+        for t, name in made:            # the one the copy landed in backs the entry
+            if kv is not None and not backing and t.data_ptr() == kv.data_ptr():
+                backing = name
+            else:
+                self._unlink(name)
         if kv is not None:
-            self.fill(resident, kv, first)
+            self.fill(resident, kv, first, backing=backing)
+
+    def host_alloc(self, dims: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+        """A contiguous host tensor for a copy-out: with shared memory, a
+        mapping of a new private hand-off file (its name returned), so the
+        copy-out writes the file a same-host pull reads; else plain memory
+        (name ""). Safe from a worker thread."""
+        nbytes = int(np.prod(dims)) * dtype.itemsize
+        if self._shm_dir is None or nbytes < 1:
+            return torch.empty(dims, dtype=dtype), ""
+        try:
+            name, mapped = kv_shm.create_mapped(self._shm_dir, nbytes, self._names)
+        except OSError:                 # /dev/shm full: plain memory, streamed or written later
+            return torch.empty(dims, dtype=dtype), ""
+        with warnings.catch_warnings():     # torch warns that an mmap is writable: it is
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mapped, dtype=torch.uint8)
+        return flat.view(dtype).view(dims), name
+
+    def _unlink(self, name: str) -> None:
+        if name and self._shm_dir is not None:
+            (self._shm_dir / name).unlink(missing_ok=True)
 
     def _make_room(self, nbytes: int) -> None:
         """Drop the oldest host-held entries until ``nbytes`` more fit; resident
@@ -345,6 +397,14 @@ class KVBuffer:
         self.check_start(entry, first)
         assert entry.kv is not None, "pulled entries are held (KVBuffer.hold)"
         with entry.shm_lock:
+            if first not in entry.shm and first == entry.start and entry.backing:
+                # The copy-out wrote the file: only its checksum, from this
+                # process's mapping (decode checks the bytes it reads against it).
+                entry.shm[first] = (entry.backing, kv_shm.piece_checksum(_raw(entry.kv),
+                                                                         entry.seed))
+                if self._entries.get(entry.request_id) is not entry:    # dropped: file gone
+                    raise HandleExpired(f"KV handle of request {entry.request_id!r} was "
+                                        "released while it was being pulled")
             if first not in entry.shm:
                 tail = entry.kv if first == entry.start else entry.tail(first).contiguous()
                 raw = _raw(tail)
@@ -399,6 +459,7 @@ class KVBuffer:
         if self._shm_dir is not None:
             for name, _ in entry.shm.values():
                 (self._shm_dir / name).unlink(missing_ok=True)
+        self._unlink(entry.backing)
         if entry.resident is not None:
             entry.resident, resident = None, entry.resident
             resident.release()          # the engine frees the sequence
@@ -409,6 +470,16 @@ class KVBuffer:
         self._gone[request_id] = (self._clock(), why)
 
 
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """Where a whole-prompt hand-off file goes straight to: the engine's device,
+    through ``chunks`` (engine.staging.upload_file), while ``budget`` allows."""
+
+    device: torch.device
+    chunks: PinnedChunks
+    budget: DeviceBudget
+
+
 class KVAssembler:
     """Decode side: verifies each piece against its checksum and places it into
     one ``[layers, 2, kv_heads, n, head_dim]`` tensor.
@@ -416,13 +487,17 @@ class KVAssembler:
     Shared-memory bytes are copied into this process before they are checked,
     so what was verified is what is adopted (a mapping of the file could still
     change under the reader). A whole-prompt file is read straight into the
-    result tensor: one copy, as the byte stream makes."""
+    result tensor: one copy, as the byte stream makes; with ``upload``, that
+    tensor is on the device (read into pinned chunks, checksummed there, then
+    DMA'd), so the adopt on the engine thread copies nothing from the host."""
 
     def __init__(self, shape: KVShape, n_tokens: int, *, seed: int,
-                 shm_dir: str = "/dev/shm", first: int = 0) -> None:
+                 shm_dir: str = "/dev/shm", first: int = 0,
+                 upload: Upload | None = None) -> None:
         """Tokens [``first``, ``n_tokens``) of a prompt (decode holds the ones before)."""
         if not 0 <= first < n_tokens:
             raise ValueError(f"first token {first} is outside a prompt of {n_tokens} tokens")
+        self._upload = upload
         self._shape = shape
         self._n = n_tokens
         self._first = first
@@ -450,6 +525,14 @@ class KVAssembler:
             if piece.size != want:
                 raise ValueError(f"shared-memory region of {piece.size} bytes, expected {want}")
             whole = start == self._first and count == self._n - self._first
+            if whole and self._upload is not None and self._upload.budget.take(want):
+                try:
+                    self._kv = self._uploaded(piece, want)
+                except torch.OutOfMemoryError:  # the device is full after all: via the host
+                    pass
+                else:
+                    self._filled += count
+                    return
             dest = self.kv if whole else torch.empty(self._shape.dims(count),
                                                      dtype=self._shape.dtype)
             raw = _raw(dest)
@@ -471,6 +554,35 @@ class KVAssembler:
         self.kv[:, :, :, at:at + count, :].copy_(
             part.view(self._shape.dtype).view(self._shape.dims(count)))
         self._filled += count
+
+    def _uploaded(self, piece: KVPiece, want: int) -> torch.Tensor:
+        """The whole file on the device, verified (``want`` bytes of budget taken:
+        the tensor gives them back when it goes, adopted or not)."""
+        assert self._upload is not None
+        up = self._upload
+        dest: torch.Tensor | None = None
+        try:
+            fd = kv_shm.open_private(self._shm_dir, piece.shm_name)
+            try:
+                if piece.shm_offset < 0 or os.fstat(fd).st_size < piece.shm_offset + want:
+                    raise ValueError(f"shared-memory file {piece.shm_name} is shorter than "
+                                     f"{want} bytes from {piece.shm_offset}")
+                with CAPTURE.copy():        # the allocation too: no graph capture meanwhile
+                    dest = up.budget.hold(torch.empty(self._shape.dims(self._n - self._first),
+                                                      dtype=self._shape.dtype,
+                                                      device=up.device), want)
+                    digest = upload_file(fd, piece.shm_offset, dest, up.chunks, self._seed)
+            finally:
+                os.close(fd)
+        except BaseException:
+            if dest is None:                # no tensor will give the budget back
+                up.budget.give(want)
+            raise
+        if not piece.checksum or digest != piece.checksum:
+            raise KVIntegrityError(
+                f"KV piece [{piece.start_token}, {piece.start_token + piece.token_count}) from "
+                f"the file {piece.shm_name} does not match its checksum")
+        return dest
 
     def _verify(self, data: object, piece: KVPiece) -> None:
         if not piece.checksum or kv_shm.piece_checksum(data, self._seed) != piece.checksum:

@@ -16,6 +16,7 @@ channel, seeded with a per-handle secret (``KVHandle.kv_seed``).
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import secrets
@@ -27,6 +28,7 @@ import xxhash
 
 NAME = re.compile(r"^kvserve-kv-[0-9a-f]{32}$")
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_CREATE_RW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _ATTEMPTS = 4                       # fresh names tried when one is taken
 
@@ -67,6 +69,42 @@ def create_private(directory: Path, data: memoryview,
         os.close(fd)
         return name
     raise FileExistsError(f"no free hand-off name in {directory} after {_ATTEMPTS} tries")
+
+
+def create_mapped(directory: Path, size: int,
+                  names: Callable[[], str] = new_name) -> tuple[str, mmap.mmap]:
+    """A new 0600 file of ``size`` bytes under a fresh name, mapped shared and
+    writable: prefill copies the KV straight into the mapping, so the file is
+    written by that one copy (no private buffer first, no write(2) after).
+    Same naming and refusal rules as ``create_private``."""
+    if size < 1:
+        raise ValueError(f"a hand-off file needs bytes, got {size}")
+    for _ in range(_ATTEMPTS):
+        name = names()
+        path = directory / name
+        try:
+            fd = os.open(path, _CREATE_RW, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)                    # the mapping stays valid without it
+        return name, mapped
+    raise FileExistsError(f"no free hand-off name in {directory} after {_ATTEMPTS} tries")
+
+
+def open_private(directory: Path, name: str) -> int:
+    """A read-only descriptor of hand-off file ``name`` (checked as
+    ``read_private`` checks it); the caller closes it."""
+    if not NAME.match(name):
+        raise ValueError(f"bad shared-memory name {name!r}")
+    return _open_checked(directory / name)
 
 
 def _open_checked(path: Path) -> int:

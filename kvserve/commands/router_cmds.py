@@ -58,7 +58,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     if args.api_key_file:
         ApiKeys.load(args.api_key_file)   # a bad key file fails here, before anything starts
     core = CoreConfig(block_tokens=cfg.blocks.block_tokens,
-                      local_tail_tokens=cfg.router.local_tail_tokens)
+                      local_tail_tokens=cfg.router.local_tail_tokens,
+                      local_cold_tokens=cfg.router.local_cold_tokens)
     if args.max_attempts is not None:
         core = replace(core, max_attempts=args.max_attempts)
     if args.default_max_tokens is not None:

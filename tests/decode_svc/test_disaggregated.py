@@ -147,6 +147,39 @@ def test_a_short_tail_is_computed_on_decode_alone_and_exact(stack: Stack) -> Non
     assert out.tokens == reference(stack.ref, longer, max_tokens=12, ignore_eos=True)
 
 
+def test_a_short_cold_prompt_is_computed_on_decode_alone_and_exact(stack: Stack) -> None:
+    """A prompt no instance holds, short enough (``local_cold_max_tokens``,
+    256): computed on decode with no prefill, token-identical to a cache-less
+    run, nothing pulled, its blocks written to the warehouse after the answer.
+    A longer one is declined before any work (prefill restores what the
+    warehouse has), whatever the router asked."""
+    tenant = "local-cold"
+    dm = stack.decode.metrics
+    names = ("local_colds_total", "local_tails_total", "pull_bytes_total",
+             "local_declined_total")
+    before = {k: dm().get(f"kvserve_decode_decode_{k}", 0.0) for k in names}
+    short = prompt(13, 150)
+    out = _local(stack, short, 512, tenant=tenant)
+    assert out.tokens == reference(stack.ref, short, max_tokens=12, ignore_eos=True)
+    assert out.events[-1].usage.cached_tokens == 0
+    after = {k: dm().get(f"kvserve_decode_decode_{k}", 0.0) for k in names}
+    assert after["local_colds_total"] == before["local_colds_total"] + 1
+    assert after["local_tails_total"] == before["local_tails_total"] + 1
+    assert after["pull_bytes_total"] == before["pull_bytes_total"]
+    kv_len = len(short) + len(out.tokens) - 1
+    keys = keys_of(stack.ref, short + out.tokens, tenant)
+    assert wait_stored(stack.store.address, keys, kv_len // B, kv_len, tenant) >= kv_len // B
+
+    with pytest.raises(grpc.RpcError) as err:
+        _local(stack, prompt(14, 300), 512, tenant=tenant)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "at most 256 tokens" in (err.value.details() or "")
+    assert dm().get("kvserve_decode_decode_local_declined_total", 0.0) == (
+        before["local_declined_total"] + 1)
+    assert dm().get("kvserve_decode_decode_local_colds_total", 0.0) == (
+        after["local_colds_total"])
+
+
 def test_stop_strings_and_eos_end_where_the_engine_does(stack: Stack) -> None:
     from engine import SamplingParams
 

@@ -232,7 +232,8 @@ def test_aiperf_replays_a_trace_slice(stack: Stack, tmp_path: Path, smollm2_dir:
 
 
 def test_killing_a_prefill_instance_loses_no_request(stack: Stack, smollm2_dir: str) -> None:
-    prompts = [_words(40 + i, 2, smollm2_dir) for i in range(6)]
+    # 320 tokens each, past [router] local_cold_tokens: every one goes through prefill.
+    prompts = [_words(40 + i, 5, smollm2_dir) for i in range(6)]
     victim = int(stack.state["pids"]["prefill-1"])     # type: ignore[index]
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(stack.complete, p, f"k{i}", 4) for i, p in enumerate(prompts)]
@@ -243,6 +244,6 @@ def test_killing_a_prefill_instance_loses_no_request(stack: Stack, smollm2_dir: 
     assert all(b["usage"]["completion_tokens"] >= 1 for _, _, b in results)
     # The stack runs on with the instance left, and keeps answering.
     assert stack.proc.poll() is None
-    status, headers, body = stack.complete(_words(50, 2, smollm2_dir), max_tokens=2)
+    status, headers, body = stack.complete(_words(50, 5, smollm2_dir), max_tokens=2)
     assert status == 200, body
     assert headers["X-KV-Prefill-Instance"] == f"prefill-{stack.state['prefills'][0]}"  # type: ignore[index]

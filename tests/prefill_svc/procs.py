@@ -26,11 +26,14 @@ BLOCK = 16
 
 
 def write_config(path: Path, *, model: str = "tiny-dense", block_tokens: int = BLOCK,
-                 g3_path: str = "", local_tail_tokens: int | None = None) -> Path:
+                 g3_path: str = "", local_tail_tokens: int | None = None,
+                 local_cold_tokens: int | None = None) -> Path:
     lines = ["[model]", f'name = "{model}"', "", "[blocks]", f"block_tokens = {block_tokens}",
              "", "[router]", "heartbeat_s = 0.3", "instance_ttl_s = 2.0"]
     if local_tail_tokens is not None:
         lines.append(f"local_tail_tokens = {local_tail_tokens}")
+    if local_cold_tokens is not None:
+        lines.append(f"local_cold_tokens = {local_cold_tokens}")
     lines.append("")
     if g3_path:
         lines += ["[tiers]", f'g3_path = "{g3_path}"', ""]

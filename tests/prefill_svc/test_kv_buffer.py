@@ -11,15 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.staging import DeviceBudget, PinnedChunks
 from service import kv_shm
 from service.errors import HandleExpired, InvalidRequest
 from service.kv_buffer import (
+    HostAlloc,
     KVAssembler,
     KVBuffer,
     KVIntegrityError,
     KVPiece,
     KVShape,
     Resident,
+    Upload,
 )
 
 SHM = "/dev/shm"
@@ -296,13 +299,14 @@ class Engineish:
         self.copied: list[int] = []         # start tokens copied out
         self.released = 0
 
-    async def materialize(self, start: int) -> torch.Tensor | None:
+    async def materialize(self, start: int, alloc: HostAlloc) -> torch.Tensor | None:
         await asyncio.sleep(0)              # the engine thread's queue
         if self.kv is None:
             return None
         kv, self.kv = self.kv, None
         self.copied.append(start)
-        return kv[:, :, :, start:, :].clone()
+        tail = kv[:, :, :, start:, :]
+        return alloc(tuple(tail.shape), tail.dtype).copy_(tail)     # as the engine does
 
     def release(self) -> None:
         if self.kv is not None:
@@ -456,3 +460,69 @@ def test_one_entrys_shm_write_does_not_hold_up_anothers() -> None:
         assert torch.equal(asm.done(), _kv(n))
     buf.close()
     assert not any(Path(SHM, got[r].shm_name).exists() for r in got)
+
+
+@needs_shm
+def test_a_resident_copy_out_lands_in_the_file_the_pull_reads(monkeypatch) -> None:
+    """Issue 18 run 7: each hand-off copied the KV to fresh host memory, then
+    wrote it to its /dev/shm file. Now the copy-out lands in a mapping of the
+    file itself: no second write, the file goes with the entry, and decode's
+    straight-to-device read (``Upload``) verifies what it read."""
+    kv = _kv(40)
+
+    def no_write(*_a: object, **_k: object) -> str:
+        raise AssertionError("the hand-off file was written a second time")
+
+    async def body() -> None:
+        buf = _buf(shm_dir=SHM)
+        entry = buf.put_resident("r", 40, seed=9, resident=Engineish(kv).resident())
+        await buf.hold(entry, 0)
+        assert entry.backing and Path(SHM, entry.backing).exists()
+        monkeypatch.setattr(kv_shm, "create_private", no_write)
+        piece = buf.shm_piece(entry, 0)
+        assert piece.shm_name == entry.backing
+        assert stat.S_IMODE(os.stat(Path(SHM, piece.shm_name)).st_mode) == 0o600
+        budget = DeviceBudget(1 << 20)
+        up = Upload(torch.device("cpu"), PinnedChunks(sets=1, chunk_bytes=1000, pin=False),
+                    budget)
+        asm = KVAssembler(KVShape.of(kv), 40, seed=9, upload=up)
+        asm.add(piece)
+        got = asm.done()
+        assert torch.equal(got, kv) and budget.used == got.numel() * 4
+        del got, asm
+        assert budget.used == 0
+        # A byte changed in the file after prefill took its checksum: refused.
+        with open(Path(SHM, piece.shm_name), "r+b") as f:
+            f.seek(123)
+            f.write(b"\xff")
+        with pytest.raises(KVIntegrityError):
+            KVAssembler(KVShape.of(kv), 40, seed=9, upload=up).add(piece)
+        assert budget.used == 0
+        assert buf.release("r") and not Path(SHM, piece.shm_name).exists()
+
+    asyncio.run(body())
+
+
+@needs_shm
+def test_a_copy_out_file_goes_when_its_entry_went_meanwhile() -> None:
+    kv = _kv(12)
+
+    async def body() -> None:
+        buf = _buf(shm_dir=SHM)
+        eng = Engineish(kv)
+        made: list[str] = []
+        real = buf.host_alloc
+
+        def spy(dims: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+            t, name = real(dims, dtype)
+            made.append(name)
+            buf.release("r")                # the entry goes while the copy runs
+            return t, name
+
+        buf.host_alloc = spy                # type: ignore[method-assign]
+        entry = buf.put_resident("r", 12, seed=1, resident=eng.resident())
+        with pytest.raises(HandleExpired):
+            await buf.hold(entry, 0)
+        assert made and not Path(SHM, made[0]).exists()
+
+    asyncio.run(body())

@@ -88,6 +88,9 @@ def test_a_next_turn_copies_out_only_the_tail_decode_lacks(use_shm: bool) -> Non
             s = svc.stats
             assert (s.handoff_materialized_total, s.handoff_demoted_total) == (2, 0)
             assert s.resident == 0 and not svc.engine.live_sequences
+            # Where the pulls' time went on this side (the hold covers the copy-out).
+            assert 0 < s.handoff_copy_seconds_total <= s.pull_hold_seconds_total
+            assert (s.pull_shm_seconds_total > 0) == use_shm
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await _pull(stub, h2, want2, 0)
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -31,7 +31,8 @@ MODEL = "tiny-dense"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProc, Proc, Proc]]:
     d: Path = tmp_path_factory.mktemp("busy")
-    config = write_config(d / "kvserve.toml", model=MODEL)
+    # The hand-off path is what this exercises: every prompt through prefill.
+    config = write_config(d / "kvserve.toml", model=MODEL, local_cold_tokens=0)
     with EmbeddedRedis() as redis:
         pre = engine_service("prefill", config, redis.url, d, store_address="")
         dec = engine_service("decode", config, redis.url, d, store_address="",

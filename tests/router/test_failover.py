@@ -82,7 +82,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     d = tmp_path_factory.mktemp("failover")
     # Prefill placement and failover are what these tests watch: a repeated prompt
     # would otherwise go to decode alone (router.dispatch; test_front covers that).
-    config = write_config(d / "kvserve.toml", model=MODEL, local_tail_tokens=0)
+    config = write_config(d / "kvserve.toml", model=MODEL, local_tail_tokens=0,
+                          local_cold_tokens=0)
     with EmbeddedRedis() as redis:
         stores = {node: _store(config, redis.url, d, node) for node in NODES}
         start_all(*stores.values())

@@ -228,7 +228,8 @@ def test_nan_and_routing_errors_are_4xx(stack: Stack) -> None:
 
 
 def test_unknown_fields_are_ignored_and_usage_is_complete(stack: Stack) -> None:
-    body = _chat(_unique(), user="u1", logit_bias={}, metadata={"a": "b"}, frobnicate=[1, 2],
+    # Longer than [router] local_cold_tokens: the prefill path, whose headers this checks.
+    body = _chat(_unique(300), user="u1", logit_bias={}, metadata={"a": "b"}, frobnicate=[1, 2],
                  parallel_tool_calls=False, presence_penalty=0, seed=3)
     # An empty tools array is refused, as OpenAI's API does, naming the field.
     bad = http("POST", stack.http + CHAT, {**body, "tools": []})
@@ -313,7 +314,7 @@ def test_models_health_metrics(stack: Stack) -> None:
     assert missing.json()["error"]["code"] == "model_not_found"
     health = http("GET", stack.http + "/health")
     assert health.status == 200 and health.json()["instances"] == {"prefill": 1, "decode": 1}
-    http("POST", stack.http + CHAT, _chat("count me"))
+    http("POST", stack.http + CHAT, _chat(_unique(300)))   # past local_cold_tokens: prefill
     assert metric_sum(stack.http, "kvserve_router_placements_total", role="prefill") >= 1
     assert metric_sum(stack.http, "kvserve_router_placements_total", role="decode") >= 1
     assert metric_sum(stack.http, "kvserve_router_hit_rule", field="block_tokens") == BLOCK
@@ -403,6 +404,29 @@ def test_a_returning_prompt_with_a_short_tail_skips_prefill(stack: Stack,
     assert count("kvserve_router_local_tails_total", outcome="served") == served + 1
 
 
+def test_a_short_cold_prompt_skips_prefill(stack: Stack) -> None:
+    """A prompt nobody holds, of at most [router] local_cold_tokens (256), is
+    computed on a decode instance with no prefill placement; a longer one
+    takes the usual path."""
+    def body(tokens: list[int]) -> dict:  # type: ignore[type-arg]
+        return {"model": MODEL, "prompt": tokens, "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True}
+
+    def count(name: str, **labels: str) -> float:
+        return metric_sum(stack.http, name, **labels)
+
+    served = count("kvserve_router_local_colds_total", outcome="served")
+    prefills = count("kvserve_router_placements_total", role="prefill")
+    short = http("POST", stack.http + COMPL, body([ord(c) for c in _unique(40)])).json()
+    assert short["usage"]["completion_tokens"] == 4
+    assert count("kvserve_router_local_colds_total", outcome="served") == served + 1
+    assert count("kvserve_router_placements_total", role="prefill") == prefills
+    assert count("kvserve_router_placements_total", role="decode", reason="local_cold") >= 1
+    assert http("POST", stack.http + COMPL, body([ord(c) for c in _unique(300)])).status == 200
+    assert count("kvserve_router_placements_total", role="prefill") == prefills + 1
+    assert count("kvserve_router_local_colds_total", outcome="served") == served + 1
+
+
 # -- gRPC Router service ---------------------------------------------------------------------
 
 
@@ -411,12 +435,12 @@ def test_grpc_router_generate(stack: Stack) -> None:
         stub = router_pb2_grpc.RouterStub(ch)
         req = router_pb2.GenerateRequest(
             ctx=common_pb2.RequestContext(request_id="grpc-1", traffic_class="chat"),
-            prompt=_unique(50), sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+            prompt=_unique(300), sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
         events = list(stub.Generate(req, timeout=30))
         assert events[-1].finished and events[-1].finish_reason == "length"
         assert not any(e.finished for e in events[:-1])
         assert sum(len(e.token_ids) for e in events) == 4
-        assert events[-1].usage.prompt_tokens == 50 and events[-1].usage.completion_tokens == 4
+        assert events[-1].usage.prompt_tokens == 300 and events[-1].usage.completion_tokens == 4
         assert events[0].prefill_instance.startswith("prefill-")
         bad = [router_pb2.GenerateRequest(prompt="x", messages=[common_pb2.ChatMessage(
                    role="user", content="y")]),

@@ -79,7 +79,10 @@ def _private(path: Path, text: str) -> Path:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str) -> Iterator[Overload]:
     d = tmp_path_factory.mktemp("overload")
-    config = write_config(d / "kvserve.toml", model=MODEL, block_tokens=BLOCK)
+    # Admission in front of the prefill path, with the sustained rate measured on it:
+    # short prompts would otherwise go to decode alone (router.dispatch).
+    config = write_config(d / "kvserve.toml", model=MODEL, block_tokens=BLOCK,
+                          local_cold_tokens=0)
     with open(config, "a") as f:
         f.write(ADMISSION)
     keys = _private(d / "api-keys", "".join(
