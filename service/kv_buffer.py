@@ -36,6 +36,7 @@ goes anywhere, and a mismatch is a ``KVIntegrityError`` (decode recomputes).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import threading
@@ -52,6 +53,8 @@ from engine.staging import CAPTURE, DeviceBudget, PinnedChunks, upload_file
 from service import kv_shm
 from service.aio import retrieve
 from service.errors import HandleExpired, InvalidRequest
+
+log = logging.getLogger(__name__)
 
 # Dropped entries are remembered (without their tensors) for a while so that a
 # late pull says why the KV is gone rather than "unknown".
@@ -179,6 +182,11 @@ class KVBuffer:
         self._abandon_s = abandon_s
         usable = bool(shm_dir) and os.path.isdir(shm_dir) and os.access(shm_dir, os.W_OK)
         self._shm_dir = Path(shm_dir) if usable else None
+        if self._shm_dir is not None:
+            swept = kv_shm.sweep_orphans(self._shm_dir)
+            if swept:
+                log.warning("removed %d hand-off files a killed process left in %s", swept,
+                            self._shm_dir)
         self._clock = clock
         self._names = names
         self._entries: dict[str, BufferEntry] = {}       # oldest first (insertion order)

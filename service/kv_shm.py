@@ -26,7 +26,10 @@ from pathlib import Path
 
 import xxhash
 
-NAME = re.compile(r"^kvserve-kv-[0-9a-f]{32}$")
+# kvserve-kv-<pid namespace>-<pid>-<128 random bits>: the creator's identity lets a
+# later prefill remove what a killed one left (``sweep_orphans``); the bare form
+# (no creator) is still read.
+NAME = re.compile(r"^kvserve-kv-(?:([0-9a-f]{1,16})-([0-9]{1,10})-)?[0-9a-f]{32}$")
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE_RW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -37,8 +40,54 @@ class ShmRefused(OSError):
     """The file is not one this process may trust to read (wrong owner, mode, type)."""
 
 
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:                 # no procfs: one namespace as far as we can tell
+        return 0
+
+
 def new_name() -> str:
-    return f"kvserve-kv-{secrets.token_hex(16)}"
+    return f"kvserve-kv-{_pid_namespace():x}-{os.getpid()}-{secrets.token_hex(16)}"
+
+
+def sweep_orphans(directory: Path) -> int:
+    """Remove hand-off files whose creating process is gone (a prefill killed
+    before it could unlink them: SIGKILL, the OOM killer), so a crash does not
+    hold their memory until reboot. Only this user's regular files named by a
+    process of this pid namespace (another container sharing the directory
+    has other pids) that no longer exists; returns how many went."""
+    ns, me, uid, gone = _pid_namespace(), os.getpid(), os.getuid(), 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = NAME.match(name)
+        if m is None or m.group(1) is None or int(m.group(1), 16) != ns:
+            continue
+        pid = int(m.group(2))
+        if pid == me or _alive(pid):
+            continue
+        path = directory / name
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+                path.unlink()
+                gone += 1
+        except OSError:
+            continue
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:         # another user's process: alive
+        return True
+    return True
 
 
 def piece_checksum(data: object, seed: int) -> bytes:

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from proto import decode_pb2, prefill_pb2
+from service import kv_shm
 from tests.decode_svc.stack import (
     TIMEOUT,
     Stack,
@@ -32,7 +33,7 @@ from tests.decode_svc.stack import (
 from tests.prefill_svc import procs
 
 SHM = Path("/dev/shm")
-HANDOFF = re.compile(r"^kvserve-kv-[0-9a-f]{32}$")
+HANDOFF = kv_shm.NAME
 # Hand-off files of builds before the private-file change (other checkouts on a
 # shared machine may still run them): not this build's files, so not checked here.
 LEGACY = re.compile(r"^kvserve-kv-[0-9]+-[0-9]+$")

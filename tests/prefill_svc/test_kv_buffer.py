@@ -526,3 +526,28 @@ def test_a_copy_out_file_goes_when_its_entry_went_meanwhile() -> None:
         assert made and not Path(SHM, made[0]).exists()
 
     asyncio.run(body())
+
+
+def test_files_a_killed_prefill_left_are_swept_at_the_next_start(tmp_path: Path) -> None:
+    """A hand-off file whose creator was killed (SIGKILL: nothing unlinked it)
+    goes when the next buffer starts on that directory; a live process's file,
+    one of another pid namespace, a bare-named one and another name stay."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run(  # a real process that creates a hand-off file, then dies unclean
+        [sys.executable, "-c", "import os, sys; from pathlib import Path; "
+         "from service import kv_shm; "
+         "print(kv_shm.create_private(Path(sys.argv[1]), memoryview(b'kv' * 64))); "
+         "sys.stdout.flush(); os._exit(9)", str(tmp_path)],
+        capture_output=True, text=True, check=False, cwd=Path(__file__).parents[2])
+    orphan = dead.stdout.strip()
+    assert dead.returncode == 9 and kv_shm.NAME.match(orphan), dead.stderr
+    live = kv_shm.create_private(tmp_path, memoryview(b"mine"))
+    ns = int(kv_shm.NAME.match(live).group(1), 16)                  # type: ignore[union-attr]
+    other_ns = f"kvserve-kv-{ns + 1:x}-{orphan.split('-')[3]}-" + "d" * 32
+    bare = "kvserve-kv-" + "e" * 32
+    for name in (other_ns, bare, "unrelated"):
+        (tmp_path / name).write_bytes(b"x")
+    _buf(shm_dir=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([live, other_ns, bare, "unrelated"])
