@@ -329,9 +329,9 @@ class LiveView:
         if reason == "local_tail":
             if where not in cands.ids:
                 return None
-            decision = Decision(where, {}, reason, cands.ids.index(where),
-                                self.placer.policy.name, blocks * block,
-                                float(pending[cands.ids.index(where)]))
+            at = cands.ids.index(where)
+            decision = Decision(where, {}, reason, at, self.placer.policy.name,
+                                blocks * block, float(pending[at]))
         else:
             decision = replace(self.placer.place_decode(cands, prompt_tokens), reason=reason)
         i = decision.index

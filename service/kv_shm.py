@@ -95,29 +95,40 @@ def piece_checksum(data: object, seed: int) -> bytes:
     return xxhash.xxh3_128_digest(data, seed=seed)  # type: ignore[arg-type]
 
 
-def create_private(directory: Path, data: memoryview,
-                   names: Callable[[], str] = new_name) -> str:
-    """Write ``data`` to a new 0600 file under a fresh name; returns the name.
-    A name that exists already (someone else's file or link) is never opened."""
+def _create_fresh(directory: Path, flags: int, names: Callable[[], str]) -> tuple[Path, int]:
+    """A new 0600 file under a fresh name and its descriptor (the caller closes
+    it). A name that exists already (someone else's file or link) is never
+    opened: another name is tried."""
     for _ in range(_ATTEMPTS):
-        name = names()
-        path = directory / name
+        path = directory / names()
         try:
-            fd = os.open(path, _CREATE, 0o600)
+            fd = os.open(path, flags, 0o600)
         except FileExistsError:
             continue
         try:
             os.fchmod(fd, 0o600)            # whatever the umask did
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[os.write(fd, view):]
         except BaseException:
             os.close(fd)
-            path.unlink(missing_ok=True)    # never leave a torn file behind
+            path.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        return name
+        return path, fd
     raise FileExistsError(f"no free hand-off name in {directory} after {_ATTEMPTS} tries")
+
+
+def create_private(directory: Path, data: memoryview,
+                   names: Callable[[], str] = new_name) -> str:
+    """Write ``data`` to a new 0600 file under a fresh name; returns the name."""
+    path, fd = _create_fresh(directory, _CREATE, names)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        path.unlink(missing_ok=True)        # never leave a torn file behind
+        raise
+    finally:
+        os.close(fd)
+    return path.name
 
 
 def create_mapped(directory: Path, size: int,
@@ -128,24 +139,16 @@ def create_mapped(directory: Path, size: int,
     Same naming and refusal rules as ``create_private``."""
     if size < 1:
         raise ValueError(f"a hand-off file needs bytes, got {size}")
-    for _ in range(_ATTEMPTS):
-        name = names()
-        path = directory / name
-        try:
-            fd = os.open(path, _CREATE_RW, 0o600)
-        except FileExistsError:
-            continue
-        try:
-            os.fchmod(fd, 0o600)
-            os.ftruncate(fd, size)
-            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)                    # the mapping stays valid without it
-        return name, mapped
-    raise FileExistsError(f"no free hand-off name in {directory} after {_ATTEMPTS} tries")
+    path, fd = _create_fresh(directory, _CREATE_RW, names)
+    try:
+        os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)                        # the mapping stays valid without it
+    return path.name, mapped
 
 
 def open_private(directory: Path, name: str) -> int:
