@@ -21,6 +21,7 @@ class DecodeConfig:
     pull_timeout_s: float = 30.0        # deadline of a PullKV (cut to the request's own); a
                                         # pull that fails is rebuilt, never an error
     use_shm: bool = True                # same-host pulls through /dev/shm
+    use_ipc: bool = True                # same-GPU pulls device to device (CUDA IPC, kv_ipc.py)
     shm_dir: str = "/dev/shm"
     canonical_write: bool = True        # write prompt+output blocks after each request
     canonical_wait_s: float = 10.0      # hold the final event until they are stored (0: don't)

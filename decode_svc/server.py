@@ -50,6 +50,7 @@ from kvstore.keys import chain_keys
 from kvstore.registry import LoadReport
 from kvstore.types import PutResult, RequestCtx
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2
+from service import kv_ipc
 from service.cost import CostModel
 from service.engine_thread import EngineThread
 from service.errors import InvalidRequest, Overloaded, PreconditionFailed, grpc_stream, grpc_unary
@@ -69,7 +70,7 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 @dataclass(slots=True)
 class DecodeStats:
     requests_total: dict[str, int] = field(default_factory=dict)    # finish reason / status
-    kv_sources_total: dict[str, int] = field(default_factory=dict)  # shm / stream / warehouse
+    kv_sources_total: dict[str, int] = field(default_factory=dict)  # ipc/shm/stream/warehouse
     pull_bytes_total: int = 0
     g1_prefix_tokens_total: int = 0      # prompt tokens decode's own G1 held (not pulled)
     pull_seconds_total: float = 0.0
@@ -93,7 +94,7 @@ class DecodeStats:
     expert_imbalance: float = 1.0
     # Prefill -> decode hand-off (pull or rebuild of the prompt's KV), by how it came.
     handoff_seconds: dict[str, Hist] = field(default_factory=lambda: {
-        k: Hist() for k in ("shm", "stream", "warehouse")})
+        k: Hist() for k in ("ipc", "shm", "stream", "warehouse")})
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +131,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.secret = security.require_secret()  # keys tenant salts (kvstore.keys)
         self.puller = KVPuller(cfg.endpoint, timeout_s=cfg.pull_timeout_s,
                                use_shm=cfg.use_shm, shm_dir=cfg.shm_dir, security=security,
-                               upload=_upload(engine))
+                               upload=_upload(engine),
+                               ipc_device=kv_ipc.device_uuid(engine.device)
+                               if cfg.use_ipc and isinstance(getattr(engine, "device", None),
+                                                             torch.device) else "")
         self.store = StoreLink(cfg.endpoint.store_address, timeout_s=cfg.endpoint.call_timeout_s,
                                security=security)
         self.cost = CostModel(cfg.cost, block_nbytes=engine.layout.block_nbytes,

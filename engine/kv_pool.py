@@ -119,6 +119,19 @@ class KVStorage:
             export_rows(rows, slots, out.view(L * 2 * H, -1, D), chunks)
         return out
 
+    def export_tokens_device(self, slots: torch.Tensor) -> torch.Tensor:
+        """``export_tokens`` into a new contiguous device tensor, gathered on a
+        side stream and complete on return: a same-GPU hand-off shares it with
+        another process, which sees none of this process's streams."""
+        with CAPTURE.copy():
+            if self.device.type != "cuda":
+                return self._slots.index_select(3, slots.to(self.device))
+            stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(stream):
+                out = self._slots.index_select(3, slots.to(self.device))
+            stream.synchronize()
+        return out
+
     def import_tokens(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         # kv: [L, 2, H, n_tokens, D]
         self._slots.index_copy_(3, slots, kv.to(self.device))

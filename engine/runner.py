@@ -424,14 +424,22 @@ class Engine(PrefillSteps):
     @torch.no_grad()
     def export_tokens(self, seq_id: str, start: int, end: int, *,
                       out: torch.Tensor | None = None,
-                      chunks: PinnedChunks | None = None) -> torch.Tensor:
+                      chunks: PinnedChunks | None = None,
+                      on_device: bool = False) -> torch.Tensor:
         """KV of tokens [start, end) as [layers, 2, kv_heads, end - start, head_dim],
         on the host. ``out`` (contiguous, host, that shape and dtype): written
-        in place, through ``chunks`` where given (the hand-off's copy-out)."""
+        in place, through ``chunks`` where given (the hand-off's copy-out).
+        ``on_device``: a new contiguous tensor on the engine's device instead,
+        complete on return (another process may read it next)."""
         s = self._seq(seq_id)
         if not 0 <= start <= end <= s.kv_len:
             raise EngineInputError(f"tokens [{start}, {end}) out of range: sequence "
                                    f"{seq_id!r} has KV for {s.kv_len} tokens")
+        if on_device:
+            # Slots from the host's block list (as below): a side stream, nothing
+            # waited for on the default one.
+            host = self._slots(torch.tensor(s.blocks, dtype=torch.int64), start, end)
+            return self.storage.export_tokens_device(host)
         if out is None:
             return self.storage.export_tokens(self._slots(s.table, start, end)).cpu()
         L, _, H, _, D = self.layout.block_shape

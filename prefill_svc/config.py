@@ -33,6 +33,9 @@ class PrefillConfig:
     buffer_max_bytes: int = 4 * 2**30
     chunk_bytes: int = 4 * 2**20        # PullKV stream chunk size
     shm_dir: str = "/dev/shm"           # same-host pulls; empty: stream only
+    ipc_pulls: bool = True              # same-GPU pulls as a CUDA IPC handle (service/kv_ipc.py)
+    ipc_hold_s: float = 60.0            # a shared device copy decode did not release this long
+                                        # is dropped (longer than decode's pull deadline)
     max_prompt_tokens: int = 0          # 0: the model's context length
     local_prefix_cache: bool = True     # keep prompt blocks in the engine (G1) after a request
     warmup_tokens: int = 128            # measure prefill speed at start; 0: skip
@@ -42,6 +45,7 @@ class PrefillConfig:
             raise ConfigError(f"default_tenant {self.default_tenant!r} must match "
                               "[A-Za-z0-9._-]{1,64}")
         _positive("buffer_ttl_s", self.buffer_ttl_s)
+        _positive("ipc_hold_s", self.ipc_hold_s)
         for name in ("buffer_max_bytes", "chunk_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
         if self.chunk_bytes < 64 * 2**10:

@@ -13,8 +13,11 @@ block writer.
 PullKV / Release serve that buffer to decode (waiting for the entry if it is
 not there yet). A resident entry's first pull copies out only the tokens
 decode asks for (``start_token``), on the engine thread; one not pulled
-within ``resident_s`` was copied out whole (steps.py). Errors become status
-codes only in service.errors.
+within ``resident_s`` was copied out whole (steps.py). A pull from decode on
+the same GPU (its device UUID in the request equals this engine's) gets the
+KV as a CUDA IPC handle of a device copy (service/kv_ipc.py); any other pull,
+or one whose KV already left the engine, takes the file or the byte stream.
+Errors become status codes only in service.errors.
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ from kvstore.types import PutResult
 from prefill_svc.config import PrefillConfig
 from prefill_svc.steps import Computed, Job, StepLoop
 from proto import common_pb2, prefill_pb2, prefill_pb2_grpc
+from service import kv_ipc
 from service.cost import CostModel
 from service.engine_thread import EngineThread
 from service.errors import grpc_stream, grpc_unary, status_for
-from service.kv_buffer import KVBuffer, KVShape, Resident
+from service.kv_buffer import KVBuffer, KVPiece, KVShape, Resident
 from service.metrics import Hist, Source
 from service.request import ModelIdentity, prefill_input
 from service.restore import Restore, Restorer
@@ -64,7 +68,9 @@ class PrefillStats:
     computed_tokens_total: int = 0
     fetch_decisions_total: dict[str, int] = field(default_factory=dict)
     fetch_short_blocks_total: int = 0
-    pulls_total: dict[str, int] = field(default_factory=dict)       # "shm" / "stream"
+    pulls_total: dict[str, int] = field(default_factory=dict)   # "ipc" / "shm" / "stream"
+    pulls_ipc_declined_total: int = 0       # asked for IPC, served from the host (not same
+                                            # GPU, knob off, KV already on the host, error)
     prefill_tokens_per_s: float = 0.0
     in_flight_tokens: int = 0               # tokens still to compute, queued and running
     queue_waiting: int = 0                  # requests waiting to be admitted
@@ -122,7 +128,12 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.writer = BlockWriter(self._put, retries=cfg.writer.retries,
                                   backoff_s=cfg.writer.backoff_s, max_queue=cfg.writer.max_queue)
         self.buffer = KVBuffer(abandon_s=cfg.buffer_ttl_s, max_bytes=cfg.buffer_max_bytes,
-                               chunk_bytes=cfg.chunk_bytes, shm_dir=cfg.shm_dir)
+                               chunk_bytes=cfg.chunk_bytes, shm_dir=cfg.shm_dir,
+                               ipc_hold_s=cfg.ipc_hold_s)
+        device = getattr(engine, "device", None)
+        # This engine's GPU as decode names its own: equal UUIDs = one device.
+        self.ipc_device = (kv_ipc.device_uuid(device)
+                           if cfg.ipc_pulls and isinstance(device, torch.device) else "")
         self.stats = PrefillStats()
         self._sweeper: asyncio.Task[None] | None = None
         mc = engine.model_config
@@ -305,9 +316,18 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         t0 = time.perf_counter()
         await self._buffered(request.request_id)
         first = request.start_token
-        entry = await self.buffer.hold(self.buffer.get(request.request_id), first)
+        ipc = bool(self.ipc_device) and request.ipc_device == self.ipc_device
+        entry = await self.buffer.hold(self.buffer.get(request.request_id), first,
+                                       on_device=ipc)
         t1 = time.perf_counter()
         self.stats.pull_hold_seconds_total += t1 - t0
+        if ipc:
+            piece = await self._ipc_piece(entry, first, request.ipc_peer)
+            if piece is not None:
+                yield piece
+                return
+        if request.ipc_device:
+            self.stats.pulls_ipc_declined_total += 1
         if request.use_shm and self.buffer.shm_capable:
             try:
                 p = await asyncio.to_thread(self.buffer.shm_piece, entry, first)
@@ -325,6 +345,26 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         for p in self.buffer.pieces(entry, first):
             yield prefill_pb2.KVChunk(start_token=p.start_token, token_count=p.token_count,
                                       data=p.data, size=len(p.data), checksum=p.checksum)
+
+    async def _ipc_piece(self, entry: Any, first: int, peer: str) -> prefill_pb2.KVChunk | None:
+        """The entry's device copy as a CUDA IPC handle; None: take the host path."""
+        try:
+            p: KVPiece | None = await asyncio.to_thread(self.buffer.ipc_piece, entry, first,
+                                                        peer)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:   # the share failed
+            log.warning("same-device pull of %s failed (%s); host path", entry.request_id, exc)
+            return None
+        if p is None or p.ipc is None:
+            return None
+        self.stats.pulls_total["ipc"] = self.stats.pulls_total.get("ipc", 0) + 1
+        s = p.ipc
+        return prefill_pb2.KVChunk(
+            start_token=p.start_token, token_count=p.token_count, size=p.size,
+            checksum=p.checksum,
+            ipc=prefill_pb2.CudaIpc(handle=s.handle, storage_bytes=s.storage_bytes,
+                                    offset_bytes=s.offset_bytes, ref_handle=s.ref_handle,
+                                    ref_offset=s.ref_offset, event_handle=s.event_handle,
+                                    event_sync=s.event_sync))
 
     @grpc_unary
     async def Release(self, request: prefill_pb2.ReleaseRequest,

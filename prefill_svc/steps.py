@@ -441,12 +441,13 @@ class StepLoop:
         with self._held_lock:
             return list(self._held)
 
-    async def materialize(self, job: Job, start: int,
-                          alloc: HostAlloc | None = None) -> torch.Tensor | None:
+    async def materialize(self, job: Job, start: int, alloc: HostAlloc | None = None,
+                          on_device: bool = False) -> torch.Tensor | None:
         """Decode's first pull: tokens [start, L) of ``job``'s resident prompt to
-        the host (into a tensor from ``alloc``: the buffer's hand-off file), then
-        it is freed. None when it is no longer resident (it was demoted: its
-        whole KV reached ``on_demoted`` first).
+        the host (into a tensor from ``alloc``: the buffer's hand-off file), or
+        with ``on_device`` to one contiguous device tensor (a same-GPU pull; the
+        host when the device is full), then it is freed. None when it is no
+        longer resident (it was demoted: its whole KV reached ``on_demoted`` first).
 
         The copy runs on a worker thread, not behind the engine thread's step in
         flight: the claimed sequence is finished and still live, so no step
@@ -456,7 +457,8 @@ class StepLoop:
             return None
         try:
             t0 = time.perf_counter()
-            kv = await asyncio.to_thread(self._copy_out, rid, start, len(job.tokens), alloc)
+            kv = await asyncio.to_thread(self._copy_out, rid, start, len(job.tokens), alloc,
+                                         on_device)
             self._stats.handoff_copy_seconds_total += time.perf_counter() - t0
         finally:
             self._thread.submit(self._free, rid, job.g1_keys)
@@ -465,10 +467,17 @@ class StepLoop:
         return kv
 
     def _copy_out(self, rid: str, start: int, end: int,
-                  alloc: HostAlloc | None) -> torch.Tensor:
+                  alloc: HostAlloc | None, on_device: bool = False) -> torch.Tensor:
         """One copy of the tokens into ``alloc``'s tensor: on CUDA by DMA through
         pinned chunks on a side stream (not behind the step in flight on the
-        default stream; run 7 copied to fresh pageable memory, then wrote it)."""
+        default stream; run 7 copied to fresh pageable memory, then wrote it).
+        ``on_device``: a device gather on a side stream instead (no host at all)."""
+        if on_device and self._chunks is not None:
+            try:
+                return self._engine.export_tokens(rid, start, end, on_device=True)
+            except torch.OutOfMemoryError:
+                log.warning("no device memory for a same-GPU hand-off of %s; via the host",
+                            rid)
         if alloc is None or self._chunks is None:
             # The CPU keeps its plain copy (the file is written at the pull): on the
             # cc50 replay (2 cores) a copy-out into the mapped file took 1.87 s, a

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/prefill.proto\x12\nkvserve.v1\x1a\x12proto/common.proto\"\xb5\x01\n\x0ePrefillRequest\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvserve.v1.RequestContext\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\"\xaa\x02\n\x08KVHandle\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvserve.v1.RequestContext\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x12\n\nblock_keys\x18\x04 \x03(\x0c\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x12\n\nexpires_at\x18\x07 \x01(\x01\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12$\n\x07timings\x18\t \x01(\x0b\x32\x13.kvserve.v1.Timings\x12\x15\n\rwritten_tiers\x18\n \x03(\t\x12\x16\n\x0e\x66\x65tch_decision\x18\x0b \x01(\t\x12\x0f\n\x07kv_seed\x18\x0c \x01(\x04\"I\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07use_shm\x18\x02 \x01(\x08\x12\x13\n\x0bstart_token\x18\x03 \x01(\r\"\x87\x01\n\x07KVChunk\x12\x13\n\x0bstart_token\x18\x01 \x01(\r\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08shm_name\x18\x04 \x01(\t\x12\x12\n\nshm_offset\x18\x05 \x01(\x04\x12\x0c\n\x04size\x18\x06 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xa5\x02\n\x07Prefill\x12;\n\x07Prefill\x12\x1a.kvserve.v1.PrefillRequest\x1a\x14.kvserve.v1.KVHandle\x12:\n\x06PullKV\x12\x19.kvserve.v1.PullKVRequest\x1a\x13.kvserve.v1.KVChunk0\x01\x12\x42\n\x07Release\x12\x1a.kvserve.v1.ReleaseRequest\x1a\x1b.kvserve.v1.ReleaseResponse\x12]\n\x10ResetPrefixCache\x12#.kvserve.v1.ResetPrefixCacheRequest\x1a$.kvserve.v1.ResetPrefixCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/prefill.proto\x12\nkvserve.v1\x1a\x12proto/common.proto\"\xb5\x01\n\x0ePrefillRequest\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvserve.v1.RequestContext\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\"\xaa\x02\n\x08KVHandle\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvserve.v1.RequestContext\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x12\n\nblock_keys\x18\x04 \x03(\x0c\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x12\n\nexpires_at\x18\x07 \x01(\x01\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12$\n\x07timings\x18\t \x01(\x0b\x32\x13.kvserve.v1.Timings\x12\x15\n\rwritten_tiers\x18\n \x03(\t\x12\x16\n\x0e\x66\x65tch_decision\x18\x0b \x01(\t\x12\x0f\n\x07kv_seed\x18\x0c \x01(\x04\"o\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07use_shm\x18\x02 \x01(\x08\x12\x13\n\x0bstart_token\x18\x03 \x01(\r\x12\x12\n\nipc_device\x18\x04 \x01(\t\x12\x10\n\x08ipc_peer\x18\x05 \x01(\t\"\x98\x01\n\x07\x43udaIpc\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x12\n\nref_handle\x18\x04 \x01(\x0c\x12\x12\n\nref_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x12\n\nevent_sync\x18\x07 \x01(\x08\"\xa9\x01\n\x07KVChunk\x12\x13\n\x0bstart_token\x18\x01 \x01(\r\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08shm_name\x18\x04 \x01(\t\x12\x12\n\nshm_offset\x18\x05 \x01(\x04\x12\x0c\n\x04size\x18\x06 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x0c\x12 \n\x03ipc\x18\x08 \x01(\x0b\x32\x13.kvserve.v1.CudaIpc\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xa5\x02\n\x07Prefill\x12;\n\x07Prefill\x12\x1a.kvserve.v1.PrefillRequest\x1a\x14.kvserve.v1.KVHandle\x12:\n\x06PullKV\x12\x19.kvserve.v1.PullKVRequest\x1a\x13.kvserve.v1.KVChunk0\x01\x12\x42\n\x07Release\x12\x1a.kvserve.v1.ReleaseRequest\x1a\x1b.kvserve.v1.ReleaseResponse\x12]\n\x10ResetPrefixCache\x12#.kvserve.v1.ResetPrefixCacheRequest\x1a$.kvserve.v1.ResetPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVHANDLE']._serialized_start=240
   _globals['_KVHANDLE']._serialized_end=538
   _globals['_PULLKVREQUEST']._serialized_start=540
-  _globals['_PULLKVREQUEST']._serialized_end=613
-  _globals['_KVCHUNK']._serialized_start=616
-  _globals['_KVCHUNK']._serialized_end=751
-  _globals['_RELEASEREQUEST']._serialized_start=753
-  _globals['_RELEASEREQUEST']._serialized_end=789
-  _globals['_RELEASERESPONSE']._serialized_start=791
-  _globals['_RELEASERESPONSE']._serialized_end=826
-  _globals['_PREFILL']._serialized_start=829
-  _globals['_PREFILL']._serialized_end=1122
+  _globals['_PULLKVREQUEST']._serialized_end=651
+  _globals['_CUDAIPC']._serialized_start=654
+  _globals['_CUDAIPC']._serialized_end=806
+  _globals['_KVCHUNK']._serialized_start=809
+  _globals['_KVCHUNK']._serialized_end=978
+  _globals['_RELEASEREQUEST']._serialized_start=980
+  _globals['_RELEASEREQUEST']._serialized_end=1016
+  _globals['_RELEASERESPONSE']._serialized_start=1018
+  _globals['_RELEASERESPONSE']._serialized_end=1053
+  _globals['_PREFILL']._serialized_start=1056
+  _globals['_PREFILL']._serialized_end=1349
 # @@protoc_insertion_point(module_scope)

@@ -50,17 +50,39 @@ class KVHandle(_message.Message):
     def __init__(self, ctx: _Optional[_Union[_common_pb2.RequestContext, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., layout: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., written_tiers: _Optional[_Iterable[str]] = ..., fetch_decision: _Optional[str] = ..., kv_seed: _Optional[int] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("request_id", "use_shm", "start_token")
+    __slots__ = ("request_id", "use_shm", "start_token", "ipc_device", "ipc_peer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     USE_SHM_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    IPC_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    IPC_PEER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     use_shm: bool
     start_token: int
-    def __init__(self, request_id: _Optional[str] = ..., use_shm: _Optional[bool] = ..., start_token: _Optional[int] = ...) -> None: ...
+    ipc_device: str
+    ipc_peer: str
+    def __init__(self, request_id: _Optional[str] = ..., use_shm: _Optional[bool] = ..., start_token: _Optional[int] = ..., ipc_device: _Optional[str] = ..., ipc_peer: _Optional[str] = ...) -> None: ...
+
+class CudaIpc(_message.Message):
+    __slots__ = ("handle", "storage_bytes", "offset_bytes", "ref_handle", "ref_offset", "event_handle", "event_sync")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    storage_bytes: int
+    offset_bytes: int
+    ref_handle: bytes
+    ref_offset: int
+    event_handle: bytes
+    event_sync: bool
+    def __init__(self, handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., ref_handle: _Optional[bytes] = ..., ref_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("start_token", "token_count", "data", "shm_name", "shm_offset", "size", "checksum")
+    __slots__ = ("start_token", "token_count", "data", "shm_name", "shm_offset", "size", "checksum", "ipc")
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +90,7 @@ class KVChunk(_message.Message):
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    IPC_FIELD_NUMBER: _ClassVar[int]
     start_token: int
     token_count: int
     data: bytes
@@ -75,7 +98,8 @@ class KVChunk(_message.Message):
     shm_offset: int
     size: int
     checksum: bytes
-    def __init__(self, start_token: _Optional[int] = ..., token_count: _Optional[int] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...
+    ipc: CudaIpc
+    def __init__(self, start_token: _Optional[int] = ..., token_count: _Optional[int] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[bytes] = ..., ipc: _Optional[_Union[CudaIpc, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

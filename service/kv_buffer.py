@@ -31,6 +31,15 @@ unguessable name) and the reader copies it out with one read. Every piece,
 file or bytes, carries a checksum prefill took from its own memory, seeded
 with the handle's secret ``kv_seed``; the assembler verifies it before the KV
 goes anywhere, and a mismatch is a ``KVIntegrityError`` (decode recomputes).
+
+Same-device pulls skip the host altogether (service.kv_ipc): a resident
+entry's first such pull gathers its KV into one device tensor that the entry
+then holds (counted against the same byte bound), shared as a CUDA IPC
+handle; decode copies it device to device and releases it. Its checksum is
+``kv_ipc.device_digest``, taken on the device. A shared copy decode neither
+released nor closed within ``ipc_hold_s`` is dropped, and a dead decode's
+reference counted down (``kv_ipc.release_orphan``), so it cannot pin device
+memory for the prefill's life.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ import numpy as np
 import torch
 
 from engine.staging import CAPTURE, DeviceBudget, PinnedChunks, upload_file
-from service import kv_shm
+from service import kv_ipc, kv_shm
 from service.aio import retrieve
 from service.errors import HandleExpired, InvalidRequest
 
@@ -64,6 +73,11 @@ _MAX_TOMBSTONES = 65_536
 
 class KVIntegrityError(ValueError):
     """A hand-off piece does not match the checksum prefill sent for it."""
+
+
+class IpcUnusable(RuntimeError):
+    """A same-device handle this process cannot map (another GPU after all, no
+    CUDA here): the pull asks again for the host path."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +118,7 @@ class KVPiece:
     shm_offset: int = 0
     size: int = 0
     checksum: bytes = b""
+    ipc: kv_ipc.Share | None = None     # a same-device pull: the staging copy's handle
 
 
 # A contiguous host tensor of these dims and dtype for a copy-out to land in
@@ -117,17 +132,19 @@ class Resident:
     Compared by identity: it names one prefill of a request id."""
 
     # tokens [start, n) to the host (into a tensor from the HostAlloc when it
-    # can), then the sequence freed; None when the engine no longer holds it
+    # can), or with ``on_device`` into one contiguous device tensor (a same-device
+    # pull), then the sequence freed; None when the engine no longer holds it
     # (demoted: its ``fill`` came first)
-    materialize: Callable[[int, HostAlloc], Awaitable[torch.Tensor | None]]
+    materialize: Callable[[int, HostAlloc, bool], Awaitable[torch.Tensor | None]]
     release: Callable[[], None]     # free the sequence unread (never raises)
 
 
 @dataclass(slots=True)
 class BufferEntry:
     request_id: str
-    kv: torch.Tensor | None         # [layers, 2, kv_heads, n_tokens - start, head_dim], host,
-                                    # contiguous; None while resident
+    kv: torch.Tensor | None         # [layers, 2, kv_heads, n_tokens - start, head_dim],
+                                    # contiguous, on the host (or the device for a
+                                    # same-device pull); None while resident
     seed: int                       # the handle's kv_seed: keys the pieces' checksums
     put_at: float                   # buffer clock
     n_tokens: int                   # the prompt's tokens
@@ -142,6 +159,13 @@ class BufferEntry:
     # The hand-off file ``kv`` is a mapping of (its copy-out landed there): it
     # serves a pull from ``start`` without another write.
     backing: str = ""
+    # A same-device pull shared ``kv`` (on the device): the handle, the pulling
+    # process (kv_ipc.peer_id), the device digest, when (buffer clock), the device.
+    ipc: tuple[kv_ipc.Share, str, bytes, float, torch.device] | None = None
+
+    @property
+    def on_device(self) -> bool:
+        return self.kv is not None and self.kv.device.type != "cpu"
 
     @property
     def nbytes(self) -> int:
@@ -164,6 +188,16 @@ class BufferStats:
     unbuffered: int                 # larger than the whole buffer: never held
     shm_files: int
     resident: int                   # entries whose KV the engine still holds
+    device: int = 0                 # entries holding a device staging copy (same-device pulls)
+    ipc_expired: int = 0            # shared copies neither released nor closed in ipc_hold_s
+    ipc_orphans: int = 0            # of them, a dead decode's references counted down
+
+
+def _held(kv: torch.Tensor) -> torch.Tensor:
+    """What an entry keeps: contiguous, on the host, or on the device where it is
+    (a same-device pull's staging copy)."""
+    kv = kv.detach()
+    return (kv if kv.device.type == "cuda" else kv.to("cpu")).contiguous()
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -174,9 +208,12 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 class KVBuffer:
     def __init__(self, *, max_bytes: int, chunk_bytes: int, shm_dir: str = "",
                  abandon_s: float = 3600.0, clock: Callable[[], float] = time.monotonic,
-                 names: Callable[[], str] = kv_shm.new_name) -> None:
-        if abandon_s <= 0:
-            raise ValueError(f"abandon_s must be > 0, got {abandon_s}")
+                 names: Callable[[], str] = kv_shm.new_name, ipc_hold_s: float = 60.0) -> None:
+        if abandon_s <= 0 or ipc_hold_s <= 0:
+            raise ValueError(f"abandon_s and ipc_hold_s must be > 0, got {abandon_s}, "
+                             f"{ipc_hold_s}")
+        self._ipc_hold_s = ipc_hold_s
+        self._ipc_counts = {"ipc_expired": 0, "ipc_orphans": 0}
         self._max_bytes = max_bytes
         self._chunk_bytes = chunk_bytes
         self._abandon_s = abandon_s
@@ -212,7 +249,7 @@ class KVBuffer:
         oldest entries if it needs room; replaces an entry of the same id. None
         when it is larger than the whole buffer: decode then rebuilds it."""
         self.sweep()
-        kv = kv.detach().to("cpu").contiguous()
+        kv = _held(kv)
         KVShape.of(kv)
         nbytes = kv.numel() * kv.element_size()
         if request_id in self._entries:
@@ -254,7 +291,7 @@ class KVBuffer:
         if entry is None:
             self._unlink(backing)
             return None
-        kv = kv.detach().to("cpu").contiguous()
+        kv = _held(kv)
         KVShape.of(kv)
         if int(kv.shape[3]) != entry.n_tokens - start:
             self._unlink(backing)
@@ -285,15 +322,18 @@ class KVBuffer:
             del self._entries[entry.request_id]
             self._remember(entry.request_id, why)
 
-    async def hold(self, entry: BufferEntry, first: int) -> BufferEntry:
-        """``entry`` with its KV from token ``first`` on on the host: a resident
-        one is copied out from ``first`` on (once, however many pull it at once;
-        a caller that leaves does not stop it)."""
+    async def hold(self, entry: BufferEntry, first: int, *,
+                   on_device: bool = False) -> BufferEntry:
+        """``entry`` with its KV from token ``first`` on held: a resident one is
+        copied out from ``first`` on (once, however many pull it at once; a
+        caller that leaves does not stop it), to the host, or with
+        ``on_device`` into a device tensor (same-device pulls; the host when
+        the device is full)."""
         self.check_start(entry, first)
         if entry.kv is None and entry.resident is not None:
             if entry.filling is None:
                 entry.filling = asyncio.ensure_future(self._materialize(entry, entry.resident,
-                                                                        first))
+                                                                        first, on_device))
                 entry.filling.add_done_callback(retrieve)
             await asyncio.shield(entry.filling)
         if entry.kv is None and entry.resident is not None:
@@ -305,7 +345,8 @@ class KVBuffer:
         self.check_start(entry, first)
         return entry
 
-    async def _materialize(self, entry: BufferEntry, resident: Resident, first: int) -> None:
+    async def _materialize(self, entry: BufferEntry, resident: Resident, first: int,
+                           on_device: bool = False) -> None:
         made: list[tuple[torch.Tensor, str]] = []
 
         def alloc(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -314,7 +355,7 @@ class KVBuffer:
             return t
 
         try:
-            kv = await resident.materialize(first, alloc)
+            kv = await resident.materialize(first, alloc, on_device)
         except Exception as exc:        # the engine freed it: a pull says why, decode rebuilds
             for _, name in made:
                 self._unlink(name)
@@ -383,10 +424,36 @@ class KVBuffer:
                                 f"{entry.start} on only (an earlier pull took the tail); "
                                 f"tokens from {start} must be rebuilt")
 
+    def ipc_piece(self, entry: BufferEntry, first: int, peer: str) -> KVPiece | None:
+        """The entry's device KV (from ``first`` = its start) shared with the
+        pulling process ``peer`` (kv_ipc.peer_id), with its device digest;
+        shared once, however many pull it. None when the entry holds no device
+        copy of exactly those tokens (the pull takes the host path)."""
+        self.check_start(entry, first)
+        if not entry.on_device or first != entry.start:
+            return None
+        assert entry.kv is not None
+        if entry.ipc is None:
+            with CAPTURE.copy():        # the digest allocates on the device
+                digest = kv_ipc.device_digest(entry.kv, entry.seed)
+            entry.ipc = (kv_ipc.share(entry.kv), peer, digest, self._clock(), entry.kv.device)
+        share, _, digest, _, _ = entry.ipc
+        n = entry.n_tokens - first
+        return KVPiece(first, n, size=n * KVShape.of(entry.kv).token_nbytes, checksum=digest,
+                       ipc=share)
+
+    def _on_host(self, entry: BufferEntry) -> None:
+        """A host pull of an entry held on the device (its same-device pull fell
+        back): the copy moves to the host, once (same bytes: the bound holds)."""
+        if entry.on_device:
+            assert entry.kv is not None
+            entry.kv = entry.kv.cpu()
+
     def pieces(self, entry: BufferEntry, first: int = 0) -> Iterator[KVPiece]:
         """The entry's KV from token ``first`` on, as byte pieces of about
         ``chunk_bytes`` each."""
         self.check_start(entry, first)
+        self._on_host(entry)
         assert entry.kv is not None, "pulled entries are held (KVBuffer.hold)"
         step = max(1, self._chunk_bytes // KVShape.of(entry.kv).token_nbytes)
         for start in range(first, entry.n_tokens, step):
@@ -405,6 +472,7 @@ class KVBuffer:
         self.check_start(entry, first)
         assert entry.kv is not None, "pulled entries are held (KVBuffer.hold)"
         with entry.shm_lock:
+            self._on_host(entry)
             if first not in entry.shm and first == entry.start and entry.backing:
                 # The copy-out wrote the file: only its checksum, from this
                 # process's mapping (decode checks the bytes it reads against it).
@@ -438,11 +506,17 @@ class KVBuffer:
         return True
 
     def sweep(self) -> int:
-        """Drop entries nobody pulled within ``abandon_s``; returns how many."""
+        """Drop entries nobody pulled within ``abandon_s``, and shared device
+        copies decode did not release within ``ipc_hold_s``; returns how many."""
         now = self._clock()
         old = [rid for rid, e in self._entries.items() if now - e.put_at > self._abandon_s]
         for rid in old:
             self._drop(rid, "abandoned")
+        for rid in [rid for rid, e in self._entries.items()
+                    if e.ipc is not None and now - e.ipc[3] > self._ipc_hold_s]:
+            self._ipc_counts["ipc_expired"] += 1
+            self._drop(rid, "abandoned")
+            old.append(rid)
         for rid in [rid for rid, (t, _) in self._gone.items() if now - t > _TOMBSTONE_S]:
             del self._gone[rid]
         return len(old)
@@ -455,8 +529,10 @@ class KVBuffer:
         shm = sum(len(e.shm) for e in self._entries.values())
         resident = sum(e.resident is not None for e in self._entries.values())
         c = self._counts
+        device = sum(e.on_device for e in self._entries.values())
         return BufferStats(len(self._entries), self._bytes, c["released"], c["evicted"],
-                           c["abandoned"], c["unbuffered"], shm, resident)
+                           c["abandoned"], c["unbuffered"], shm, resident, device,
+                           self._ipc_counts["ipc_expired"], self._ipc_counts["ipc_orphans"])
 
     def _drop(self, request_id: str, why: str) -> None:
         entry = self._entries.pop(request_id)
@@ -468,6 +544,12 @@ class KVBuffer:
             for name, _ in entry.shm.values():
                 (self._shm_dir / name).unlink(missing_ok=True)
         self._unlink(entry.backing)
+        if entry.ipc is not None:
+            # A decode that died before closing its mapping never counts it down:
+            # then the block would sit in torch's limbo for this process's life.
+            share, peer, _, _, device = entry.ipc
+            if kv_ipc.release_orphan(share, peer, device):
+                self._ipc_counts["ipc_orphans"] += 1
         if entry.resident is not None:
             entry.resident, resident = None, entry.resident
             resident.release()          # the engine frees the sequence
@@ -513,6 +595,7 @@ class KVAssembler:
         self._shm_dir = Path(shm_dir)
         self._kv: torch.Tensor | None = None
         self._filled = first
+        self.path = ""                  # how the pieces came: "ipc" | "shm" | "stream"
 
     @property
     def kv(self) -> torch.Tensor:
@@ -529,6 +612,15 @@ class KVAssembler:
                              f"(have {self._filled} of {self._n} tokens)")
         at = start - self._first
         want = count * self._shape.token_nbytes
+        self.path = "ipc" if piece.ipc else "shm" if piece.shm_name else "stream"
+        if piece.ipc is not None:
+            if start != self._first or count != self._n - self._first or piece.size != want:
+                raise ValueError(f"a same-device piece must be the whole [{self._first}, "
+                                 f"{self._n}) of {want} bytes, got [{start}, {start + count}) "
+                                 f"of {piece.size}")
+            self._kv = self._copied(piece, want)
+            self._filled += count
+            return
         if piece.shm_name:
             if piece.size != want:
                 raise ValueError(f"shared-memory region of {piece.size} bytes, expected {want}")
@@ -562,6 +654,48 @@ class KVAssembler:
         self.kv[:, :, :, at:at + count, :].copy_(
             part.view(self._shape.dtype).view(self._shape.dims(count)))
         self._filled += count
+
+    def _copied(self, piece: KVPiece, want: int) -> torch.Tensor:
+        """A same-device piece copied device to device into a tensor of this
+        process (to the host past the device budget), the mapping closed, then
+        the copy verified against its device digest: what was verified is what
+        is adopted, and prefill's staging copy is no longer needed."""
+        assert piece.ipc is not None
+        up = self._upload
+        if up is None or up.device.type != "cuda":
+            raise IpcUnusable("no CUDA device here for a same-device piece")
+        dims = self._shape.dims(self._n - self._first)
+        on_device = up.budget.take(want)
+        dest: torch.Tensor | None = None
+        try:
+            with CAPTURE.copy():        # mapping, allocation and digest: no capture meanwhile
+                try:
+                    src = kv_ipc.open_shared(piece.ipc, up.device, self._shape.dtype, dims)
+                except RuntimeError as exc:
+                    kv_ipc.release_unopened(piece.ipc, up.device)
+                    raise IpcUnusable(f"cannot map the same-device handle: {exc}") from exc
+                try:
+                    if on_device:
+                        dest = up.budget.hold(torch.empty(dims, dtype=self._shape.dtype,
+                                                          device=up.device), want)
+                    else:
+                        dest = torch.empty(dims, dtype=self._shape.dtype, pin_memory=True)
+                    stream = torch.cuda.Stream(up.device)
+                    with torch.cuda.stream(stream):
+                        dest.copy_(src, non_blocking=True)
+                    stream.synchronize()
+                finally:
+                    del src             # closes the mapping: prefill may free its copy
+                digest = kv_ipc.device_digest(dest, self._seed)
+        except BaseException:
+            if on_device and dest is None:
+                up.budget.give(want)
+            raise
+        if not piece.checksum or digest != piece.checksum:
+            raise KVIntegrityError(
+                f"KV piece [{piece.start_token}, {piece.start_token + piece.token_count}) from "
+                "the same-device handle does not match its digest")
+        return dest
 
     def _uploaded(self, piece: KVPiece, want: int) -> torch.Tensor:
         """The whole file on the device, verified (``want`` bytes of budget taken:

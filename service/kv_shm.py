@@ -40,7 +40,7 @@ class ShmRefused(OSError):
     """The file is not one this process may trust to read (wrong owner, mode, type)."""
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:                 # no procfs: one namespace as far as we can tell
@@ -48,7 +48,7 @@ def _pid_namespace() -> int:
 
 
 def new_name() -> str:
-    return f"kvserve-kv-{_pid_namespace():x}-{os.getpid()}-{secrets.token_hex(16)}"
+    return f"kvserve-kv-{pid_namespace():x}-{os.getpid()}-{secrets.token_hex(16)}"
 
 
 def sweep_orphans(directory: Path) -> int:
@@ -57,7 +57,7 @@ def sweep_orphans(directory: Path) -> int:
     hold their memory until reboot. Only this user's regular files named by a
     process of this pid namespace (another container sharing the directory
     has other pids) that no longer exists; returns how many went."""
-    ns, me, uid, gone = _pid_namespace(), os.getpid(), os.getuid(), 0
+    ns, me, uid, gone = pid_namespace(), os.getpid(), os.getuid(), 0
     try:
         names = os.listdir(directory)
     except OSError:
@@ -67,7 +67,7 @@ def sweep_orphans(directory: Path) -> int:
         if m is None or m.group(1) is None or int(m.group(1), 16) != ns:
             continue
         pid = int(m.group(2))
-        if pid == me or _alive(pid):
+        if pid == me or alive(pid):
             continue
         path = directory / name
         try:
@@ -80,7 +80,7 @@ def sweep_orphans(directory: Path) -> int:
     return gone
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -68,6 +68,12 @@ def _configure_prefill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer-ttl", type=float, default=None,
                    help="seconds after which a request's KV that decode never pulled is "
                         "dropped (decode then rebuilds it; default 3600)")
+    p.add_argument("--no-ipc-pulls", action="store_true",
+                   help="never hand KV to a decode on the same GPU as a CUDA IPC handle "
+                        "(the /dev/shm file or the byte stream only)")
+    p.add_argument("--ipc-hold", type=float, default=None, metavar="S",
+                   help="drop a device copy shared with decode that was not released "
+                        "within S seconds (default 60)")
     p.add_argument("--no-local-prefix-cache", action="store_true",
                    help="do not keep prompt blocks in the engine (every hit comes from the "
                         "warehouse)")
@@ -92,6 +98,7 @@ def _run_prefill(args: argparse.Namespace) -> int:
         base = load_config(args.config)
         cfg = PrefillConfig.from_kvserve(
             base, **_overrides(args, base), buffer_ttl_s=args.buffer_ttl,
+            ipc_pulls=False if args.no_ipc_pulls else None, ipc_hold_s=args.ipc_hold,
             local_prefix_cache=False if args.no_local_prefix_cache else None,
             policy=args.policy, step_tokens=args.step_tokens, max_running=args.max_running,
             max_waiting=args.max_waiting, security=security_from_args(args, "prefill"))
@@ -106,6 +113,8 @@ def _run_prefill(args: argparse.Namespace) -> int:
 def _configure_decode(p: argparse.ArgumentParser) -> None:
     _configure_common(p)
     p.add_argument("--max-seqs", type=int, default=None, help="sequences decoding at once")
+    p.add_argument("--no-ipc-pulls", action="store_true",
+                   help="never ask a prefill on the same GPU for its KV as a CUDA IPC handle")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="requests taken beyond --max-seqs before answering RESOURCE_EXHAUSTED "
                         "(default 64)")
@@ -132,7 +141,7 @@ def _run_decode(args: argparse.Namespace) -> int:
         base = load_config(args.config)
         cfg = DecodeConfig.from_kvserve(
             base, **_overrides(args, base), max_seqs=args.max_seqs,
-            max_waiting=args.max_waiting,
+            max_waiting=args.max_waiting, use_ipc=False if args.no_ipc_pulls else None,
             ep_ranks=args.ep_ranks, expert_plan=args.expert_plan, ep_redundant=args.ep_redundant,
             canonical_wait_s=args.canonical_wait,
             security=security_from_args(args, "decode"))

@@ -299,7 +299,8 @@ class Engineish:
         self.copied: list[int] = []         # start tokens copied out
         self.released = 0
 
-    async def materialize(self, start: int, alloc: HostAlloc) -> torch.Tensor | None:
+    async def materialize(self, start: int, alloc: HostAlloc,
+                          on_device: bool = False) -> torch.Tensor | None:
         await asyncio.sleep(0)              # the engine thread's queue
         if self.kv is None:
             return None
