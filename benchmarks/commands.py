@@ -125,6 +125,10 @@ def _stack(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input", type=int, default=16384,
                    help="longest prompt after the context scale (<= the model's context)")
     p.add_argument("--time-scale", type=float, default=0.002, help="multiply arrival times")
+    p.add_argument("--session-rate", type=float, default=0.0, metavar="PER_S",
+                   help="start the sessions at this Poisson rate (trace seconds) instead of "
+                        "their own times, so the earliest --max-requests are the first turns "
+                        "of many sessions at once: a saturating agent phase (0: as recorded)")
     p.add_argument("--output-tokens", type=int, default=16, help="answer length, agent phase")
     p.add_argument("--seed", type=int, default=0)
     stack = p.add_argument_group("the stack (kvserve up)")

@@ -183,7 +183,8 @@ def _agent_rows(args: argparse.Namespace, out: Path) -> tuple[Path, dict[str, An
                          time_scale=args.time_scale, output_tokens=args.output_tokens,
                          max_output_tokens=args.output_tokens, model=args.model, seed=args.seed)
     s = export(args.trace, path, opts, max_sessions=args.sessions,
-               max_requests=args.max_requests or None)
+               max_requests=args.max_requests or None,
+               session_rate_per_s=args.session_rate or None)
     trace = {**asdict(s), "reusable_fraction": s.reusable_tokens / max(1, s.prompt_tokens)}
     say(f"trace: {s.requests} requests in {s.sessions} sessions, {s.prompt_tokens:,} prompt "
         f"tokens ({100 * trace['reusable_fraction']:.1f} % in blocks an earlier request had), "
@@ -274,6 +275,9 @@ def _scrape(stack: dict[str, Any]) -> dict[str, dict[str, float]]:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 into[s.name] = into.get(s.name, 0.0) + s.value
+                if "kind" in s.labels:      # e.g. how pulls came: ipc / shm / stream
+                    k = f"{s.name}:{s.labels['kind']}"
+                    into[k] = into.get(k, 0.0) + s.value
     return out
 
 

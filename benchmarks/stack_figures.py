@@ -44,6 +44,12 @@ def latency(records: Sequence[Record]) -> dict[str, float]:
             "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50), "itl_p90_s": pct(itl, 90)}
 
 
+def pull_paths(decode: Mapping[str, float]) -> dict[str, float]:
+    """How decode's pulls came over the phase: device to device, file, stream."""
+    return {f"pulls_{k}": counter(decode, f"_kv_sources_total:{k}")
+            for k in ("ipc", "shm", "stream")}
+
+
 def prefill_figures(records: Sequence[Record], limits: Limits,
                     prefill: Mapping[str, float], decode: Mapping[str, float]) -> dict[str, float]:
     """``prefill`` / ``decode``: counter deltas of the services over the phase."""
@@ -72,7 +78,7 @@ def prefill_figures(records: Sequence[Record], limits: Limits,
             "decode_pull_gbps": (counter(decode, "_pull_bytes_total") / pull_s / 1e9
                                  if pull_s > 0 else 0.0),
             "decode_rebuilds": counter(decode, "_rebuilds_total"),
-            **latency(records)}
+            **pull_paths(decode), **latency(records)}
 
 
 def decode_figures(records: Sequence[Record], limits: Limits, decode: Mapping[str, float], *,
@@ -93,7 +99,10 @@ def decode_figures(records: Sequence[Record], limits: Limits, decode: Mapping[st
             "decode_tps": tps, "roofline_tps": roof, "vs_roofline": tps / roof if roof else 0.0,
             "slo_tpot_s": slo_tpot_s, "tpot_met": float(0 < itl <= slo_tpot_s),
             "wall_output_tps": out_tokens / span if span > 0 else 0.0,
-            **step_breakdown(decode), **lat}
+            "pull_gbps": (counter(decode, "_pull_bytes_total")
+                          / counter(decode, "_pull_seconds_total") / 1e9
+                          if counter(decode, "_pull_seconds_total") > 0 else 0.0),
+            **pull_paths(decode), **step_breakdown(decode), **lat}
 
 
 STEP_PARTS = ("wait", "forward", "sample", "read", "chunk")
