@@ -25,9 +25,9 @@ Integrity: the bytes never pass through a file a third process can open; the
 checks what it adopts: ``device_digest`` is a keyed linear hash over the
 KV's 32-bit words with weights drawn from the handle's secret ``kv_seed``
 (two independent 64-bit lanes), computed by prefill on its staging copy and
-by decode on its own copy after the device-to-device copy; a changed copy
-matches with probability at most 2**-33 per lane for any change chosen
-without the seed.
+by decode on its own copy after the device-to-device copy. A change chosen
+without the seed gets past one level of a lane with probability at most
+2**-33, a lane at most about 2**-28, both lanes about 2**-56.
 """
 
 from __future__ import annotations
@@ -156,8 +156,9 @@ def device_digest(t: torch.Tensor, seed: int) -> bytes:
     computed where ``t`` is): per lane, row sums of weight * word over the
     tensor's unsigned 32-bit words, then a weighted sum of the rows, both
     modulo 2**64. Bytes that differ anywhere change a lane unless the weights
-    happen to cancel the difference (<= 2**-33 for a change made without the
-    seed). Equal on any two devices for equal bytes (integer arithmetic)."""
+    happen to cancel the difference (about 2**-28 at most for a change made
+    without the seed). Equal on any two devices for equal bytes (integer
+    arithmetic)."""
     flat = t.reshape(-1).view(torch.uint8)
     n = flat.numel()
     pad = -n % (4 * _WIDTH)
