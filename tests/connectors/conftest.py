@@ -1,4 +1,5 @@
-"""One real stack per test session for the vLLM connector tests: an embedded
+"""One real stack for the vLLM connector tests (this package's, torn down after its
+last test so its servers hold no memory or CPU through the rest of the suite): an embedded
 Redis of its own (other tests flush theirs), one kvstore process, and vLLM
 OpenAI servers (SmolLM2 fp32 from our GGUF importer, ``--enforce-eager``, a
 small KV cache) with ``connectors.vllm.KVServeConnector``, started by name
@@ -53,7 +54,7 @@ class VLLMStack:
         return VLLMProcess(self.spec(name, **kw), self.root / f"{name}.log").start()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_stack(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory,
                ) -> Iterator[VLLMStack]:
     if VLLM_MISSING:
@@ -73,7 +74,9 @@ class Servers:
     """vLLM servers by name, at most one alive unless a test asks for two: a vLLM
     CPU server holds ~1.5-2 GB, and a shared CI box runs out of memory with more.
     A server outlives its test, since starting one costs 40-80 s: test_affinity.py
-    (two servers) runs first by name, and test_identity.py then reuses both."""
+    (two servers) runs first by name, test_identity.py then reuses both, and
+    test_isolation.py and test_store_down.py keep B; test_vllm_attach.py, which
+    needs plain servers and stops these, sorts after them."""
 
     def __init__(self, stack: VLLMStack) -> None:
         self.stack = stack
@@ -85,10 +88,18 @@ class Servers:
         return self.get(name, **kw)
 
     def get(self, name: str, **kw: object):  # type: ignore[no-untyped-def]
-        proc = self.live.get(name)
-        if proc is None or not proc.alive():  # type: ignore[attr-defined]
-            proc = self.live[name] = self.stack.server(name, **kw).wait_ready()
-        return proc
+        return self.get_many(name, **kw)[0]
+
+    def get_many(self, *names: str, **kw: object) -> list:  # type: ignore[type-arg]
+        """The servers by name, the missing ones started together: most of a start
+        is process spawns and imports, which overlap (two took 68 s, one 55 s)."""
+        started = [n for n in names
+                   if n not in self.live or not self.live[n].alive()]  # type: ignore[attr-defined]
+        for n in started:
+            self.live[n] = self.stack.server(n, **kw)
+        for n in started:
+            self.live[n].wait_ready()  # type: ignore[attr-defined]
+        return [self.live[n] for n in names]
 
     def stop(self, name: str) -> None:
         proc = self.live.pop(name, None)
@@ -101,7 +112,7 @@ class Servers:
         self.live.clear()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_servers(vllm_stack: VLLMStack) -> Iterator[Servers]:
     servers = Servers(vllm_stack)
     try:

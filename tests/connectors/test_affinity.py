@@ -52,8 +52,7 @@ async def _ask(http: aiohttp.ClientSession, base: str, messages: list[dict[str, 
 def test_cache_aware_repeat_goes_to_the_instance_holding_the_prefix(vllm_stack, vllm_servers):
     if not two_servers_fit():
         pytest.skip("less than 5 GiB of memory available: two vLLM servers do not fit")
-    a = vllm_servers.get("vllm-a")
-    vllm_servers.get("vllm-b")
+    a, _ = vllm_servers.get_many("vllm-a", "vllm-b")
     tls, insecure = security()
     sec = SecurityConfig(insecure=True) if insecure else SecurityConfig(cert_dir=tls,
                                                                         role="router")

@@ -28,6 +28,10 @@ from tests.connectors.stack import (
 )
 
 N_PROMPTS = 10
+# Prompts of 2-6 blocks, most not block-aligned: what is checked (same tokens, the
+# hit rule's cached count) holds at any length past one block, and on a 2-core
+# box every cold prompt token is prefill time (prompts' default reaches 11 blocks).
+HI = 400
 # The fixtures start vLLM servers (~40 s each in CI, minutes on a loaded 2-core box).
 pytestmark = pytest.mark.timeout(1500)
 
@@ -40,9 +44,9 @@ def _saved_blocks(prompt: int, answer: int) -> int:
 
 def test_fresh_process_restores_from_the_warehouse_token_for_token(vllm_stack, vllm_servers):
     tenant = salt(f"ident-{vllm_stack.run}")
-    ps = prompts(N_PROMPTS, seed=11)
+    ps = prompts(N_PROMPTS, seed=11, hi=HI)
     pd_salt, mono_salt = salt(f"pd-{vllm_stack.run}"), salt(f"mono-{vllm_stack.run}")
-    pd = prompts(4, seed=12)
+    pd = prompts(4, seed=12, hi=HI)
     # A returning session: turn 1 ends 40 tokens into a block, so its 32-token
     # answer completes one more block; turn 2 = turn 1 + answer + new text.
     (t1,) = prompts(1, seed=13, lo=5 * BLOCK + 40, hi=5 * BLOCK + 41)

@@ -137,16 +137,18 @@ def prompt(seed: int, n: int) -> list[int]:
     return [(seed * 31 + i * 7) % 250 + 1 for i in range(n)]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """kvstore + prefill + decode, tiny-dense, 16-token blocks. The prefill
     keeps no local prefix cache and fetches every usable block (for a model
     this small the cost rule would often rather recompute), so every hit
     comes from the warehouse and cached_tokens is the hit rule's value.
 
-    The stack lives for the whole session, so it gets a Redis server of its
-    own (the same bundled real server the ``redis_url`` fixture uses): other
-    tests flush that one between tests, which would wipe this stack's index.
+    The stack serves every test of this package (it stops after the last one,
+    so its processes idle through none of the rest of the suite) and gets a
+    Redis server of its own (the same bundled real server the ``redis_url``
+    fixture uses): other tests flush that one between tests, which would wipe
+    this stack's index.
     """
     base = tmp_path_factory.mktemp("stack")
     with EmbeddedRedis() as redis:

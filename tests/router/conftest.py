@@ -12,7 +12,7 @@ from tests.router.agent_stack import agent_stack as _agent_stack
 from tests.router.front_stack import RouterProc
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def agent_stack(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str
                 ) -> Iterator[RouterProc]:
     """The SmolLM2 stack the tools/structured-output and Messages API tests share
