@@ -2,8 +2,14 @@
 many rows share the call, yet each row count gets a tile that suits it.
 
 What fixes a row's bits is the order of its reduction, not the tile: every
-output element is one fp32 accumulator that the matrix units advance by the
-same 16-deep K steps, in order from k = 0, with no split-K. The tile's rows and
+output element is one fp32 accumulator per K split that the matrix units
+advance by the same 16-deep K steps, in order from the split's start, and the
+splits' sums are added in order (split 0 + split 1 + ...), then the bias. How
+many splits a weight has is fixed by its shape alone (``k_splits``), never by M:
+narrow 16-bit outputs (qkv, o, down) take 2, so their decode GEMMs spread over
+twice the programs (64-96 programs left most of the H200's 132 SMs idle, the
+b64 step's largest part), and every other M computes the same two sums. The
+tile's rows and
 columns (``BM``, ``BN``), which operand side of the instruction the weight
 takes, how many K steps one pipeline stage loads (a multiple of ``BK``), warps,
 stages and the order programs run in only decide *which* elements a program
@@ -44,6 +50,18 @@ from engine import triton_pdl
 from engine.triton_pdl import pdl_enter
 
 BK = 64                       # the K tile: part of the arithmetic (triton_invariant.KERNEL_ID)
+# The K-split rule, part of the arithmetic too: 16-bit weights narrower than
+# SPLIT_MAX_N columns whose K is a multiple of SPLIT_K_UNIT take SPLITS sums.
+SPLITS, SPLIT_MAX_N, SPLIT_K_UNIT = 2, 16384, 512
+SPLIT_ID = f"ks{SPLITS}n{SPLIT_MAX_N}u{SPLIT_K_UNIT}"
+
+
+def k_splits(dtype: torch.dtype, n: int, k: int) -> int:
+    """How many K splits a [K, N] weight's GEMM sums (a function of the weight
+    alone, so a row's bits never depend on M). fp32 models keep one."""
+    if dtype in (torch.bfloat16, torch.float16) and n < SPLIT_MAX_N and k % SPLIT_K_UNIT == 0:
+        return SPLITS
+    return 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +96,16 @@ def _decode_bn(n: int) -> int:
     return 128 if n >= 128 * 128 else 64 if n >= 64 * 128 else 32
 
 
-# 33-64 rows on outputs narrower than 16,384 columns (qkv, o, down at b64): 64-96
-# programs at 2.9 TB/s on the H200, yet 64 x 32 and 64 x 16 tiles (more programs)
-# measured slower in the engine's b64 graph, each program re-reading the 64 input
-# rows from L2 (docs/benchmarks-history.md, dependent launches in the decode graphs)
+# 33-64 rows on outputs narrower than 16,384 columns (qkv, o, down at b64) without
+# a K split: 64-96 programs at 2.9 TB/s on the H200, yet 64 x 32 and 64 x 16 tiles
+# (more programs) measured slower in the engine's b64 graph, each program
+# re-reading the 64 input rows from L2 (docs/benchmarks-history.md, dependent
+# launches in the decode graphs). With the K split (``k_splits``) the programs
+# double instead, each over half of K, so the input rows are read no more often.
 NARROW_64 = GemmPlan(64, 64, 4, 6, bk=128)
+# the same with two splits: twice the programs, so pipelines of about 96 KB of
+# shared memory let two programs share an SM (192-256 programs on 132 SMs)
+NARROW_64_SPLIT = GemmPlan(64, 64, 4, 3, bk=128)
 
 
 def x_tile(m: int) -> int:
@@ -90,32 +113,34 @@ def x_tile(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def plan_16bit(m: int, n: int) -> GemmPlan:
+def plan_16bit(m: int, n: int, splits: int = 1) -> GemmPlan:
     if m <= 64:
         # Decode streams the weights. Up to 32 rows: weight-major tiles, whose
         # 16- or 32-row input side wastes little matrix work, and on narrow
-        # outputs (few programs, each a long panel) a 10-stage pipeline to keep
+        # outputs (few programs, each a long panel) a deep pipeline to keep
         # enough of the weight in flight. 33-64 rows: 64-row tiles with 128-deep
         # K stages. (engine/triton_tune.py ``decode`` and the engine's decode on
         # the H200, llama-8b shapes; all bit-identical, as the tests check.)
         if n >= 128 * 128:
             return GemmPlan(x_tile(m), 128, 4, 4, swap=True)
         if m <= 32:
-            return GemmPlan(x_tile(m), 64, 4, 10, swap=True)
-        return NARROW_64
+            # about 96-100 KB of stages: two programs an SM once split
+            stages = 10 if m <= 16 or splits == 1 else 8
+            return GemmPlan(x_tile(m), 64, 4, stages, swap=True)
+        return NARROW_64 if splits == 1 else NARROW_64_SPLIT
     if m <= 512:
         return GemmPlan(128, 128, 8, 4)
     return GemmPlan(128, 256, 8, 3)
 
 
-def plan_fp32(m: int, n: int) -> GemmPlan:
+def plan_fp32(m: int, n: int, splits: int = 1) -> GemmPlan:
     # one plan for every M, as measured invariant on the H200 (engine.md); a
     # weight-major 16-row tile at decode M was bit-identical too but no faster
     # (docs/BENCHMARKS.md, issue 21)
     return GemmPlan(64, _decode_bn(n), 4, 4)
 
 
-PlanFn = Callable[[int, int], GemmPlan]
+PlanFn = Callable[[int, int, int], GemmPlan]      # (m, n, splits)
 # by dtype; engine/triton_tune.py swaps in candidates to time them
 PLANS: dict[torch.dtype, PlanFn] = {torch.bfloat16: plan_16bit, torch.float16: plan_16bit,
                                     torch.float32: plan_fp32}
@@ -126,13 +151,43 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@triton.jit
+def _fold(acc, PART, CNT, tile, split, n_tiles, SPLITS: tl.constexpr, X: tl.constexpr,
+          Y: tl.constexpr):
+    """Split ``split`` of output tile ``tile`` (``acc`` [X, Y], one program a
+    split) leaves its sum in scratch; the program that finishes last adds the
+    splits' sums in order 0, 1, ... (whoever that is: the order is fixed, the
+    arrival is not) and resets the tile's counter for the next call. Returns
+    the sum and whether this program stores it."""
+    offs = tl.arange(0, X)[:, None] * Y + tl.arange(0, Y)[None, :]
+    stride = n_tiles.to(tl.int64) * (X * Y)
+    base = PART + tile.to(tl.int64) * (X * Y) + offs
+    tl.store(base + split * stride, acc, cache_modifier=".cg")
+    # every thread's part is written before one thread's release (the pattern of
+    # CUTLASS's split-K semaphore); the acquire orders the reads after it
+    tl.debug_barrier()
+    done = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
+    last = done == SPLITS - 1
+    if last:
+        acc = tl.load(base, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(base + s * stride, cache_modifier=".cg")
+        tl.atomic_xchg(CNT + tile, 0, sem="relaxed", scope="gpu")
+    return acc, last
+
+
 # M is not specialised: Triton would compile another binary for M == 1 or
 # M % 16 == 0, and nothing is gained.
 @triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
+def _gemm_kernel(A, B, BIAS, C, PART, CNT, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 PREC: tl.constexpr, PDL: tl.constexpr = False):
+                 PREC: tl.constexpr, SPLITS: tl.constexpr = 1, LOOP: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
+    """C = A B over K in SPLITS sums (K / SPLITS each, a multiple of BK when
+    SPLITS > 1). Split s is program (tile, s) of a 2-D grid, folded by
+    ``_fold``, or with LOOP (many rows: the programs are plenty already) the
+    program's own s-th pass, each sum kept in scratch at its tile."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
@@ -151,22 +206,67 @@ def _gemm_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
     rk = tl.arange(0, BK)
     a_ptr = A + rm[:, None].to(tl.int64) * s_am + rk[None, :] * s_ak
     b_ptr = B + rk[:, None] * s_bk + bn[None, :] * s_bn
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        if EVEN_K:
+    if SPLITS == 1:
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            if EVEN_K:
+                a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptr)
+            else:                        # zeros past K add +0 to every chain
+                kk = k0 + rk
+                a = tl.load(a_ptr, mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+                b = tl.load(b_ptr, mask=(kk < K)[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+            a_ptr += BK * s_ak
+            b_ptr += BK * s_bk
+        last = True
+    elif LOOP:
+        # each split's sum to the program's scratch, then added up column half
+        # by column half: two whole fp32 tiles at once would not fit the
+        # registers of a 128 x 256 tile
+        ks = K // SPLITS
+        offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        run = PART + pid.to(tl.int64) * (SPLITS * BM * BN)
+        for s in tl.static_range(SPLITS):
+            acc = tl.zeros([BM, BN], tl.float32)
+            for _k0 in range(0, ks, BK):
+                a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptr)
+                acc = tl.dot(a, b, acc, input_precision=PREC)
+                a_ptr += BK * s_ak
+                b_ptr += BK * s_bk
+            tl.store(run + s * (BM * BN) + offs, acc)
+        tl.debug_barrier()               # the tile's sums, written by other threads
+        for h in tl.static_range(2):
+            cols = h * (BN // 2) + tl.arange(0, BN // 2)
+            half = tl.arange(0, BM)[:, None] * BN + cols[None, :]
+            tot = tl.load(run + half)
+            for s in tl.static_range(1, SPLITS):       # (sum 0 + sum 1) + ..., as _fold
+                tot += tl.load(run + s * (BM * BN) + half)
+            rh = pn * BN + cols
+            if HAS_BIAS:
+                tot += tl.load(BIAS + rh, mask=rh < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(C + rm[:, None].to(tl.int64) * s_cm + rh[None, :],
+                     tot.to(C.dtype.element_ty), mask=row_ok[:, None] & (rh < N)[None, :])
+        last = False                     # stored above
+    else:
+        split = tl.program_id(1)
+        ks = K // SPLITS
+        a_ptr += split * ks * s_ak
+        b_ptr += split * ks * s_bk
+        acc = tl.zeros([BM, BN], tl.float32)
+        for _k0 in range(0, ks, BK):
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptr)
-        else:                        # zeros past K add +0 to every chain
-            kk = k0 + rk
-            a = tl.load(a_ptr, mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
-            b = tl.load(b_ptr, mask=(kk < K)[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-        a_ptr += BK * s_ak
-        b_ptr += BK * s_bk
-    if HAS_BIAS:
-        acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(C + rm[:, None].to(tl.int64) * s_cm + rn[None, :],
-             acc.to(C.dtype.element_ty), mask=row_ok[:, None] & (rn < N)[None, :])
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+            a_ptr += BK * s_ak
+            b_ptr += BK * s_bk
+        acc, last = _fold(acc, PART, CNT, pid, split, tl.num_programs(0), SPLITS, BM, BN)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(C + rm[:, None].to(tl.int64) * s_cm + rn[None, :],
+                 acc.to(C.dtype.element_ty), mask=row_ok[:, None] & (rn < N)[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -213,15 +313,16 @@ def _store_swap(acc, BIAS, C, M, N, s_cm, pn, pm, HAS_BIAS: tl.constexpr, BM: tl
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_swap_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
+def _gemm_swap_kernel(A, B, BIAS, C, PART, CNT, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
     """C^T = W^T A^T tile by tile: the weight panel [BN, BK] is the instruction's
     row operand and A^T [BK, BM] its column operand. Each output element is still
-    one fp32 accumulator advanced by the same 16-deep K steps from k = 0 (the
-    product of two numbers and the sum over 16 of them do not care which operand
-    side they came from; tests/engine/test_gpu_invariant.py checks it)."""
+    one fp32 accumulator per K split advanced by the same 16-deep K steps from
+    the split's start (the product of two numbers and the sum over 16 of them do
+    not care which operand side they came from; tests/engine/test_gpu_invariant.py
+    checks it); split s is program (pn, pm, s), folded by ``_fold``."""
     pn = tl.program_id(0)
     pm = tl.program_id(1)
     rn = pn * BN + tl.arange(0, BN)
@@ -233,18 +334,35 @@ def _gemm_swap_kernel(A, B, BIAS, C, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm,
     w_ptr = B + bn[:, None] * s_bn + rk[None, :] * s_bk           # [BN, BK]
     x_ptr = A + rm[None, :].to(tl.int64) * s_am + rk[:, None] * s_ak  # [BK, BM]
     acc = tl.zeros([BN, BM], tl.float32)
-    for k0 in range(0, K, BK):
-        if EVEN_K:
+    if SPLITS == 1:
+        for k0 in range(0, K, BK):
+            if EVEN_K:
+                w = tl.load(w_ptr)
+                x = tl.load(x_ptr, mask=row_ok[None, :], other=0.0)
+            else:
+                kk = k0 + rk
+                w = tl.load(w_ptr, mask=(kk < K)[None, :], other=0.0)
+                x = tl.load(x_ptr, mask=row_ok[None, :] & (kk < K)[:, None], other=0.0)
+            acc = tl.dot(w, x, acc, input_precision=PREC)
+            w_ptr += BK * s_bk
+            x_ptr += BK * s_ak
+        last = True
+    else:
+        split = tl.program_id(2)
+        ks = K // SPLITS
+        w_ptr += split * ks * s_bk
+        x_ptr += split * ks * s_ak
+        for _k0 in range(0, ks, BK):
             w = tl.load(w_ptr)
             x = tl.load(x_ptr, mask=row_ok[None, :], other=0.0)
-        else:
-            kk = k0 + rk
-            w = tl.load(w_ptr, mask=(kk < K)[None, :], other=0.0)
-            x = tl.load(x_ptr, mask=row_ok[None, :] & (kk < K)[:, None], other=0.0)
-        acc = tl.dot(w, x, acc, input_precision=PREC)
-        w_ptr += BK * s_bk
-        x_ptr += BK * s_ak
-    _store_swap(acc, BIAS, C, M, N, s_cm, pn, pm, HAS_BIAS, BM, BN)
+            acc = tl.dot(w, x, acc, input_precision=PREC)
+            w_ptr += BK * s_bk
+            x_ptr += BK * s_ak
+        tile = pn + pm * tl.num_programs(0)
+        acc, last = _fold(acc, PART, CNT, tile, split, tl.num_programs(0) * tl.num_programs(1),
+                          SPLITS, BN, BM)
+    if last:
+        _store_swap(acc, BIAS, C, M, N, s_cm, pn, pm, HAS_BIAS, BM, BN)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -292,10 +410,37 @@ def _linear_tma(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, o
                                          num_stages=p.stages)
 
 
+# Split counters: one int32 a (tile, call), zero between calls (the last
+# program of a tile resets its own). Each call takes the next unused range of
+# its device's buffer, so calls in flight at once on two streams count apart.
+_COUNTERS: dict[torch.device, list[object]] = {}
+_COUNTER_SLOTS = 1 << 20
+
+
+def _counters(dev: torch.device, n: int) -> torch.Tensor:
+    if n > _COUNTER_SLOTS:
+        raise ValueError(f"linear: {n} split tiles in one call, past {_COUNTER_SLOTS}")
+    entry = _COUNTERS.get(dev)
+    if entry is None:
+        entry = _COUNTERS[dev] = [torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=dev), 0]
+    buf, at = entry
+    assert isinstance(buf, torch.Tensor) and isinstance(at, int)
+    if at + n > _COUNTER_SLOTS:
+        at = 0
+    entry[1] = at + n
+    return buf[at:at + n]
+
+
+# past this many rows a split GEMM loops over its splits in one program (the
+# grid is large already) instead of a program a split
+LOOP_ROWS = 64
+
+
 def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
-           plan: GemmPlan | None = None) -> torch.Tensor:
+           plan: GemmPlan | None = None, splits: int | None = None) -> torch.Tensor:
     """x: [M, K] @ w_t: [K, N] (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation.
-    ``plan`` overrides the table (for engine/triton_tune.py)."""
+    ``plan`` overrides the table (for engine/triton_tune.py), ``splits`` the
+    weight's K split (``k_splits``; the CPU checks force one on tiny shapes)."""
     m, k = x.shape
     n = w_t.shape[1]
     if w_t.shape[0] != k:
@@ -303,21 +448,34 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    p = plan or PLANS[x.dtype](m, n)
+    sp = k_splits(x.dtype, n, k) if splits is None else splits
+    p = plan or PLANS[x.dtype](m, n, sp)
+    if sp > 1 and (k % (sp * p.bk) or p.persistent):
+        raise ValueError(f"linear: K = {k} in {sp} splits does not suit plan {p}")
     if p.persistent:
         _linear_tma(x, w_t, bias, out, p)
         return out
     b = bias.contiguous() if bias is not None else out
     extra = triton_pdl.opts()         # inside a decode graph's capture: PDL
+    grid_m, grid_n = triton.cdiv(m, p.bm), triton.cdiv(n, p.bn)
+    loop = sp > 1 and m > LOOP_ROWS and not p.swap
+    part, cnt = out, out              # not read without splits
+    if sp > 1:
+        tiles = grid_m * grid_n
+        part = torch.empty(tiles * sp * p.bm * p.bn, dtype=torch.float32, device=x.device)
+        if not loop:
+            cnt = _counters(x.device, tiles)
     if p.swap:
-        _gemm_swap_kernel[(triton.cdiv(n, p.bn), triton.cdiv(m, p.bm))](
-            x, w_t, b, out, m, n, k, x.stride(0), x.stride(1), w_t.stride(0), w_t.stride(1),
-            out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % p.bk == 0, BM=p.bm, BN=p.bn,
-            BK=p.bk, PREC=_prec(x.dtype), num_warps=p.warps, num_stages=p.stages, **extra)
+        _gemm_swap_kernel[(grid_n, grid_m, sp)](
+            x, w_t, b, out, part, cnt, m, n, k, x.stride(0), x.stride(1), w_t.stride(0),
+            w_t.stride(1), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % p.bk == 0,
+            BM=p.bm, BN=p.bn, BK=p.bk, PREC=_prec(x.dtype), SPLITS=sp, num_warps=p.warps,
+            num_stages=p.stages, **extra)
         return out
-    grid = (triton.cdiv(m, p.bm) * triton.cdiv(n, p.bn),)
-    _gemm_kernel[grid](x, w_t, b, out, m, n, k, x.stride(0), x.stride(1), w_t.stride(0),
-                       w_t.stride(1), out.stride(0), HAS_BIAS=bias is not None,
+    grid = (grid_m * grid_n, 1 if loop else sp)
+    _gemm_kernel[grid](x, w_t, b, out, part, cnt, m, n, k, x.stride(0), x.stride(1),
+                       w_t.stride(0), w_t.stride(1), out.stride(0), HAS_BIAS=bias is not None,
                        EVEN_K=k % p.bk == 0, BM=p.bm, BN=p.bn, BK=p.bk, GROUP_M=p.group_m,
-                       PREC=_prec(x.dtype), num_warps=p.warps, num_stages=p.stages, **extra)
+                       PREC=_prec(x.dtype), SPLITS=sp, LOOP=loop, num_warps=p.warps,
+                       num_stages=p.stages, **extra)
     return out

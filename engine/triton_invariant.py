@@ -3,9 +3,11 @@ on that row's inputs alone, never on how many rows share the call, which
 sequences share a batched prefill, how a prompt was chunked, or how many
 sequences decode together.
 
-- GEMM: engine/triton_gemm.py. One fp32 accumulation per output over fixed
-  64-deep K tiles in order, no split-K; the tile (rows, columns, warps, stages)
-  is chosen per row count for speed and does not change the bits.
+- GEMM: engine/triton_gemm.py. One fp32 accumulation per output and K split
+  over fixed 64-deep K tiles in order, the splits added in order; how many
+  splits is fixed by the weight's shape (``k_splits``: 2 for narrow 16-bit
+  outputs, so decode fills the SMs), never by M; the tile (rows, columns,
+  warps, stages) is chosen per row count for speed and does not change the bits.
 - Attention: engine/triton_attention.py. One arithmetic for prefill chunks,
   batched (varlen) prefill and decode rows: key tiles of 64 and splits of
   1,024 keys aligned to absolute position 0, splits folded in order, so decode
@@ -37,7 +39,7 @@ from engine.triton_attention import (
     attend,
     decode_scratch,
 )
-from engine.triton_gemm import BK, linear
+from engine.triton_gemm import BK, SPLIT_ID, linear
 
 __all__ = ["KERNEL_ID", "AttnSegment", "DecodeAttention", "InvariantAttention", "linear"]
 
@@ -46,7 +48,8 @@ __all__ = ["KERNEL_ID", "AttnSegment", "DecodeAttention", "InvariantAttention", 
 # never mix. Bump the leading version when the arithmetic changes otherwise.
 # tbi4: the softmax row sum is a matrix-unit product of the probabilities (in the value dtype)
 # with ones (tbi3 summed the fp32 probabilities in the layout's shuffle tree).
-KERNEL_ID = f"tbi4-k{BK}-t{KEY_TILE}-s{KEY_SPLIT}"
+# tbi5: narrow 16-bit GEMMs sum K in fixed splits (SPLIT_ID).
+KERNEL_ID = f"tbi5-k{BK}-t{KEY_TILE}-s{KEY_SPLIT}-{SPLIT_ID}"
 
 
 class DecodeAttention:

@@ -17,7 +17,7 @@ device, in one process (for one planned device call):
 - ``decode``: the decode-sized plans (M = 1, 8, 64) on the llama-8b-shape
   layer weights: each candidate's rows against the shipped 2,048-row call bit
   for bit (at two row offsets), then its weight-streaming rate in GB/s beside
-  cuBLAS and the shipped table.
+  cuBLAS and the shipped table, and the table under other K-split rules.
 
 ``python3 -m engine.triton_tune gemm attn decode --json OUT.json``: a table on stdout,
 everything in the JSON. Times are medians of ``triton.testing.do_bench``.
@@ -64,6 +64,11 @@ DECODE_CANDIDATES = (
     *(tg.GemmPlan(64, 128, 4, st, swap=True, bk=128) for st in (3, 4)),
     *(tg.GemmPlan(64, 64, 4, st, swap=True, persistent=True, bk=128) for st in (4, 6)),
     tg.GemmPlan(64, 128, 4, 4, swap=True, persistent=True),
+    # two K splits (k_splits) double the programs of the narrow outputs: pipelines
+    # of <= ~100 KB of shared memory let two programs share an SM
+    *(tg.GemmPlan(64, 64, 4, st, bk=128) for st in (2, 3, 4)),
+    *(tg.GemmPlan(64, 64, 4, st, swap=True) for st in (4, 6)),
+    tg.GemmPlan(64, 64, 4, 3, swap=True, bk=128),
 )
 
 
@@ -169,6 +174,19 @@ def tune_decode(su: Setup) -> dict[str, object]:
             except Exception as e:           # a plan the compiler refuses: say so, go on
                 _log(f"{name:<8} {label:<28} failed: {type(e).__name__}: {e}"[:200])
                 continue
+            rows[label] = {"same_bits": same, "ms": t}
+            _log(f"{name:<8} {label:<28} {same!s:>5} "
+                 + " ".join(f"{gb / t[m]:>7.0f}" for m in ms_))
+        # other K-split rules (each its own arithmetic: rows against a 2,048-row
+        # call with the same split), the shipped plan table
+        for sp in (1, 2, 4):
+            if k % (sp * 256):
+                continue
+            label = f"table, {sp} K split{'s' if sp > 1 else ''}"
+            ref = tg.linear(x, w_t, splits=sp)
+            same = all(torch.equal(tg.linear(x[a:a + m], w_t, splits=sp), ref[a:a + m])
+                       for m in (1, 8, 33, 64) for a in (0, 100))
+            t = {m: _ms(partial(tg.linear, x[:m], w_t, splits=sp)) for m in ms_}
             rows[label] = {"same_bits": same, "ms": t}
             _log(f"{name:<8} {label:<28} {same!s:>5} "
                  + " ".join(f"{gb / t[m]:>7.0f}" for m in ms_))

@@ -39,7 +39,8 @@ def _run(check: str) -> None:
     assert proc.stdout.strip().endswith(f"{check} ok"), proc.stdout[-2000:]
 
 
-@pytest.mark.parametrize("check", ["gemm", "attention", "decode_graph_path", "paged_decode"])
+@pytest.mark.parametrize("check", ["gemm", "gemm_splits", "attention", "decode_graph_path",
+                                   "paged_decode"])
 def test_kernel_logic_under_the_interpreter(check: str) -> None:
     _run(check)
 
@@ -67,6 +68,43 @@ def check_gemm() -> None:
             for plan in plans:
                 assert torch.equal(linear(x, w_t, bias, plan=plan), full), plan
     print("gemm ok")
+
+
+def check_gemm_splits() -> None:
+    """K in two or three sums (``k_splits``): a program a split folded by the
+    last to finish (M <= 64, weight-major and 64-row tiles) or the splits in
+    turn in one program (more rows) give every row the same bits, the
+    counters end at zero, and the sums are really split (fp32 shows it)."""
+    from engine import triton_gemm as tg
+    from engine.triton_gemm import GemmPlan, k_splits, linear
+
+    assert k_splits(torch.bfloat16, 6144, 4096) == k_splits(torch.float16, 4096, 14336) == 2
+    assert k_splits(torch.bfloat16, 28672, 4096) == k_splits(torch.float32, 4096, 4096) == 1
+    assert k_splits(torch.bfloat16, 4096, 576) == 1
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.float16, torch.float32):
+        for sp in (2, 3):
+            k, n = 128 * sp * 2, 136                  # K a multiple of the splits' 128-deep stages
+            w_t = torch.randn(n, k, generator=g).to(dtype).t()
+            bias = torch.randn(n, generator=g).to(dtype)
+            x = torch.randn(200, k, generator=g).to(dtype)
+            full = linear(x, w_t, bias, splits=sp)
+            ref = x.double() @ w_t.double() + bias.double()
+            assert ((full.double() - ref).norm() / ref.norm()).item() < 2e-3
+            if dtype == torch.float32:                # other sums, other roundings
+                assert not torch.equal(full, linear(x, w_t, bias, splits=1)), sp
+            for m in (1, 2, 17, 33, 64, 65, 130):
+                assert torch.equal(linear(x[:m], w_t, bias, splits=sp), full[:m]), (dtype, sp, m)
+                assert torch.equal(linear(x[200 - m:], w_t, bias, splits=sp), full[200 - m:])
+            for plan in (GemmPlan(64, 32, 4, 2), GemmPlan(128, 64, 8, 2, group_m=2),
+                         GemmPlan(64, 64, 4, 2, bk=128), GemmPlan(32, 64, 4, 2, swap=True)):
+                for m in (5, 64, 200):
+                    if not (plan.swap and m > 64):
+                        got = linear(x[:m], w_t, bias, plan=plan, splits=sp)
+                        assert torch.equal(got, full[:m]), (dtype, sp, plan, m)
+    for buf, _ in tg._COUNTERS.values():
+        assert int(buf.abs().sum()) == 0              # every tile's counter reset
+    print("gemm_splits ok")
 
 
 def _pool_and_inputs(t: int, heads: int, kv_heads: int, dim: int, bt: int, nb: int,
@@ -258,5 +296,6 @@ def check_paged_decode() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     _fixed_order_dot()
-    {"gemm": check_gemm, "attention": check_attention, "paged_decode": check_paged_decode,
+    {"gemm": check_gemm, "gemm_splits": check_gemm_splits, "attention": check_attention,
+     "paged_decode": check_paged_decode,
      "decode_graph_path": check_decode_graph_path}[sys.argv[1]]()
