@@ -128,7 +128,9 @@ def plan_16bit(m: int, n: int, splits: int = 1) -> GemmPlan:
             stages = 10 if m <= 16 or splits == 1 else 8
             return GemmPlan(x_tile(m), 64, 4, stages, swap=True)
         return NARROW_64 if splits == 1 else NARROW_64_SPLIT
-    if m <= 512:
+    if m <= 512 or splits > 1:
+        # a split GEMM of many rows holds two accumulators (``LOOP``): 128 x 256
+        # would not fit the registers
         return GemmPlan(128, 128, 8, 4)
     return GemmPlan(128, 256, 8, 3)
 
@@ -187,7 +189,7 @@ def _gemm_kernel(A, B, BIAS, C, PART, CNT, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm
     """C = A B over K in SPLITS sums (K / SPLITS each, a multiple of BK when
     SPLITS > 1). Split s is program (tile, s) of a 2-D grid, folded by
     ``_fold``, or with LOOP (many rows: the programs are plenty already) the
-    program's own s-th pass, each sum kept in scratch at its tile."""
+    program's own s-th pass, the sums added in registers."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
@@ -221,34 +223,23 @@ def _gemm_kernel(A, B, BIAS, C, PART, CNT, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm
             b_ptr += BK * s_bk
         last = True
     elif LOOP:
-        # each split's sum to the program's scratch, then added up column half
-        # by column half: two whole fp32 tiles at once would not fit the
-        # registers of a 128 x 256 tile
+        # the splits in turn, each from zero, their sums added in registers:
+        # two accumulators, so a tile of at most 128 x 128 (``plan_16bit``)
         ks = K // SPLITS
-        offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-        run = PART + pid.to(tl.int64) * (SPLITS * BM * BN)
+        acc = tl.zeros([BM, BN], tl.float32)
         for s in tl.static_range(SPLITS):
-            acc = tl.zeros([BM, BN], tl.float32)
+            part = tl.zeros([BM, BN], tl.float32)
             for _k0 in range(0, ks, BK):
                 a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
                 b = tl.load(b_ptr)
-                acc = tl.dot(a, b, acc, input_precision=PREC)
+                part = tl.dot(a, b, part, input_precision=PREC)
                 a_ptr += BK * s_ak
                 b_ptr += BK * s_bk
-            tl.store(run + s * (BM * BN) + offs, acc)
-        tl.debug_barrier()               # the tile's sums, written by other threads
-        for h in tl.static_range(2):
-            cols = h * (BN // 2) + tl.arange(0, BN // 2)
-            half = tl.arange(0, BM)[:, None] * BN + cols[None, :]
-            tot = tl.load(run + half)
-            for s in tl.static_range(1, SPLITS):       # (sum 0 + sum 1) + ..., as _fold
-                tot += tl.load(run + s * (BM * BN) + half)
-            rh = pn * BN + cols
-            if HAS_BIAS:
-                tot += tl.load(BIAS + rh, mask=rh < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(C + rm[:, None].to(tl.int64) * s_cm + rh[None, :],
-                     tot.to(C.dtype.element_ty), mask=row_ok[:, None] & (rh < N)[None, :])
-        last = False                     # stored above
+            if s == 0:                   # noqa: SIM108 (s is a constexpr: no select)
+                acc = part
+            else:                        # (sum 0 + sum 1) + ..., as _fold
+                acc = acc + part
+        last = True
     else:
         split = tl.program_id(1)
         ks = K // SPLITS
@@ -459,12 +450,11 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
     extra = triton_pdl.opts()         # inside a decode graph's capture: PDL
     grid_m, grid_n = triton.cdiv(m, p.bm), triton.cdiv(n, p.bn)
     loop = sp > 1 and m > LOOP_ROWS and not p.swap
-    part, cnt = out, out              # not read without splits
-    if sp > 1:
+    part, cnt = out, out              # not read without splits, nor with them in a loop
+    if sp > 1 and not loop:
         tiles = grid_m * grid_n
         part = torch.empty(tiles * sp * p.bm * p.bn, dtype=torch.float32, device=x.device)
-        if not loop:
-            cnt = _counters(x.device, tiles)
+        cnt = _counters(x.device, tiles)
     if p.swap:
         _gemm_swap_kernel[(grid_n, grid_m, sp)](
             x, w_t, b, out, part, cnt, m, n, k, x.stride(0), x.stride(1), w_t.stride(0),
