@@ -7,6 +7,8 @@ must give the same bits: their first decode step's logits are compared with
 the first variant's of that rule.
 
 ``python3 -m benchmarks.gemm_splits --json OUT.json`` (CUDA; issue 21 item 1).
+The engine's model fingerprint keeps the shipped rule's name (nothing here is
+stored or shared).
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@ What fixes a row's bits is the order of its reduction, not the tile: every
 output element is one fp32 accumulator per K split that the matrix units
 advance by the same 16-deep K steps, in order from the split's start, and the
 splits' sums are added in order (split 0 + split 1 + ...), then the bias. How
-many splits a weight has is fixed by its shape alone (``k_splits``), never by M:
-narrow 16-bit outputs (qkv, o, down) take 2, so their decode GEMMs spread over
-twice the programs (64-96 programs left most of the H200's 132 SMs idle, the
-b64 step's largest part), and every other M computes the same two sums. The
-tile's rows and
+many splits a weight has is fixed by its shape alone (``k_splits``), never by
+M. Shipped: one split for every weight (``SPLITS = 1``, the arithmetic of
+``tbi4``). Two splits for the narrow 16-bit outputs (qkv, o, down), meant to
+spread their b64 decode GEMMs over twice the programs (64-96 programs leave
+most of the H200's 132 SMs idle), measured slower in the engine on the H200
+(docs/benchmarks-history.md, "A fixed K split for the narrow decode GEMMs"),
+so they stay an option for engine/triton_tune.py and benchmarks/gemm_splits.py.
+The tile's rows and
 columns (``BM``, ``BN``), which operand side of the instruction the weight
 takes, how many K steps one pipeline stage loads (a multiple of ``BK``), warps,
 stages and the order programs run in only decide *which* elements a program
@@ -52,7 +55,9 @@ from engine.triton_pdl import pdl_enter
 BK = 64                       # the K tile: part of the arithmetic (triton_invariant.KERNEL_ID)
 # The K-split rule, part of the arithmetic too: 16-bit weights narrower than
 # SPLIT_MAX_N columns whose K is a multiple of SPLIT_K_UNIT take SPLITS sums.
-SPLITS, SPLIT_MAX_N, SPLIT_K_UNIT = 2, 16384, 512
+# 1: no weight is split (2 measured slower at b64 and, through scratch, at
+# prefill on the H200; benchmarks/gemm_splits.py sets 2 to measure it again).
+SPLITS, SPLIT_MAX_N, SPLIT_K_UNIT = 1, 16384, 512
 SPLIT_ID = f"ks{SPLITS}n{SPLIT_MAX_N}u{SPLIT_K_UNIT}"
 
 
@@ -60,7 +65,7 @@ def k_splits(dtype: torch.dtype, n: int, k: int) -> int:
     """How many K splits a [K, N] weight's GEMM sums (a function of the weight
     alone, so a row's bits never depend on M). fp32 models keep one."""
     if dtype in (torch.bfloat16, torch.float16) and n < SPLIT_MAX_N and k % SPLIT_K_UNIT == 0:
-        return SPLITS
+        return SPLITS            # read at each call: benchmarks/gemm_splits.py changes it
     return 1
 
 

@@ -5,9 +5,9 @@ sequences decode together.
 
 - GEMM: engine/triton_gemm.py. One fp32 accumulation per output and K split
   over fixed 64-deep K tiles in order, the splits added in order; how many
-  splits is fixed by the weight's shape (``k_splits``: 2 for narrow 16-bit
-  outputs, so decode fills the SMs), never by M; the tile (rows, columns,
-  warps, stages) is chosen per row count for speed and does not change the bits.
+  splits is fixed by the weight's shape (``k_splits``; shipped: one), never by
+  M; the tile (rows, columns, warps, stages) is chosen per row count for speed
+  and does not change the bits.
 - Attention: engine/triton_attention.py. One arithmetic for prefill chunks,
   batched (varlen) prefill and decode rows: key tiles of 64 and splits of
   1,024 keys aligned to absolute position 0, splits folded in order, so decode
@@ -39,7 +39,7 @@ from engine.triton_attention import (
     attend,
     decode_scratch,
 )
-from engine.triton_gemm import BK, SPLIT_ID, linear
+from engine.triton_gemm import BK, SPLIT_ID, SPLITS, linear
 
 __all__ = ["KERNEL_ID", "AttnSegment", "DecodeAttention", "InvariantAttention", "linear"]
 
@@ -48,8 +48,8 @@ __all__ = ["KERNEL_ID", "AttnSegment", "DecodeAttention", "InvariantAttention", 
 # never mix. Bump the leading version when the arithmetic changes otherwise.
 # tbi4: the softmax row sum is a matrix-unit product of the probabilities (in the value dtype)
 # with ones (tbi3 summed the fp32 probabilities in the layout's shuffle tree).
-# tbi5: narrow 16-bit GEMMs sum K in fixed splits (SPLIT_ID).
-KERNEL_ID = f"tbi5-k{BK}-t{KEY_TILE}-s{KEY_SPLIT}-{SPLIT_ID}"
+# A K-split rule other than one split (engine/triton_gemm.py SPLITS) names itself.
+KERNEL_ID = f"tbi4-k{BK}-t{KEY_TILE}-s{KEY_SPLIT}" + (f"-{SPLIT_ID}" if SPLITS > 1 else "")
 
 
 class DecodeAttention:

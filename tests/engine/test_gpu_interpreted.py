@@ -71,16 +71,23 @@ def check_gemm() -> None:
 
 
 def check_gemm_splits() -> None:
-    """K in two or three sums (``k_splits``): a program a split folded by the
-    last to finish (M <= 64, weight-major and 64-row tiles) or the splits in
-    turn in one program (more rows) give every row the same bits, the
-    counters end at zero, and the sums are really split (fp32 shows it)."""
+    """K in two or three sums (the option ``k_splits`` gives narrow weights
+    when ``SPLITS`` > 1): a program a split folded by the last to finish
+    (M <= 64, weight-major and 64-row tiles) or the splits in turn in one
+    program (more rows) give every row the same bits, the counters end at
+    zero, and the sums are really split (fp32 shows it)."""
     from engine import triton_gemm as tg
     from engine.triton_gemm import GemmPlan, k_splits, linear
 
-    assert k_splits(torch.bfloat16, 6144, 4096) == k_splits(torch.float16, 4096, 14336) == 2
-    assert k_splits(torch.bfloat16, 28672, 4096) == k_splits(torch.float32, 4096, 4096) == 1
-    assert k_splits(torch.bfloat16, 4096, 576) == 1
+    # the rule: narrow 16-bit weights with K a multiple of the unit take SPLITS
+    # (shipped 1), every other weight 1
+    shipped = tg.SPLITS
+    for sp in (shipped, 2):
+        tg.SPLITS = sp
+        assert k_splits(torch.bfloat16, 6144, 4096) == k_splits(torch.float16, 4096, 14336) == sp
+        assert k_splits(torch.bfloat16, 28672, 4096) == k_splits(torch.float32, 4096, 4096) == 1
+        assert k_splits(torch.bfloat16, 4096, 576) == 1
+    tg.SPLITS = shipped
     g = torch.Generator().manual_seed(2)
     for dtype in (torch.float16, torch.float32):
         for sp in (2, 3):
