@@ -105,11 +105,11 @@ def _decode_bn(n: int) -> int:
 # a K split: 64-96 programs at 2.9 TB/s on the H200, yet 64 x 32 and 64 x 16 tiles
 # (more programs) measured slower in the engine's b64 graph, each program
 # re-reading the 64 input rows from L2 (docs/benchmarks-history.md, dependent
-# launches in the decode graphs). With the K split (``k_splits``) the programs
-# double instead, each over half of K, so the input rows are read no more often.
+# launches in the decode graphs). The K-split option (``k_splits``) doubles the
+# programs instead, each over half of K, so the input rows are read no more often.
 NARROW_64 = GemmPlan(64, 64, 4, 6, bk=128)
-# the same with two splits: twice the programs, so pipelines of about 96 KB of
-# shared memory let two programs share an SM (192-256 programs on 132 SMs)
+# the option's plan: pipelines of about 96 KB of shared memory, two programs an
+# SM (128-192 programs on 132 SMs); measured slower at b64 than NARROW_64 unsplit
 NARROW_64_SPLIT = GemmPlan(64, 64, 4, 3, bk=128)
 
 
