@@ -213,7 +213,6 @@ class KVBuffer:
             raise ValueError(f"abandon_s and ipc_hold_s must be > 0, got {abandon_s}, "
                              f"{ipc_hold_s}")
         self._ipc_hold_s = ipc_hold_s
-        self._ipc_counts = {"ipc_expired": 0, "ipc_orphans": 0}
         self._max_bytes = max_bytes
         self._chunk_bytes = chunk_bytes
         self._abandon_s = abandon_s
@@ -229,7 +228,8 @@ class KVBuffer:
         self._entries: dict[str, BufferEntry] = {}       # oldest first (insertion order)
         self._gone: dict[str, tuple[float, str]] = {}    # request id -> (when, why)
         self._bytes = 0
-        self._counts = {"released": 0, "evicted": 0, "abandoned": 0, "unbuffered": 0}
+        self._counts = {"released": 0, "evicted": 0, "abandoned": 0, "unbuffered": 0,
+                        "ipc_expired": 0, "ipc_orphans": 0}
 
     @property
     def shm_capable(self) -> bool:
@@ -514,7 +514,7 @@ class KVBuffer:
             self._drop(rid, "abandoned")
         for rid in [rid for rid, e in self._entries.items()
                     if e.ipc is not None and now - e.ipc[3] > self._ipc_hold_s]:
-            self._ipc_counts["ipc_expired"] += 1
+            self._counts["ipc_expired"] += 1
             self._drop(rid, "abandoned")
             old.append(rid)
         for rid in [rid for rid, (t, _) in self._gone.items() if now - t > _TOMBSTONE_S]:
@@ -532,7 +532,7 @@ class KVBuffer:
         device = sum(e.on_device for e in self._entries.values())
         return BufferStats(len(self._entries), self._bytes, c["released"], c["evicted"],
                            c["abandoned"], c["unbuffered"], shm, resident, device,
-                           self._ipc_counts["ipc_expired"], self._ipc_counts["ipc_orphans"])
+                           c["ipc_expired"], c["ipc_orphans"])
 
     def _drop(self, request_id: str, why: str) -> None:
         entry = self._entries.pop(request_id)
@@ -549,7 +549,7 @@ class KVBuffer:
             # then the block would sit in torch's limbo for this process's life.
             share, peer, _, _, device = entry.ipc
             if kv_ipc.release_orphan(share, peer, device):
-                self._ipc_counts["ipc_orphans"] += 1
+                self._counts["ipc_orphans"] += 1
         if entry.resident is not None:
             entry.resident, resident = None, entry.resident
             resident.release()          # the engine frees the sequence
