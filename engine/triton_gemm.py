@@ -183,6 +183,21 @@ def _fold(acc, PART, CNT, tile, split, n_tiles, SPLITS: tl.constexpr, X: tl.cons
     return acc, last
 
 
+@triton.jit
+def _split_sum(a_ptr, b_ptr, row_ok, ks, s_ak, s_bk, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, PREC: tl.constexpr):
+    """One split's sum, from zero, over ``ks`` of K (a multiple of BK: no K
+    mask) starting at the given pointers; returns it and the pointers past it."""
+    acc = tl.zeros([BM, BN], tl.float32)
+    for _k0 in range(0, ks, BK):
+        a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+        b = tl.load(b_ptr)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptr += BK * s_ak
+        b_ptr += BK * s_bk
+    return acc, a_ptr, b_ptr
+
+
 # M is not specialised: Triton would compile another binary for M == 1 or
 # M % 16 == 0, and nothing is gained.
 @triton.jit(do_not_specialize=["M"])
@@ -233,13 +248,8 @@ def _gemm_kernel(A, B, BIAS, C, PART, CNT, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm
         ks = K // SPLITS
         acc = tl.zeros([BM, BN], tl.float32)
         for s in tl.static_range(SPLITS):
-            part = tl.zeros([BM, BN], tl.float32)
-            for _k0 in range(0, ks, BK):
-                a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptr)
-                part = tl.dot(a, b, part, input_precision=PREC)
-                a_ptr += BK * s_ak
-                b_ptr += BK * s_bk
+            part, a_ptr, b_ptr = _split_sum(a_ptr, b_ptr, row_ok, ks, s_ak, s_bk, BM, BN, BK,
+                                            PREC)
             if s == 0:                   # noqa: SIM108 (s is a constexpr: no select)
                 acc = part
             else:                        # (sum 0 + sum 1) + ..., as _fold
@@ -248,15 +258,8 @@ def _gemm_kernel(A, B, BIAS, C, PART, CNT, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm
     else:
         split = tl.program_id(1)
         ks = K // SPLITS
-        a_ptr += split * ks * s_ak
-        b_ptr += split * ks * s_bk
-        acc = tl.zeros([BM, BN], tl.float32)
-        for _k0 in range(0, ks, BK):
-            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptr)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
-            a_ptr += BK * s_ak
-            b_ptr += BK * s_bk
+        acc, _, _ = _split_sum(a_ptr + split * ks * s_ak, b_ptr + split * ks * s_bk, row_ok,
+                               ks, s_ak, s_bk, BM, BN, BK, PREC)
         acc, last = _fold(acc, PART, CNT, pid, split, tl.num_programs(0), SPLITS, BM, BN)
     if last:
         if HAS_BIAS:
