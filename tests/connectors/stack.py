@@ -40,13 +40,18 @@ def security() -> tuple[str, bool]:
     return "", True
 
 
-def operator_security():  # type: ignore[no-untyped-def]
-    """The tests' own credentials toward the kvstore (security.config.SecurityConfig)."""
+def role_security(role: str):  # type: ignore[no-untyped-def]
+    """Credentials of ``role`` from the suite's deployment, or plain text where
+    the stack runs without it (security.config.SecurityConfig)."""
     from security.config import SecurityConfig
 
     tls, insecure = security()
-    return SecurityConfig(insecure=True) if insecure else SecurityConfig(cert_dir=tls,
-                                                                        role="operator")
+    return SecurityConfig(insecure=True) if insecure else SecurityConfig(cert_dir=tls, role=role)
+
+
+def operator_security():  # type: ignore[no-untyped-def]
+    """The tests' own credentials toward the kvstore."""
+    return role_security("operator")
 
 
 def store_client(address: str):  # type: ignore[no-untyped-def]

@@ -20,9 +20,8 @@ import aiohttp
 import pytest
 
 from router.serve import RouterConfig, start_router
-from security.config import SecurityConfig
 from tests.connectors.conftest import two_servers_fit
-from tests.connectors.stack import router_keys, security, until_router_places
+from tests.connectors.stack import role_security, router_keys, security, until_router_places
 
 pytestmark = pytest.mark.timeout(1500)
 N = 4
@@ -53,9 +52,8 @@ def test_cache_aware_repeat_goes_to_the_instance_holding_the_prefix(vllm_stack, 
     if not two_servers_fit():
         pytest.skip("less than 5 GiB of memory available: two vLLM servers do not fit")
     a, _ = vllm_servers.get_many("vllm-a", "vllm-b")
-    tls, insecure = security()
-    sec = SecurityConfig(insecure=True) if insecure else SecurityConfig(cert_dir=tls,
-                                                                        role="router")
+    _, insecure = security()
+    sec = role_security("router")
     if not insecure:
         _refuses_clients_without_tls_or_key(a)
 

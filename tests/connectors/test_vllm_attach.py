@@ -15,9 +15,8 @@ import aiohttp
 import pytest
 
 from router.serve import RouterConfig, start_router
-from security.config import SecurityConfig
 from tests.connectors.conftest import two_servers_fit
-from tests.connectors.stack import router_keys, security, until_router_places
+from tests.connectors.stack import role_security, router_keys, until_router_places
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -36,14 +35,12 @@ def test_router_places_a_repeat_on_a_plain_vllm_from_its_own_events(vllm_stack, 
     from kvserve.launch_vllm_attach import AttachConfig, run_attach
 
     vllm_servers.stop_all()
-    tls, insecure = security()
     names = ["plain-0", "plain-1"]
     specs = [vllm_stack.spec(n, connector=False, kv_events=f"ipc://{tmp_path}/{n}.ev")
              for n in names]
     procs = [VLLMProcess(s, vllm_stack.root / f"{s.instance_id}.log").start() for s in specs]
     fp = vllm_fingerprint(vllm_stack.model_dir).hex()
-    sec = SecurityConfig(insecure=True) if insecure else SecurityConfig(cert_dir=tls,
-                                                                        role="router")
+    sec = role_security("router")
 
     async def body() -> None:
         stop = asyncio.Event()
