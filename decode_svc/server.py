@@ -7,11 +7,12 @@ host buffer and verified piece by piece against the checksums prefill sent,
 or, when that fails for any reason (KV dropped for room, a stale handle, a
 checksum mismatch, an unreachable prefill), rebuilt: restore the blocks the
 warehouse holds, recompute the rest — join the continuous batch and stream
-one event per token. When a sequence ends, the canonical blocks of prompt + output
-(``Engine.canonical_blocks``, recomputed through the prefill path) are put
-into the warehouse *before* the final event goes out (up to
-``canonical_wait_s``): an agent that sends its next turn the moment the answer
-ends then hits the whole previous context (docs/services.md, "After the
+one event per token. When a sequence ends, the canonical blocks after the
+prompt (``Engine.canonical_blocks``, recomputed through the prefill path where
+the kernels are not batch-invariant) are put into the warehouse *before* the
+final event goes out (up to ``canonical_wait_s``); the prompt's own blocks are
+prefill's write-through. An agent that sends its next turn the moment the
+answer ends then hits the whole previous context (docs/services.md, "After the
 answer"). Errors become status codes only in service.errors.
 
 A request with ``local_tail_tokens`` set had no prefill: the router saw its
@@ -370,7 +371,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if self.cfg.canonical_write:
             written = asyncio.Event()
             on_finish = self._canonical_writer(
-                chk.ctx, written, list(handle.block_keys) if prompt_keys is None else prompt_keys)
+                chk.ctx, written, list(handle.block_keys) if prompt_keys is None else prompt_keys,
+                prompt_written=prompt_keys is None and bool(handle.written_tiers))
         t_decode = tracing.now()
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
@@ -537,19 +539,27 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     # -- after a sequence --------------------------------------------------------
 
     def _canonical_writer(self, ctx: RequestCtx, written: asyncio.Event,
-                          prompt_keys: list[bytes]) -> Callable[[Finished], Any]:
+                          prompt_keys: list[bytes], *,
+                          prompt_written: bool) -> Callable[[Finished], Any]:
         """The finish hook: compute the canonical blocks, put them (acknowledged
         by the store, so they are in the index), then set ``written``, which the
         final event waits for.
 
-        The prompt's own blocks are prefill's write-through, which runs behind
-        its reply and may not have landed yet (or may have failed): the leading
-        prompt blocks the warehouse lacks are put here too, so a next turn sent
-        the moment this one ends finds the whole chain."""
+        ``prompt_written``: prefill's write-through carries the prompt blocks
+        the warehouse lacked (the handle names where). It runs behind prefill's
+        reply and may not have landed yet; putting those blocks again here made
+        every answer under load wait for its whole prompt's bytes (up to 10 s
+        per answer on the H200, docs/benchmarks-history.md). So only the blocks
+        after the prompt are put; a next turn sent at once finds the prompt's
+        blocks in the G1 that computed them and the rest in the warehouse
+        (service.restore looks past a G1 hit). Without that promise (no
+        write-through, or a tail computed here), the leading prompt blocks the
+        warehouse lacks are put here too."""
         async def write(done: Finished) -> None:
             t0 = time.monotonic()
             try:
-                stored = await self._stored_prefix(prompt_keys, ctx)
+                stored = (len(prompt_keys) if prompt_written
+                          else await self._stored_prefix(prompt_keys, ctx))
                 try:
                     first, blocks, keys = await self.thread.call(self._canonical,
                                                                  done.seq_id, stored, ctx.tenant)

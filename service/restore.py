@@ -60,6 +60,7 @@ class RestoreStats:
     blocks_total: dict[str, int] = field(default_factory=dict)     # by source tier
     bytes_total: dict[str, int] = field(default_factory=dict)      # by source tier
     seconds_total: float = 0.0                                     # fetch time, all tiers
+    past_g1_blocks_total: int = 0   # found past a G1 hit the warehouse's chain had not reached
 
 
 class Restorer:
@@ -91,15 +92,18 @@ class Restorer:
             lookup = await self._store.lookup(keys, prompt_tokens=prompt_tokens, ctx=ctx)
             if lookup is not None:
                 s.set(matched_blocks=lookup.matched_blocks, usable_tokens=lookup.usable_tokens)
-        lookup_s = time.perf_counter() - t0
-        stored = None if lookup is None else lookup.matched_blocks
-        matched = max(g1_blocks, stored or 0)
-        usable = self._hit_rule.usable_tokens(matched * B, prompt_tokens)
         if lookup is None:
             # No warehouse configured: nothing stored. Configured but down: degraded.
             stored_none = 0 if not self._store.enabled else None
-            return Restore(None, g1_blocks, stored_none, usable, None, lookup_s, 0.0, 0)
-        plan = self._cost.plan(lookup.block_tiers, g1_blocks, usable // B)
+            usable = self._hit_rule.usable_tokens(g1_blocks * B, prompt_tokens)
+            return Restore(None, g1_blocks, stored_none, usable, None,
+                           time.perf_counter() - t0, 0.0, 0)
+        stored, tiers = lookup.matched_blocks, lookup.block_tiers
+        if stored < g1_blocks < len(keys):
+            tiers = await self._past_g1(keys, g1_blocks, ctx, tiers)
+        lookup_s = time.perf_counter() - t0
+        usable = self._hit_rule.usable_tokens(max(g1_blocks, len(tiers)) * B, prompt_tokens)
+        plan = self._cost.plan(tiers, g1_blocks, usable // B)
         if plan.fetch_blocks == 0:
             return Restore(None, g1_blocks, stored, usable, plan, lookup_s, 0.0, 0)
         want = keys[g1_blocks:g1_blocks + plan.fetch_blocks]
@@ -117,13 +121,31 @@ class Restorer:
             n = got.hit_prefix
             blocks = out[:n] if n else None
             fetched_tiers = plan.tier_blocks if n == len(want) else tier_counts(
-                lookup.block_tiers[g1_blocks:g1_blocks + n])
+                tiers[g1_blocks:g1_blocks + n])
             nbytes = n * self._layout.block_nbytes  # type: ignore[attr-defined]
             s.set(fetched_blocks=n, bytes=nbytes,
                   **{f"tier.{t}": c for t, c in fetched_tiers.items()})
         self._cost.observe_fetch(fetched_tiers, nbytes, fetch_s)
         self._count(fetched_tiers, fetch_s)
         return Restore(blocks, g1_blocks, stored, usable, plan, lookup_s, fetch_s, len(want) - n)
+
+    async def _past_g1(self, keys: Sequence[bytes], g1_blocks: int, ctx: RequestCtx,
+                       tiers: list[str]) -> list[str]:
+        """The warehouse's chain stops inside this engine's G1 hit: the blocks
+        G1 holds are still on their way there (another request's write-through
+        runs behind its reply), while the ones after them may already be stored
+        (decode's canonical blocks of a session's last answer). A chain key
+        names its whole prefix, so a match of ``keys[g1_blocks:]`` continues
+        the G1 hit. Best tiers for blocks ``[0, g1_blocks + matched)``; the G1
+        entries are placeholders the plan never reads. ``touch=False``: the
+        request's own lookup already counted it."""
+        B = self._hit_rule.block_tokens
+        rest = keys[g1_blocks:]
+        more = await self._store.lookup(rest, prompt_tokens=len(rest) * B, ctx=ctx, touch=False)
+        if more is None or not more.matched_blocks:
+            return tiers
+        self.stats.past_g1_blocks_total += more.matched_blocks
+        return ["G1"] * g1_blocks + list(more.block_tiers)
 
     def _count(self, tiers: dict[str, int], fetch_s: float) -> None:
         st, block = self.stats, self._layout.block_nbytes  # type: ignore[attr-defined]

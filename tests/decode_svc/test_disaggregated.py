@@ -26,6 +26,7 @@ from tests.decode_svc.stack import (
 
 B = 16
 G1_TOKENS = "kvserve_decode_decode_g1_prefix_tokens_total"
+CANONICAL = "kvserve_decode_decode_canonical_blocks_total"
 # Lengths around block boundaries: shorter than a block, exact multiples, partial tails.
 LENGTHS = [5, 16, 17, 31, 32, 33, 47, 64, 70, 100, 129]
 
@@ -62,23 +63,32 @@ def test_token_identity_cold_then_warm_and_batched(stack: Stack) -> None:
 
 
 def test_agent_conversation_hits_the_whole_previous_context(stack: Stack) -> None:
-    """Six turns with zero think time: each resends the whole context
-    (previous prompt + answer + a new user message) the moment the previous
-    answer's final event arrives. Decode stores the canonical blocks of prompt +
-    output before that event, so from turn 2 on the warehouse already holds
-    them and cached_tokens is floor_to_block(min(previous context, L - reserve))."""
+    """Six turns: each resends the whole context (previous prompt + answer + a
+    new user message) the moment the previous answer's final event arrives.
+    Decode stores the canonical blocks after the prompt (the answer's) before
+    that event and leaves the prompt's to prefill's write-through (it puts no
+    block twice); so the answer's blocks are in the warehouse with no waiting,
+    and once the write-through landed (a deployed prefill serves those from its
+    G1 meanwhile: tests/prefill_svc/test_past_g1.py; this one keeps none)
+    cached_tokens is floor_to_block(min(previous context, L - reserve))."""
     tenant = "agent-test"
     hit_rule = stack.ref.hit_rule
     context = prompt(7, 40)
-    prev_kv = 0                                  # tokens of the previous turn with KV
+    prev_kv = prev_prompt = 0                    # tokens of the previous turn with KV, prompt
     for turn in range(6):
         L = len(context)
         keys = keys_of(stack.ref, context, tenant)
         if turn:
-            held = stored_blocks(stack.store.address, keys, L, tenant)     # no waiting
+            answer = keys[prev_prompt // B:prev_kv // B]
+            held = stored_blocks(stack.store.address, answer, L, tenant)   # no waiting
+            assert held == len(answer), f"turn {turn}: warehouse holds {held} answer blocks"
+            held = wait_stored(stack.store.address, keys, prev_kv // B, L, tenant)
             assert held == prev_kv // B, f"turn {turn}: warehouse holds {held} blocks"
         g1_before = stack.decode.metrics().get(G1_TOKENS, 0.0)
+        put_before = stack.decode.metrics().get(CANONICAL, 0.0)
         h, out = generate(stack, context, max_tokens=12, tenant=tenant, ignore_eos=True)
+        put = stack.decode.metrics().get(CANONICAL, 0.0) - put_before
+        assert put == (L + len(out.tokens) - 1) // B - L // B, f"turn {turn}: {put} blocks"
         want = reference(stack.ref, context, max_tokens=12, ignore_eos=True)
         assert out.tokens == want, f"turn {turn}: output differs from a cache-less run"
         # Decode kept the previous turn's blocks: only the tail was pulled.
@@ -90,7 +100,7 @@ def test_agent_conversation_hits_the_whole_previous_context(stack: Stack) -> Non
             expect = hit_rule.usable_tokens(prev_kv, L)
             assert expect == (min(prev_kv, L - hit_rule.reserve) // B) * B
             assert h.cached_tokens == expect, f"turn {turn}"
-        prev_kv = L + len(out.tokens) - 1
+        prev_kv, prev_prompt = L + len(out.tokens) - 1, L
         context = context + out.tokens + prompt(50 + turn, 9)
 
 
