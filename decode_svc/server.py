@@ -372,7 +372,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             written = asyncio.Event()
             on_finish = self._canonical_writer(
                 chk.ctx, written, list(handle.block_keys) if prompt_keys is None else prompt_keys,
-                prompt_written=prompt_keys is None and bool(handle.written_tiers))
+                prompt_written=prompt_keys is None and bool(handle.written_tiers), reused=cached)
         t_decode = tracing.now()
         async for ev in self.batcher.generate(
                 seq_id, functools.partial(make_live, seq_id), prompt_tokens=len(chk.tokens),
@@ -539,8 +539,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     # -- after a sequence --------------------------------------------------------
 
     def _canonical_writer(self, ctx: RequestCtx, written: asyncio.Event,
-                          prompt_keys: list[bytes], *,
-                          prompt_written: bool) -> Callable[[Finished], Any]:
+                          prompt_keys: list[bytes], *, prompt_written: bool,
+                          reused: list[int] | None = None) -> Callable[[Finished], Any]:
         """The finish hook: compute the canonical blocks, put them (acknowledged
         by the store, so they are in the index), then set ``written``, which the
         final event waits for.
@@ -554,12 +554,18 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         blocks in the G1 that computed them and the rest in the warehouse
         (service.restore looks past a G1 hit). Without that promise (no
         write-through, or a tail computed here), the leading prompt blocks the
-        warehouse lacks are put here too."""
+        warehouse lacks are put here too, except those this instance's G1
+        supplied (``reused``: tokens, filled at admission): they have a writer
+        already, the write-through that brought them or an earlier answer's put."""
         async def write(done: Finished) -> None:
             t0 = time.monotonic()
             try:
-                stored = (len(prompt_keys) if prompt_written
-                          else await self._stored_prefix(prompt_keys, ctx))
+                if prompt_written:
+                    stored = len(prompt_keys)
+                else:
+                    stored = await self._stored_prefix(prompt_keys, ctx)
+                    if reused:
+                        stored = max(stored, reused[0] // self.block_tokens)
                 try:
                     first, blocks, keys = await self.thread.call(self._canonical,
                                                                  done.seq_id, stored, ctx.tenant)

@@ -130,7 +130,8 @@ def test_a_short_tail_is_computed_on_decode_alone_and_exact(stack: Stack) -> Non
         prev_kv = len(context) + len(out.tokens) - 1
         context = context + out.tokens + prompt(60 + turn, 13)
         before = {k: dm().get(f"kvserve_decode_decode_{k}", 0.0)
-                  for k in ("local_tails_total", "local_tail_tokens_total", "pull_bytes_total")}
+                  for k in ("local_tails_total", "local_tail_tokens_total", "pull_bytes_total",
+                            "canonical_blocks_total")}
         out = _local(stack, context, 64, tenant=tenant)
         assert out.tokens == reference(stack.ref, context, max_tokens=12, ignore_eos=True), turn
         reused = stack.ref.hit_rule.usable_tokens(prev_kv // B * B, len(context))
@@ -140,6 +141,9 @@ def test_a_short_tail_is_computed_on_decode_alone_and_exact(stack: Stack) -> Non
         assert (after["local_tail_tokens_total"] - before["local_tail_tokens_total"]
                 == len(context) - reused)
         assert after["pull_bytes_total"] == before["pull_bytes_total"]      # nothing pulled
+        # The blocks G1 supplied have a writer already: only what was computed here is put.
+        put = after["canonical_blocks_total"] - before["canonical_blocks_total"]
+        assert 0 < put <= (len(context) + len(out.tokens) - 1) // B - reused // B, turn
     kv_len = len(context) + len(out.tokens) - 1
     keys = keys_of(stack.ref, context + out.tokens, tenant)
     assert wait_stored(stack.store.address, keys, kv_len // B, kv_len, tenant) >= kv_len // B
