@@ -181,6 +181,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         for _ in range(3):
             self.engine.decode_step(["__warmup__"])
         self.engine.free("__warmup__")
+        t0 = time.monotonic()
+        if graphs := self.engine.capture_decode_graphs():
+            log.info("captured the decode graphs of %d batch sizes in %.1fs", graphs,
+                     time.monotonic() - t0)
         self.engine.expert_counts()          # start the MoE counts from zero
         self.cost.observe_prefill(res.computed_tokens, res.compute_s, calibrate=True)
 

@@ -275,6 +275,17 @@ class DecodeRunner:
             self._attends[b] = attn
         return self._graphs[b]
 
+    def capture_all(self) -> int:
+        """Capture every bucket's graph now; the number captured. At start-up,
+        not at a bucket's first use: a capture (two warm-up forwards, Triton's
+        compiles for that row count, the capture) stalls every sequence in the
+        batch, and traffic whose batch size wanders met each bucket mid-run."""
+        if not self.use_graphs:
+            return 0
+        for b in BUCKETS:
+            self._graph(b)
+        return len(BUCKETS)
+
     def reset_graphs(self) -> None:
         """Drop the captured graphs (recaptured on next use, e.g. after ``pdl``
         changed), with their private memory pool."""

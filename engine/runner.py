@@ -325,6 +325,11 @@ class Engine(PrefillSteps):
         self.last_step = clock.stop(len(seqs))
         return out
 
+    def capture_decode_graphs(self) -> int:
+        """Capture the CUDA paged decode's graph of every batch bucket now (an
+        instance's start-up); the number captured, 0 without graphs."""
+        return self._paged.capture_all() if self._paged is not None else 0
+
     def _rows_per_forward(self, n: int) -> int:
         """CUDA paged decode: a graph bucket (up to 64). Invariant kernels: exactly
         the live rows. Otherwise a fixed bucket of rows, padding included, so a

@@ -117,6 +117,9 @@ def test_paged_decode_engine_matches_sdpa_path(graphs: bool) -> None:
     ref = make_engine("tiny-hybrid", device="cuda", paged_decode=False)
     eng = make_engine("tiny-hybrid", device="cuda", cuda_graphs=graphs)
     assert eng._paged is not None
+    # Every bucket's graph captured up front (a decode instance's start-up) serves
+    # the same tokens as one captured at its first use.
+    assert eng.capture_decode_graphs() == (7 if graphs else 0)
     prompts = random_prompts(6, 20, 200, 256, seed=3)
     want = [ref.generate(p, sp).tokens for p in prompts]
     assert [eng.generate(p, sp).tokens for p in prompts] == want
