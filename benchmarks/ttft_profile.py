@@ -67,15 +67,16 @@ def _short(name: str) -> str:
 
 def profile_call(fn: Callable[[], None], out_dir: str, tag: str) -> dict[str, object]:
     """Kernels and copies of one call of ``fn`` against its wall time (us)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     _sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
                                      else [])
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        fn()
-        _sync()
+        with record_function("ttft_call"):
+            fn()
+            _sync()
         wall = time.perf_counter() - t0
     path = os.path.join(out_dir, f"trace_{tag}.json")
     prof.export_chrome_trace(path)
@@ -91,6 +92,18 @@ def profile_call(fn: Callable[[], None], out_dir: str, tag: str) -> dict[str, ob
                               "api_calls": len(api), "api_us": sum(e["dur"] for e in api)}
     if not kern:
         return res
+    call = [e for e in events if e.get("name") == "ttft_call" and "dur" in e]
+    if call and copies:
+        # on the trace's one clock: the call's start to its first copy, the last
+        # copy's end to the last kernel's (what the host and the last layer add)
+        big = [e for e in copies if e["dur"] > 100] or copies
+        res["to_first_copy_us"] = min(e["ts"] for e in big) - call[0]["ts"]
+        res["after_last_copy_us"] = (kern[-1]["ts"] + kern[-1]["dur"]
+                                     - max(e["ts"] + e["dur"] for e in big))
+        res["big_copies"] = len(big)
+        res["big_copy_us"] = sum(e["dur"] for e in big)
+    if call:
+        res["to_first_kernel_us"] = kern[0]["ts"] - call[0]["ts"]
     by: dict[str, list[float]] = defaultdict(list)
     gaps = 0.0
     for prev, k in itertools.pairwise(kern):
@@ -165,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
              f"(gaps {prof.get('gaps_us', 0):.0f}), {prof['copies']} copies "
              f"{prof['copy_us']:.0f} us; {prof['api_calls']} runtime/driver calls "
              f"{prof['api_us']:.0f} us")
+        _log("  " + " ".join(f"{k}={prof[k]:.0f}" for k in (
+            "to_first_kernel_us", "to_first_copy_us", "after_last_copy_us", "big_copies",
+            "big_copy_us") if k in prof))
         for row in prof.get("by_kernel", []):          # type: ignore[union-attr]
             _log(f"  {row['name']:<60} {row['count']:>5} {row['us']:>10.1f} us")
     if a.json:
