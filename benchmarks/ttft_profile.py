@@ -35,6 +35,7 @@ import torch
 
 from benchmarks.engine import _prompt
 from engine import SamplingParams
+from engine.checks import check_prompt
 from engine.config import EngineConfig
 from engine.layer_restore import HostRuns
 from engine.runner import Engine
@@ -158,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         "tail_tokens": n - cap, "restore_bytes": nbytes,
         "staged_s": _median_s(staged, a.repeat),
         "pipelined_s": _median_s(piped, a.repeat),
-        "copy_s": _median_s(lambda: scratch.copy_(host, non_blocking=True), a.repeat)}
+        "copy_s": _median_s(lambda: scratch.copy_(host, non_blocking=True), a.repeat),
+        # the host's prompt check, the largest Python part found before the first copy
+        "check_prompt_s": _median_s(lambda: check_prompt(hit, eng.model_config), a.repeat)}
     staged_s, piped_s, copy_s = res["staged_s"], res["pipelined_s"], res["copy_s"]
     assert isinstance(staged_s, float) and isinstance(piped_s, float) \
         and isinstance(copy_s, float)
