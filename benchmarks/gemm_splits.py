@@ -99,13 +99,18 @@ def main(argv: list[str] | None = None) -> None:
             row["prefill_tok_s"] = a.prefill / bench_prefill(eng, a.prefill, 3)
             # the first step's logits of a 64-row batch: the bits of this rule
             sids = [f"s{i}" for i in range(64)]
-            for i, s in enumerate(sids):
-                eng.prefill(s, _prompt(a.ctx, eng.model_config.vocab_size, 500 + i))
-            logits = runner.step([eng._seqs[s].pending for s in sids],
-                                 [eng._seqs[s].kv_len for s in sids],
-                                 [eng._seqs[s].blocks for s in sids]).float().cpu()
-            for s in sids:
-                eng.free(s)
+            try:
+                for i, s in enumerate(sids):
+                    eng.prefill(s, _prompt(a.ctx, eng.model_config.vocab_size, 500 + i))
+                seqs = [eng._seqs[s] for s in sids]
+                # the pending token's block first (at a block's end it is a new one),
+                # as decode_step does
+                eng._grow(seqs)
+                logits = eng._decode_logits(seqs, len(seqs)).float().cpu()
+            finally:                        # a failed variant leaves none live for the next
+                for s in sids:
+                    if s in eng._seqs:
+                        eng.free(s)
             ref = first.setdefault(v.splits, logits)
             row["same_bits_as_rule"] = bool(torch.equal(ref, logits))
             for b in a.batches:

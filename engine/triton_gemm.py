@@ -55,8 +55,11 @@ from engine.triton_pdl import pdl_enter
 BK = 64                       # the K tile: part of the arithmetic (triton_invariant.KERNEL_ID)
 # The K-split rule, part of the arithmetic too: 16-bit weights narrower than
 # SPLIT_MAX_N columns whose K is a multiple of SPLIT_K_UNIT take SPLITS sums.
-# 1: no weight is split (2 measured slower at b64 and, through scratch, at
-# prefill on the H200; benchmarks/gemm_splits.py sets 2 to measure it again).
+# 1: no weight is split. 2 measured slower on the H200 twice: through fp32
+# scratch, and as shipped here (a program a split folded by the last one at
+# <= 64 rows, the sums in registers past that): -5.4 / -6.9 / -6.7 % decode tok/s
+# at b1 / 8 / 64 and -7.4 % prefill at 4k against one split in one engine
+# (docs/benchmarks-history.md; benchmarks/gemm_splits.py sets 2 to measure it).
 SPLITS, SPLIT_MAX_N, SPLIT_K_UNIT = 1, 16384, 512
 SPLIT_ID = f"ks{SPLITS}n{SPLIT_MAX_N}u{SPLIT_K_UNIT}"
 

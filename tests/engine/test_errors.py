@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,11 +28,20 @@ def test_empty_prompt(eng: Engine) -> None:
         eng.generate([])
 
 
-@pytest.mark.parametrize("bad", [-1, 384, 10**9])
+@pytest.mark.parametrize("bad", [-1, 384, 10**9, 10**30])     # 10**30: past int64
 def test_token_out_of_vocabulary(eng: Engine, bad: int) -> None:
     with pytest.raises(EngineInputError, match=rf"token id {bad} at position 2 .*\[0, 384\)"):
         eng.prefill("a", [1, 2, bad, 3])
     assert "a" not in eng.live_sequences
+
+
+def test_prompt_ids_of_any_int_type_come_back_as_python_ints(eng: Engine) -> None:
+    from engine.checks import check_prompt
+
+    mc = eng.model_config
+    for given in ([3, 7, 383], torch.tensor([3, 7, 383]), [np.int32(3), np.int64(7), 383]):
+        got = check_prompt(given, mc)
+        assert got == [3, 7, 383] and all(type(t) is int for t in got), given
 
 
 def test_prompt_longer_than_context(eng: Engine) -> None:
