@@ -1,16 +1,14 @@
 """``kvserve up`` on one machine, then ``kvserve chat`` and ``kvserve status``
-against it, then Ctrl-C: real processes, real sockets, real Redis (its own
-embedded one, as a user gets)."""
+against it: real processes, real sockets, real Redis (its own embedded one, as
+a user gets). The stack is the package's (tests/kvserve/up_stack.py), shared
+with test_up_secrets.py, whose last test checks Ctrl-C."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from security.config import SecurityConfig
+from tests.kvserve.up_stack import UpStack
 
 
 def healthy(address: str, tls_dir: str) -> bool:
@@ -39,90 +38,60 @@ def _kvserve(*args: str, env: dict[str, str],
                           capture_output=True, timeout=timeout)
 
 
-def test_up_chat_status_and_clean_stop(tmp_path: Path) -> None:
-    env = {**os.environ, "KVSERVE_STATE": str(tmp_path / "up.json")}
-    env.pop("REDIS_URL", None)
-    env.pop("KVSERVE_TLS_DIR", None)          # as a user gets: up makes its own credentials
-    up = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "up", "--model", "tiny-dense",
-                           "--free-ports", "--grace", "5", "--g3-path", str(tmp_path / "g3")],
-                          env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        lines = []
-        deadline = time.monotonic() + 150
-        assert up.stdout is not None
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("  try:"):
-                break
-        banner = "".join(lines)
-        assert "kvserve up: running" in banner, banner + (up.stderr.read() if up.poll() else "")
-        state = json.loads((tmp_path / "up.json").read_text())
-        assert state["model"] == "tiny-dense" and state["redis_url"].startswith("redis://")
-        for role in ("kvstore", "prefill", "decode"):
-            assert f"  {role}" in banner
-        # The banner names Redis with its password masked (the password itself is
-        # only in the operator's 0600 file; tests/kvserve/test_up_secrets.py greps).
-        assert state["redis_url"] in banner and "G2 host" in banner
-        password = urlsplit(Path(state["redis_url_file"]).read_text().strip()).password
-        assert password and password not in banner and ":***@" in state["redis_url"]
-        # First start made the stack's own CA and certificates under its state dir,
-        # every file 0600, and every child serves mTLS with them.
-        tls = Path(state["tls_dir"])
-        assert tls == (tmp_path / "tls").resolve()
-        files = [p for p in tls.rglob("*") if p.is_file()]
-        assert {"secret", "ca.key", "tls.key"} <= {p.name for p in files}
-        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
-        for role in ("store", "prefill", "decode"):
-            assert healthy(state[role], state["tls_dir"]), role
-            with grpc.insecure_channel(state[role]) as plain:       # no credentials
-                with pytest.raises(grpc.RpcError) as refused:
-                    health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(),
-                                                            timeout=2.0)
-                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+def test_up_chat_and_status(up_stack: UpStack) -> None:
+    stack = up_stack.running()
+    banner, env, tmp_path = stack.banner, stack.env, stack.tmp
+    state = stack.state
+    assert state["model"] == "tiny-dense" and state["redis_url"].startswith("redis://")
+    for role in ("kvstore", "prefill", "decode"):
+        assert f"  {role}" in banner
+    # The banner names Redis with its password masked (the password itself is
+    # only in the operator's 0600 file; tests/kvserve/test_up_secrets.py greps).
+    assert state["redis_url"] in banner and "G2 host" in banner
+    password = urlsplit(Path(state["redis_url_file"]).read_text().strip()).password
+    assert password and password not in banner and ":***@" in state["redis_url"]
+    # First start made the stack's own CA and certificates under its state dir
+    # (KVSERVE_STATE's directory), every file 0600, and every child serves mTLS
+    # with them.
+    tls = Path(state["tls_dir"])
+    assert tls == (tmp_path / "tls").resolve()
+    files = [p for p in tls.rglob("*") if p.is_file()]
+    assert {"secret", "ca.key", "tls.key"} <= {p.name for p in files}
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    for role in ("store", "prefill", "decode"):
+        assert healthy(state[role], state["tls_dir"]), role
+        with grpc.insecure_channel(state[role]) as plain:       # no credentials
+            with pytest.raises(grpc.RpcError) as refused:
+                health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=2.0)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
-        chat = _kvserve("chat", "--prompt", "Hello, warehouse!", "--max-tokens", "6",
-                        "--stats", env=env)
-        assert chat.returncode == 0, chat.stderr
-        assert "output 6" in chat.stderr and "cached 0" in chat.stderr
-        again = _kvserve("chat", "--prompt", "Hello, warehouse!", "--max-tokens", "6",
-                         "--stats", env=env)
-        assert again.returncode == 0 and again.stdout == chat.stdout      # greedy: same text
+    # A prompt of its own: the stack is shared, and this one must start uncached.
+    prompt = f"{tmp_path.name}: hello, warehouse!"
+    chat = _kvserve("chat", "--prompt", prompt, "--max-tokens", "6", "--stats", env=env)
+    assert chat.returncode == 0, chat.stderr
+    assert "output 6" in chat.stderr and "cached 0" in chat.stderr
+    again = _kvserve("chat", "--prompt", prompt, "--max-tokens", "6", "--stats", env=env)
+    assert again.returncode == 0 and again.stdout == chat.stdout      # greedy: same text
 
-        # Interactive: each turn resends the conversation; the second one hits the first.
-        question = "Tell me about the warehouse tiers: G2, G3 and G4, and when each one helps. " * 2
-        talk = subprocess.run([sys.executable, "-m", "kvserve.cli", "chat", "--max-tokens", "4",
-                               "--stats"], env=env, text=True, capture_output=True, timeout=120,
-                              input=f"{question}\nAnd G1?\n")
-        assert talk.returncode == 0, talk.stderr
-        turns = [line for line in talk.stderr.splitlines() if line.startswith("[prompt")]
-        assert len(turns) == 2, talk.stderr
-        cached = int(turns[1].split("cached ")[1].split(",")[0])
-        assert cached >= 128, turns
+    # Interactive: each turn resends the conversation; the second one hits the first.
+    question = "Tell me about the warehouse tiers: G2, G3 and G4, and when each one helps. " * 2
+    talk = subprocess.run([sys.executable, "-m", "kvserve.cli", "chat", "--max-tokens", "4",
+                           "--stats"], env=env, text=True, capture_output=True, timeout=120,
+                          input=f"{question}\nAnd G1?\n")
+    assert talk.returncode == 0, talk.stderr
+    turns = [line for line in talk.stderr.splitlines() if line.startswith("[prompt")]
+    assert len(turns) == 2, talk.stderr
+    cached = int(turns[1].split("cached ")[1].split(",")[0])
+    assert cached >= 128, turns
 
-        status = _kvserve("status", "--json", env=env)
-        assert status.returncode == 0, status.stderr
-        snap = json.loads(status.stdout)
-        roles = {i["role"] for i in snap["instances"]}
-        assert {"kvstore", "prefill", "decode"} <= roles
-        (store,) = snap["stores"].values()
-        assert {t["tier"] for t in store["tiers"]} >= {"G2"}
-        assert {c["traffic_class"] for c in store["classes"]} == {"agent", "chat"}
-        table = _kvserve("status", env=env)
-        assert "hit rate" in table.stdout and "prefill" in table.stdout
-
-        up.send_signal(signal.SIGINT)
-        out, err = up.communicate(timeout=60)
-        assert up.returncode == 0, err
-        assert "kvserve up: stopped" in out
-        assert not (tmp_path / "up.json").exists()
-        assert not healthy(state["prefill"], state["tls_dir"])
-        assert not healthy(state["decode"], state["tls_dir"])
-        assert not healthy(state["store"], state["tls_dir"])
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+    status = _kvserve("status", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    snap = json.loads(status.stdout)
+    roles = {i["role"] for i in snap["instances"]}
+    assert {"kvstore", "prefill", "decode"} <= roles
+    (store,) = snap["stores"].values()
+    assert {t["tier"] for t in store["tiers"]} >= {"G2"}
+    assert {c["traffic_class"] for c in store["classes"]} == {"agent", "chat"}
+    table = _kvserve("status", env=env)
+    assert "hit rate" in table.stdout and "prefill" in table.stdout

@@ -5,7 +5,9 @@ Redis password, the deployment secret and the private keys must appear in no
 banner, the state and config files, ``kvserve status`` / ``chat`` output or
 gRPC error text. Each child holds only its own credentials (no ``ca.key``, no
 other role's key, its own Redis user), every file the stack made is private,
-and the children's certificates are short-lived."""
+and the children's certificates are short-lived. Then Ctrl-C stops the stack
+cleanly. The stack is the package's (tests/kvserve/up_stack.py), shared with
+test_up.py; this file's last test stops it."""
 
 from __future__ import annotations
 
@@ -13,11 +15,9 @@ import contextlib
 import datetime as dt
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -29,10 +29,10 @@ from cryptography import x509
 from proto import common_pb2, kvstore_pb2, router_pb2, router_pb2_grpc
 from security.config import SecurityConfig
 from security.pki import CertAuthority, CertRequest
+from tests.kvserve.test_up import healthy
+from tests.kvserve.up_stack import CREDENTIAL_VARS, UpStack
 
 CHILD_FILES = {"tls.crt", "tls.key", "ca.crt", "secret", "redis.url"}
-CREDENTIAL_VARS = ("REDIS_URL", "REDIS_URL_FILE", "KVSERVE_TLS_DIR", "KVSERVE_SECRET_FILE",
-                   "KVSERVE_API_KEY")
 
 
 def _kvserve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -97,129 +97,113 @@ def _grpc_errors(state: dict[str, str], tls: Path, tmp: Path) -> list[str]:
     return texts
 
 
-def test_up_shows_no_secret_and_hands_each_child_only_its_own(tmp_path: Path) -> None:
-    env = {**os.environ, "KVSERVE_STATE": str(tmp_path / "up.json")}
-    for name in CREDENTIAL_VARS:
-        env.pop(name, None)
-    env["REDIS_URL_FILE"] = ""                     # an empty variable is "not set"
-    up = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "up", "--model", "tiny-dense",
-                           "--free-ports", "--state-dir", str(tmp_path), "--grace", "5",
-                           "--g3-path", str(tmp_path / "g3")],
-                          env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 180
-        assert up.stdout is not None
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("  try:"):
-                break
-        banner = "".join(lines)
-        assert "kvserve up: running" in banner, banner + (up.stderr.read() if up.poll() else "")
-        state = json.loads((tmp_path / "up.json").read_text())
-        run_dir = Path(state["config"]).parent
-        tls = Path(state["tls_dir"])
-        creds = run_dir / "creds"
+def test_up_shows_no_secret_and_hands_each_child_only_its_own(up_stack: UpStack) -> None:
+    stack = up_stack.running()
+    up, banner, env, tmp_path = stack.proc, stack.banner, stack.env, stack.tmp
+    assert up is not None
+    state = json.loads((tmp_path / "up.json").read_text())
+    run_dir = Path(state["config"]).parent
+    tls = Path(state["tls_dir"])
+    creds = run_dir / "creds"
 
-        # -- the secrets, as the files that hold them say -------------------------------
-        secrets: dict[str, str] = {"deployment secret": (tls / "secret").read_text().strip()}
-        for url_file in creds.glob("*/redis.url"):
-            parts = urlsplit(url_file.read_text().strip())
-            role = url_file.parent.name
-            assert parts.username == role                     # its own ACL user
-            secrets[f"{role} Redis password"] = unquote(parts.password or "")
-        for key in [*creds.glob("*/tls.key"), tls / "ca" / "ca.key"]:
-            body = "".join(key.read_text().splitlines()[1:-1])
-            secrets[f"{key.parent.name}/{key.name}"] = body[10:50]
-        assert {f"{r} Redis password" for r in ("kvstore", "prefill", "decode", "router",
-                                                 "operator")} <= set(secrets)
-        assert all(len(v) >= 16 for v in secrets.values())
+    # -- the secrets, as the files that hold them say -------------------------------
+    secrets: dict[str, str] = {"deployment secret": (tls / "secret").read_text().strip()}
+    for url_file in creds.glob("*/redis.url"):
+        parts = urlsplit(url_file.read_text().strip())
+        role = url_file.parent.name
+        assert parts.username == role                     # its own ACL user
+        secrets[f"{role} Redis password"] = unquote(parts.password or "")
+    for key in [*creds.glob("*/tls.key"), tls / "ca" / "ca.key"]:
+        body = "".join(key.read_text().splitlines()[1:-1])
+        secrets[f"{key.parent.name}/{key.name}"] = body[10:50]
+    assert {f"{r} Redis password" for r in ("kvstore", "prefill", "decode", "router",
+                                             "operator")} <= set(secrets)
+    assert all(len(v) >= 16 for v in secrets.values())
 
-        def leaks(where: str, text: str | bytes) -> list[str]:
-            raw = text.encode() if isinstance(text, str) else text
-            return [f"{name} in {where}" for name, v in secrets.items() if v.encode() in raw]
+    def leaks(where: str, text: str | bytes) -> list[str]:
+        raw = text.encode() if isinstance(text, str) else text
+        return [f"{name} in {where}" for name, v in secrets.items() if v.encode() in raw]
 
-        found: list[str] = []
-        # -- processes: argv of all, environment of the children ------------------------
-        kids = _children(up.pid)
-        assert len(kids) >= 5                                  # redis, store, p, d, router
-        for pid in [up.pid, *kids]:
-            found += leaks(f"/proc/{pid}/cmdline", _proc_bytes(pid, "cmdline"))
-        services = {}
-        for pid in kids:
-            argv = _proc_bytes(pid, "cmdline").split(b"\0")
-            environ = _proc_bytes(pid, "environ")
-            found += leaks(f"/proc/{pid}/environ", environ)
-            names = {e.split(b"=", 1)[0].decode() for e in environ.split(b"\0") if b"=" in e}
-            assert not names & set(CREDENTIAL_VARS), (pid, names & set(CREDENTIAL_VARS))
-            if b"serve" in argv:
-                role = argv[argv.index(b"serve") - 1].decode()
-                role = "kvstore" if role == "store" else role
-                services[role] = [a.decode() for a in argv]
-                # No child is pointed at the deployment directory (CA key, other roles).
-                assert not any(str(tls) in a for a in services[role]), services[role]
-                assert services[role][services[role].index("--tls-dir") + 1] == \
-                    str(creds / role)
-                assert not [f for f in _open_files(pid) if f.endswith("ca.key") or str(tls) in f]
-        assert set(services) == {"kvstore", "prefill", "decode", "router"}
+    found: list[str] = []
+    # -- processes: argv of all, environment of the children ------------------------
+    kids = _children(up.pid)
+    assert len(kids) >= 5                                  # redis, store, p, d, router
+    for pid in [up.pid, *kids]:
+        found += leaks(f"/proc/{pid}/cmdline", _proc_bytes(pid, "cmdline"))
+    services = {}
+    for pid in kids:
+        argv = _proc_bytes(pid, "cmdline").split(b"\0")
+        environ = _proc_bytes(pid, "environ")
+        found += leaks(f"/proc/{pid}/environ", environ)
+        names = {e.split(b"=", 1)[0].decode() for e in environ.split(b"\0") if b"=" in e}
+        assert not names & set(CREDENTIAL_VARS), (pid, names & set(CREDENTIAL_VARS))
+        if b"serve" in argv:
+            role = argv[argv.index(b"serve") - 1].decode()
+            role = "kvstore" if role == "store" else role
+            services[role] = [a.decode() for a in argv]
+            # No child is pointed at the deployment directory (CA key, other roles).
+            assert not any(str(tls) in a for a in services[role]), services[role]
+            assert services[role][services[role].index("--tls-dir") + 1] == \
+                str(creds / role)
+            assert not [f for f in _open_files(pid) if f.endswith("ca.key") or str(tls) in f]
+    assert set(services) == {"kvstore", "prefill", "decode", "router"}
 
-        # -- what each child holds -------------------------------------------------------
-        now = dt.datetime.now(dt.UTC)
-        for role in services:
-            d = creds / role
-            assert {p.name for p in d.iterdir()} == CHILD_FILES, role
-            cert = x509.load_pem_x509_certificate((d / "tls.crt").read_bytes())
-            uris = cert.extensions.get_extension_for_class(
-                x509.SubjectAlternativeName).value.get_values_for_type(
-                    x509.UniformResourceIdentifier)
-            assert uris == [f"urn:kvserve:role:{role}"]
-            assert cert.not_valid_after_utc - now <= dt.timedelta(days=7)
-        assert not list(creds.rglob("ca.key"))
-        # A child's Redis user cannot do another role's work.
-        prefill = redis.Redis.from_url((creds / "prefill" / "redis.url").read_text().strip())
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            prefill.set(b"B" + bytes(16), b"forged")
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            prefill.flushall()
-        prefill.close()
+    # -- what each child holds -------------------------------------------------------
+    now = dt.datetime.now(dt.UTC)
+    for role in services:
+        d = creds / role
+        assert {p.name for p in d.iterdir()} == CHILD_FILES, role
+        cert = x509.load_pem_x509_certificate((d / "tls.crt").read_bytes())
+        uris = cert.extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value.get_values_for_type(
+                x509.UniformResourceIdentifier)
+        assert uris == [f"urn:kvserve:role:{role}"]
+        assert cert.not_valid_after_utc - now <= dt.timedelta(days=7)
+    assert not list(creds.rglob("ca.key"))
+    # A child's Redis user cannot do another role's work.
+    prefill = redis.Redis.from_url((creds / "prefill" / "redis.url").read_text().strip())
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        prefill.set(b"B" + bytes(16), b"forged")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        prefill.flushall()
+    prefill.close()
 
-        # -- everything a user or operator sees ------------------------------------------
-        status = _kvserve("status", env=env)
-        status_json = _kvserve("status", "--json", env=env)
-        chat = _kvserve("chat", "--prompt", "Hello, warehouse!", "--max-tokens", "3", env=env)
-        assert status.returncode == status_json.returncode == chat.returncode == 0, \
-            status.stderr + status_json.stderr + chat.stderr
-        assert "***" in status.stdout and "redis://operator:***@" in banner
-        errors = _grpc_errors(state, tls, tmp_path)
-        assert any(e.startswith("PERMISSION_DENIED") for e in errors)
-        assert any(e.startswith("INVALID_ARGUMENT") for e in errors), errors
-        for where, text in (("banner", banner), ("status", status.stdout + status.stderr),
-                            ("status --json", status_json.stdout), ("chat", chat.stdout +
-                                                                     chat.stderr),
-                            ("gRPC errors", "\n".join(errors)),
-                            ("state file", (tmp_path / "up.json").read_text()),
-                            ("config file", Path(state["config"]).read_text())):
-            found += leaks(where, text)
-        for log in run_dir.glob("*.log"):
-            found += leaks(str(log), log.read_bytes())
-        assert found == []
+    # -- everything a user or operator sees ------------------------------------------
+    status = _kvserve("status", env=env)
+    status_json = _kvserve("status", "--json", env=env)
+    chat = _kvserve("chat", "--prompt", "Hello, warehouse!", "--max-tokens", "3", env=env)
+    assert status.returncode == status_json.returncode == chat.returncode == 0, \
+        status.stderr + status_json.stderr + chat.stderr
+    assert "***" in status.stdout and "redis://operator:***@" in banner
+    errors = _grpc_errors(state, tls, tmp_path)
+    assert any(e.startswith("PERMISSION_DENIED") for e in errors)
+    assert any(e.startswith("INVALID_ARGUMENT") for e in errors), errors
+    for where, text in (("banner", banner), ("status", status.stdout + status.stderr),
+                        ("status --json", status_json.stdout), ("chat", chat.stdout +
+                                                                 chat.stderr),
+                        ("gRPC errors", "\n".join(errors)),
+                        ("state file", (tmp_path / "up.json").read_text()),
+                        ("config file", Path(state["config"]).read_text())):
+        found += leaks(where, text)
+    for log in run_dir.glob("*.log"):
+        found += leaks(str(log), log.read_bytes())
+    assert found == []
 
-        # -- every file the stack made is private ------------------------------------------
-        loose = [f"{p} {stat.S_IMODE(p.stat().st_mode):o}" for p in
-                 [*run_dir.rglob("*"), *tls.rglob("*"), tmp_path / "up.json"]
-                 if p.is_file() and p.stat().st_mode & 0o077]
-        loose += [f"{p} {stat.S_IMODE(p.stat().st_mode):o}" for p in
-                  [run_dir, creds, *creds.iterdir()] if p.stat().st_mode & 0o077]
-        assert loose == []
-    finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)
-            try:
-                up.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-    assert up.returncode == 0
+    # -- every file the stack made is private ------------------------------------------
+    loose = [f"{p} {stat.S_IMODE(p.stat().st_mode):o}" for p in
+             [*run_dir.rglob("*"), *tls.rglob("*"), tmp_path / "up.json"]
+             if p.is_file() and p.stat().st_mode & 0o077]
+    loose += [f"{p} {stat.S_IMODE(p.stat().st_mode):o}" for p in
+              [run_dir, creds, *creds.iterdir()] if p.stat().st_mode & 0o077]
+    assert loose == []
+
+
+def test_ctrl_c_stops_the_stack_cleanly(up_stack: UpStack) -> None:
+    state = up_stack.running().state
+    tls_dir, tmp_path = state["tls_dir"], up_stack.tmp
+    code, out, err = up_stack.interrupt()
+    assert code == 0, err
+    assert "kvserve up: stopped" in out
+    assert not (tmp_path / "up.json").exists()
+    for role in ("prefill", "decode", "store"):
+        assert not healthy(state[role], tls_dir), role
