@@ -7,8 +7,9 @@ SmolLM2, 64-token blocks): nothing accepted is failed after the work.
   Retry-After before any prefill ran (the prefill's own counters agree), and
   the queue's wait shows in the router's /metrics.
 * One API key flooding gets 429s while another key's median time to first
-  token stays within 1.5x of its median on the quiet stack, the two measured
-  in alternating rounds seconds apart.
+  token stays within 1.5x of its median on the quiet stack (its slowest
+  within 3x of the quiet slowest), the two measured in alternating rounds
+  seconds apart.
 
 The stack's [admission] keeps the backlog in the router (two requests in
 prefill at once), waits at most 1.5 s, and limits each key to 4 requests/s
@@ -290,4 +291,7 @@ def test_one_keys_flood_gets_429s_while_another_keys_ttft_holds(stack: Overload)
     flooded_med = statistics.median(ld for _, ld in pairs)
     assert flooded_med <= 1.5 * quiet_med, ([(round(q, 3), round(ld, 3)) for q, ld in pairs],
                                             flood.count(200), flood.count(429))
+    # The tail too, with room for one burst of outside load (seen at 1.8x with a
+    # core burned beside the suite): no flooded request starves behind the flood.
+    assert max(ld for _, ld in pairs) <= 3.0 * max(q for q, _ in pairs), pairs
     assert flood.count(429) > 0 and set(flood) <= {200, 429}
