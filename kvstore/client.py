@@ -25,7 +25,7 @@ import logging
 import queue
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from multiprocessing import shared_memory
 from typing import Any, TypeVar
 
@@ -40,7 +40,7 @@ from kvstore.errors import (
     ShmUnavailable,
     StoreUnavailable,
 )
-from kvstore.segments import SegmentCache, copy_verified
+from kvstore.segments import PER_OWNER, SegmentCache, copy_verified
 from kvstore.tiers.shm import ShmSlot, attach_segment, copy_verified_scatter
 from kvstore.types import (
     ClassSnapshot,
@@ -68,6 +68,13 @@ CHUNK_BYTES = 4 * 2**20
 PUT_CALL_BYTES = 128 * 2**20
 MAX_MESSAGE_BYTES = 128 * 2**20
 COPY_THREADS = 2    # shared-memory Get copier threads (see _SlotCopier)
+# Shared-memory Puts in flight per client (_StagingLanes). At most half the
+# store's segments per connection: a lane that outgrows its segment asks for a
+# new one while the store still lists the old, and the store makes room by
+# dropping the connection's least recently used segment, which must be a stale
+# one, never a lane's in use.
+PUT_LANES = 4
+MAX_PUT_LANES = PER_OWNER // 2
 
 _ERRORS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
@@ -169,7 +176,6 @@ class _Staging:
 
     def __init__(self) -> None:
         self.seg: shared_memory.SharedMemory | None = None
-        self.lock = asyncio.Lock()
 
     async def ensure(self, stub: kvstore_pb2_grpc.KVStoreStub, nbytes: int, ctx: RequestCtx,
                      timeout_s: float) -> shared_memory.SharedMemory:
@@ -190,6 +196,38 @@ class _Staging:
             with contextlib.suppress(BufferError):
                 self.seg.close()
             self.seg = None
+
+
+class _StagingLanes:
+    """Staging segments for up to ``n`` shared-memory Puts at once, one each
+    from staging to the store's answer. With one segment, every Put of a
+    process waited for the one before it: on the H200 stack, 64 decode answers
+    ending together put their blocks in line, 1.55 s each
+    (docs/benchmarks-history.md, run 14). ``n`` stays within the store's
+    segments per connection (``StagingSegments.per_owner``), so asking for a
+    lane's segment never drops another lane's."""
+
+    def __init__(self, n: int) -> None:
+        self._all = [_Staging() for _ in range(n)]
+        self._idle: asyncio.Queue[_Staging] = asyncio.Queue()
+        for lane in self._all:
+            self._idle.put_nowait(lane)
+
+    @contextlib.asynccontextmanager
+    async def take(self) -> AsyncIterator[_Staging]:
+        lane = await self._idle.get()
+        try:
+            yield lane
+        finally:
+            self._idle.put_nowait(lane)
+
+    def segments(self) -> list[shared_memory.SharedMemory]:
+        """The lanes' current segments (those that staged a Put yet)."""
+        return [lane.seg for lane in self._all if lane.seg is not None]
+
+    def close(self) -> None:
+        for lane in self._all:
+            lane.close()
 
 
 class _SlotCopier:
@@ -249,7 +287,7 @@ class KVStoreClient:
     def __init__(self, address: str, *, timeout_s: float = 5.0, use_shm: bool = True,
                  chunk_bytes: int = CHUNK_BYTES, copy_threads: int = COPY_THREADS,
                  security: SecurityConfig | None = None,
-                 put_call_bytes: int = PUT_CALL_BYTES) -> None:
+                 put_call_bytes: int = PUT_CALL_BYTES, put_lanes: int = PUT_LANES) -> None:
         """``security``: this caller's credentials (mTLS); None reads them from the
         environment as the least-privileged kvstore client, ``engine`` (the data
         methods and Stats; security/methods.py). Never an operator by default:
@@ -258,6 +296,9 @@ class KVStoreClient:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if copy_threads < 1:
             raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
+        if not 1 <= put_lanes <= MAX_PUT_LANES:
+            raise ValueError(f"put_lanes must be in [1, {MAX_PUT_LANES}] (the store's staging "
+                             f"segments per connection), got {put_lanes}")
         self.copy_threads = copy_threads
         self.address = address
         self.timeout_s = timeout_s
@@ -279,7 +320,7 @@ class KVStoreClient:
             response_deserializer=decode_get_chunk)
         self._shm_ok: bool | None = None if use_shm else False
         self._segments = SegmentCache(populate=True)  # the store prefaults its arena
-        self._staging = _Staging()
+        self._staging = _StagingLanes(put_lanes)
         self._shm_put_ok = use_shm
         # Shared-memory copies that failed verification (each was refetched over the
         # socket, where the store verifies again and drops a bad block).
@@ -345,10 +386,10 @@ class KVStoreClient:
             nbytes = sum(v.nbytes for v in views)
             for attempt in (0, 1):   # once more with a fresh segment if the store forgot ours
                 try:
-                    async with self._staging.lock:
+                    async with self._staging.take() as staging:
                         if attempt:
-                            self._staging.close()
-                        seg = await self._staging.ensure(self._stub, nbytes, ctx, timeout)
+                            staging.close()
+                        seg = await staging.ensure(self._stub, nbytes, ctx, timeout)
                         await asyncio.to_thread(self._stage, seg, views)
                         hdr.shm_name, hdr.shm_offset = seg.name, 0
                         res = await self._put_call(iter([encode_put_header(hdr)]),

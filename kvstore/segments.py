@@ -99,6 +99,9 @@ class _Staged:
     used_at: float
 
 
+PER_OWNER = 8       # staging segments one connection may hold (StagingSegments)
+
+
 class StagingSegments:
     """Put staging segments this store created and handed out (docs/architecture.md#trust-model).
 
@@ -118,7 +121,7 @@ class StagingSegments:
     Thread-safe."""
 
     def __init__(self, *, max_bytes: int, idle_s: float = 600.0, min_bytes: int = 64 * 2**20,
-                 per_owner: int = 8, share_bytes: int | None = None) -> None:
+                 per_owner: int = PER_OWNER, share_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes
         self.share_bytes = max_bytes if share_bytes is None else min(share_bytes, max_bytes)
         self.per_owner = per_owner

@@ -185,7 +185,8 @@ def test_a_caller_keeps_to_its_staging_share_and_cannot_churn_anothers(
             ks = keys(4, seed=20)
             await calm.put(ks, blocks(4, seed=20), layout=LAYOUT, token_count=4,
                            ctx=RequestCtx())
-            mine = calm._staging.seg.name         # calm's segment, handed out by the store
+            (seg,) = calm._staging.segments()
+            mine = seg.name                       # calm's segment, handed out by the store
             assert mine in staging
             churn = clients["churn"]
             for _ in range(12):                   # stage again and again

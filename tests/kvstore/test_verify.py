@@ -160,10 +160,30 @@ def test_the_client_puts_through_a_store_handed_segment(store: StoreProc) -> Non
         async with KVStoreClient(store.address, timeout_s=10) as c:
             ks, data = keys(8, seed=42), blocks(8, seed=42)
             assert (await c.put(ks, data, layout=LAYOUT, token_count=4, ctx=CTX)).stored == 8
-            seg = c._staging.seg
-            assert seg is not None and seg.name.startswith("kvs-stage-")   # the store's
+            (seg,) = c._staging.segments()
+            assert seg.name.startswith("kvs-stage-")                      # the store's
             got = await c.get(ks, ctx=CTX)
             assert [bytes(p or b"") for p in got.payloads] == [bytes(d) for d in data]
+    asyncio.run(body())
+
+
+def test_one_clients_puts_at_once_stage_in_segments_of_their_own(store: StoreProc) -> None:
+    """Concurrent Puts of one client each stage in a lane's own segment (one
+    segment made each wait for the Put before it), and every block lands intact."""
+    async def body() -> None:
+        async with KVStoreClient(store.address, timeout_s=10, put_lanes=3) as c:
+            parts = [(keys(4, seed=60 + i), blocks(4, seed=60 + i)) for i in range(6)]
+            res = await asyncio.gather(*(c.put(ks, data, layout=LAYOUT, token_count=4, ctx=CTX)
+                                         for ks, data in parts))
+            assert [r.stored for r in res] == [4] * 6
+            segs = c._staging.segments()
+            assert len(segs) == 3 and len({s.name for s in segs}) == 3
+            assert all(s.name.startswith("kvs-stage-") for s in segs)
+            for ks, data in parts:
+                got = await c.get(ks, ctx=CTX)
+                assert [bytes(p or b"") for p in got.payloads] == [bytes(d) for d in data]
+        with pytest.raises(ValueError, match="put_lanes"):
+            KVStoreClient(store.address, put_lanes=0)
     asyncio.run(body())
 
 
