@@ -464,7 +464,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         embedded = EmbeddedRedis().start()
         url = embedded.url
     mooncake = _mooncake_python(args.mooncake_python)
-    steps = ["memory", "disk", "redis", "lookup", "service", "ack"] + (
+    steps = ["memory", "disk", "redis", "lookup", "service", "ack", "lanes"] + (
         ["mooncake"] if mooncake else [])
     steps += (["cluster"] if args.redis_cluster else []) + (["g4"] if args.g4 else [])
     if args.only:
@@ -499,6 +499,7 @@ def _steps(args: argparse.Namespace, d: _Data, url: str, tmp: Path,
     """Each step of ``--only`` and what it measures."""
     from benchmarks.store_ack import bench_ack
     from benchmarks.store_cluster import bench_cluster, bench_g4
+    from benchmarks.store_lanes import bench_lanes
 
     return {
         "memory": lambda: bench_memory(d, args.repeats),
@@ -509,6 +510,8 @@ def _steps(args: argparse.Namespace, d: _Data, url: str, tmp: Path,
                                                      args.lookups)),
         # issue 10: puts acknowledged at G2 vs after the G3 fsync
         "ack": lambda: asyncio.run(bench_ack(d.arr, args.repeats, url, tmp)),
+        # one process's Puts at once: one staging segment against four lanes
+        "lanes": lambda: asyncio.run(bench_lanes(d.arr, args.repeats, url, tmp)),
         "mooncake": lambda: bench_mooncake(mooncake, d, args.repeats),
         "cluster": lambda: bench_cluster(args.redis_cluster, url, args.chain, args.lookups),
         "g4": lambda: bench_g4(args.g4, d.views, args.repeats),

@@ -13,7 +13,8 @@ KEYS = ("g2_put_gbps", "g2_get_gbps", "memcpy_gbps", "g3_write_gbps", "g3_read_g
         "raw_write_gbps", "raw_read_gbps", "redis_put_gbps", "redis_get_gbps",
         "lookup_p50_ms", "lookup_p99_ms", "grpc_gbps", "grpc_put_gbps", "shm_gbps",
         "shm_put_gbps", "verified_copy_gbps", "shm_get_vs_memcpy", "ack_g2_put_gbps",
-        "ack_durable_put_gbps", "ack_durable_vs_g2",
+        "ack_durable_put_gbps", "ack_durable_vs_g2", "lanes1_put_gbps", "lanes4_put_gbps",
+        "lanes4_vs_1",
         "plain_gbps", "plain_put_gbps", "tls_put_ratio", "tls_get_ratio")  # mTLS vs plain
 
 
