@@ -92,6 +92,9 @@ async def _checks(calls: list[asyncio.Future[prefill_pb2.KVHandle]],
                   svc: PrefillService) -> None:
     """While the engine thread is held: 24 refusals, 3 leavers, 3 queued."""
     await _until(lambda: svc.stats.refused_total == 24, "24 refusals")
+    # The server counts a refusal before its answer reaches the caller: wait for
+    # the callers to hold them (the last one's was still on its way once).
+    await _until(lambda: sum(c.done() for c in calls[6:]) == 24, "24 refusals answered")
     for i, c in enumerate(calls):
         if c.done() and i != 3:
             err = c.exception()
