@@ -34,6 +34,7 @@ from collections import defaultdict
 import torch
 
 from benchmarks.engine import _prompt, decode_limit_tok_s, mem_copy_gbps
+from benchmarks.harness import save_json
 from engine import triton_attention, triton_gemm
 from engine.config import EngineConfig
 from engine.runner import Engine
@@ -247,9 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, a.json)
 
 
 if __name__ == "__main__":

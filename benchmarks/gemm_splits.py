@@ -28,6 +28,7 @@ from benchmarks.engine import (
     decode_limit_tok_s,
     mem_copy_gbps,
 )
+from benchmarks.harness import save_json
 from engine import triton_gemm as tg
 from engine.config import EngineConfig
 from engine.runner import Engine
@@ -126,9 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             for k, val in row.items()))
     tg.PLANS.update(shipped[0])
     tg.SPLITS, tg.LOOP_ROWS = shipped[1], shipped[2]
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, a.json)
     print(json.dumps(res))
 
 

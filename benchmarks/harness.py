@@ -335,6 +335,14 @@ def output_flags(p: argparse.ArgumentParser, *, png: Sequence[str] = ("--png",),
                    + (f" (default {png_default}; '' = none)" if png_default else ""))
 
 
+def save_json(res: Mapping[str, Any], path: str) -> None:
+    """A device benchmark's results to ``path`` (none when empty), a private file."""
+    if path:
+        from security.secret_files import write_private
+
+        write_private(path, json.dumps(res, indent=1))
+
+
 def emit(report: Report, *, as_json: bool, png: str = "") -> None:
     if png and report.chart is not None:
         report.chart.save(png)

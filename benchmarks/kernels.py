@@ -19,7 +19,7 @@ import sys
 import torch
 
 from benchmarks.engine import bench_decode, bench_prefill, decode_limit_tok_s, mem_copy_gbps
-from benchmarks.harness import Chart, Report, Table, emit
+from benchmarks.harness import Chart, Report, Table, emit, save_json
 from engine.config import EngineConfig
 from engine.runner import Engine
 
@@ -83,9 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     ratios = {key: fo[key] / fb[key] for key in fb if fb[key] and "roofline" not in key}
     res[f"{other}_vs_{base}"] = ratios
     res["cost"] = 1 - min(ratios.values())
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, a.json)
     families = {k: res[k] for k in a.kernels}
     table = Table(("metric", *a.kernels, f"{other}/{base}"))
     for key in fb:

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.engine import _prompt
+from benchmarks.harness import save_json
 from engine import SamplingParams
 from engine.checks import check_prompt
 from engine.config import EngineConfig
@@ -186,9 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             "big_copy_us") if k in prof))
         for row in prof.get("by_kernel", []):          # type: ignore[union-attr]
             _log(f"  {row['name']:<60} {row['count']:>5} {row['us']:>10.1f} us")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, a.json)
     print(json.dumps(res))
 
 
