@@ -7,6 +7,7 @@ with the deployment secret, ``security.vllm_trust``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,21 @@ def role_security(role: str):  # type: ignore[no-untyped-def]
 
     tls, insecure = security()
     return SecurityConfig(insecure=True) if insecure else SecurityConfig(cert_dir=tls, role=role)
+
+
+@contextlib.asynccontextmanager
+async def vllm_router(redis_url: str) -> AsyncIterator[tuple[Any, str]]:
+    """A router (the router role's credentials) over the vLLM servers registered
+    in ``redis_url``: (router, its HTTP base URL), stopped after."""
+    from router.serve import RouterConfig, start_router
+
+    r = await start_router(RouterConfig(model="smollm2", grpc_port=0, http_port=0,
+                                        redis_url=redis_url, backend="vllm",
+                                        security=role_security("router")))
+    try:
+        yield r, f"http://127.0.0.1:{r.http_port}"
+    finally:
+        await r.stop(1.0)
 
 
 def operator_security():  # type: ignore[no-untyped-def]

@@ -19,9 +19,8 @@ import json
 import aiohttp
 import pytest
 
-from router.serve import RouterConfig, start_router
 from tests.connectors.conftest import two_servers_fit
-from tests.connectors.stack import role_security, router_keys, security, until_router_places
+from tests.connectors.stack import router_keys, security, until_router_places, vllm_router
 
 pytestmark = pytest.mark.timeout(1500)
 N = 4
@@ -53,45 +52,38 @@ def test_cache_aware_repeat_goes_to_the_instance_holding_the_prefix(vllm_stack, 
         pytest.skip("less than 5 GiB of memory available: two vLLM servers do not fit")
     a, _ = vllm_servers.get_many("vllm-a", "vllm-b")
     _, insecure = security()
-    sec = role_security("router")
     if not insecure:
         _refuses_clients_without_tls_or_key(a)
 
     async def body() -> None:
-        r = await start_router(RouterConfig(model="smollm2", grpc_port=0, http_port=0,
-                                            redis_url=vllm_stack.redis_url, backend="vllm",
-                                            security=sec))
-        base = f"http://127.0.0.1:{r.http_port}"
-        try:
-            async with aiohttp.ClientSession() as http:
-                async with http.get(base + "/health") as resp:
-                    assert resp.status == 200
-                    assert (await resp.json())["instances"]["prefill"] == 2
-                first = [await _ask(http, base, _messages(vllm_stack.run, i)) for i in range(N)]
-                placed = [w for w, _, _ in first]
-                assert set(placed) == {"vllm-a", "vllm-b"}, placed   # ties spread the cold ones
-                for i, (w, out, _) in enumerate(first):
-                    keys = router_keys(r, _messages(vllm_stack.run, i))
-                    await until_router_places(r, keys, w, 20.0)
-                    g1 = r.view.prefixes.match(keys)[w]
-                    assert g1.by_tier[0] >= len(keys) - 1      # G1: from the connector's events
-                    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-                for i, (w, out, _) in enumerate(first):
-                    again, out2, _ = await _ask(http, base, _messages(vllm_stack.run, i))
-                    assert again == w, f"repeat {i} went to {again}, prefix is on {w}"
-                    assert out2["choices"][0]["message"] == out["choices"][0]["message"]
-                    assert out2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-                where, last, text = await _ask(http, base, _messages(vllm_stack.run, 0),
-                                               stream=True)
-                assert where == placed[0]
-                assert text == first[0][1]["choices"][0]["message"]["content"]
-                assert last["usage"]["completion_tokens"] == 8
-                async with http.post(base + "/v1/chat/completions",
-                                     json={"model": "smollm2", "messages": []}) as resp:
-                    assert resp.status == 400
-                    assert (await resp.json())["error"]["type"] == "invalid_request_error"
-        finally:
-            await r.stop(1.0)
+        async with vllm_router(vllm_stack.redis_url) as (r, base), \
+                aiohttp.ClientSession() as http:
+            async with http.get(base + "/health") as resp:
+                assert resp.status == 200
+                assert (await resp.json())["instances"]["prefill"] == 2
+            first = [await _ask(http, base, _messages(vllm_stack.run, i)) for i in range(N)]
+            placed = [w for w, _, _ in first]
+            assert set(placed) == {"vllm-a", "vllm-b"}, placed   # ties spread the cold ones
+            for i, (w, out, _) in enumerate(first):
+                keys = router_keys(r, _messages(vllm_stack.run, i))
+                await until_router_places(r, keys, w, 20.0)
+                g1 = r.view.prefixes.match(keys)[w]
+                assert g1.by_tier[0] >= len(keys) - 1      # G1: from the connector's events
+                assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            for i, (w, out, _) in enumerate(first):
+                again, out2, _ = await _ask(http, base, _messages(vllm_stack.run, i))
+                assert again == w, f"repeat {i} went to {again}, prefix is on {w}"
+                assert out2["choices"][0]["message"] == out["choices"][0]["message"]
+                assert out2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            where, last, text = await _ask(http, base, _messages(vllm_stack.run, 0),
+                                           stream=True)
+            assert where == placed[0]
+            assert text == first[0][1]["choices"][0]["message"]["content"]
+            assert last["usage"]["completion_tokens"] == 8
+            async with http.post(base + "/v1/chat/completions",
+                                 json={"model": "smollm2", "messages": []}) as resp:
+                assert resp.status == 400
+                assert (await resp.json())["error"]["type"] == "invalid_request_error"
 
     asyncio.run(body())
 

@@ -14,9 +14,8 @@ import json
 import aiohttp
 import pytest
 
-from router.serve import RouterConfig, start_router
 from tests.connectors.conftest import two_servers_fit
-from tests.connectors.stack import role_security, router_keys, until_router_places
+from tests.connectors.stack import router_keys, until_router_places, vllm_router
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -40,7 +39,6 @@ def test_router_places_a_repeat_on_a_plain_vllm_from_its_own_events(vllm_stack, 
              for n in names]
     procs = [VLLMProcess(s, vllm_stack.root / f"{s.instance_id}.log").start() for s in specs]
     fp = vllm_fingerprint(vllm_stack.model_dir).hex()
-    sec = role_security("router")
 
     async def body() -> None:
         stop = asyncio.Event()
@@ -48,12 +46,9 @@ def test_router_places_a_repeat_on_a_plain_vllm_from_its_own_events(vllm_stack, 
             AttachConfig(url=s.base_url, instance_id=s.instance_id,
                          redis_url=vllm_stack.redis_url, model_fingerprint=fp,
                          kv_events=s.kv_events), s.security(), stop)) for s in specs]
-        r = await start_router(RouterConfig(model="smollm2", grpc_port=0, http_port=0,
-                                            redis_url=vllm_stack.redis_url, backend="vllm",
-                                            security=sec))
-        base = f"http://127.0.0.1:{r.http_port}"
         try:
-            async with aiohttp.ClientSession() as http:
+            async with vllm_router(vllm_stack.redis_url) as (r, base), \
+                    aiohttp.ClientSession() as http:
                 for _ in range(600):
                     async with http.get(base + "/health") as resp:
                         if (await resp.json())["instances"].get("prefill") == 2:
@@ -76,7 +71,6 @@ def test_router_places_a_repeat_on_a_plain_vllm_from_its_own_events(vllm_stack, 
                     assert out2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
                     assert out2["choices"][0]["message"] == out["choices"][0]["message"]
         finally:
-            await r.stop(1.0)
             stop.set()
             await asyncio.gather(*attach)
 
