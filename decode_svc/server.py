@@ -46,7 +46,7 @@ from decode_svc.kv_gate import NeverFits
 from decode_svc.prefix_hold import PrefixHold, PrefixHolds
 from decode_svc.pull import KVPuller
 from decode_svc.stopping import TextStream
-from engine.staging import DeviceBudget, PinnedChunks
+from engine.staging import DeviceBudget, HostCopy, PinnedChunks
 from kvstore.keys import chain_keys
 from kvstore.registry import LoadReport
 from kvstore.types import PutResult, RequestCtx
@@ -85,6 +85,7 @@ class DecodeStats:
     in_service: int = 0                  # Decode calls taken: pulling, waiting or decoding
     canonical_blocks_total: int = 0      # put into the warehouse after requests
     canonical_seconds_total: float = 0.0  # compute + put, added to the end of answers
+    canonical_engine_seconds_total: float = 0.0  # of it on the engine thread (steps wait)
     canonical_late_total: int = 0        # final events sent before their blocks were stored
     early_first_total: int = 0           # first events sent before the KV was here
     local_tails_total: int = 0           # prompts computed here with no prefill (short tails)
@@ -145,6 +146,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.writer = BlockWriter(self._put, retries=cfg.writer.retries,
                                   backoff_s=cfg.writer.backoff_s, max_queue=cfg.writer.max_queue)
         self.stats = DecodeStats()
+        # Device memory answer-end gathers may hold until their host copy (off the
+        # engine thread) is done: 16 llama-8b-shape answers of 512 tokens.
+        self._canon_budget = DeviceBudget(_CANONICAL_BYTES)
         self._ids = itertools.count()
         self._releases: set[asyncio.Task[None]] = set()
         self._service_s = 1.0            # running mean of a Decode call's length (retry-after)
@@ -571,12 +575,14 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                     if reused:
                         stored = max(stored, reused[0] // self.block_tokens)
                 try:
-                    first, blocks, keys = await self.thread.call(self._canonical,
-                                                                 done.seq_id, stored, ctx.tenant)
+                    first, copy, keys = await self.thread.call(self._canonical,
+                                                               done.seq_id, stored, ctx.tenant)
                 finally:
                     self.batcher.release_kv(done.seq_id)   # freed: the next one may join
-                if blocks.shape[0] == 0 or not self.store.enabled:
+                if copy is None:
                     return
+                # The copy to the host runs off the engine thread (the steps go on).
+                blocks = await asyncio.to_thread(copy.wait)
                 n = int(blocks.shape[0])
                 self.stats.canonical_blocks_total += n
                 await self.writer.write_now(keys[first:first + n], blocks,
@@ -610,27 +616,42 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         return len(keys) if res is None else res.matched_blocks
 
     def _canonical(self, seq_id: str, stored: int,
-                   tenant: str) -> tuple[int, torch.Tensor, list[bytes]]:
+                   tenant: str) -> tuple[int, HostCopy | None, list[bytes]]:
         """Engine thread: the canonical blocks of prompt + output (from block
-        ``stored`` on, when the warehouse lacks prompt blocks) and the chain keys
-        of all its full blocks, then free it, keeping those blocks in G1 under
-        them (the session's next turn pulls only what follows)."""
+        ``stored`` on, when the warehouse lacks prompt blocks) gathered on the
+        device, their copy to the host started (``HostCopy``: waited for by
+        the caller, off this thread), and the chain keys of all its full
+        blocks; then free it, keeping those blocks in G1 under them (the
+        session's next turn pulls only what follows). The gather is queued on
+        this thread's stream before anything that could reuse the blocks."""
+        t0 = time.perf_counter()
         keys: list[bytes] | None = None         # None: the prompt's keys (adopt)
         try:
             if not self.store.enabled:
-                return 0, torch.empty(0), []
-            first, blocks = self.engine.canonical_blocks(seq_id)
+                return 0, None, []
+            first, blocks = self.engine.canonical_blocks(seq_id, on_device=True)
             keys = chain_keys(self.engine.seq_tokens(seq_id), block_tokens=self.block_tokens,
                               tenant=tenant, fingerprint=self.engine.fingerprint,
                               secret=self.secret)
-            blocks = blocks.to("cpu")
             if stored < first:
                 # The prompt's blocks arrived from prefill's chunked path: canonical as held.
-                head = self.engine.export_blocks(seq_id, stored, first - stored).to("cpu")
-                first, blocks = stored, torch.cat([head, blocks])
-            return first, blocks, keys
+                head = self.engine.export_blocks(seq_id, stored, first - stored, on_device=True)
+                first, blocks = stored, torch.cat([head, blocks.to(head.device)])
+            if blocks.shape[0] == 0:
+                return first, None, keys
+            copy = HostCopy.start(blocks)
+            if blocks.device.type != "cpu":
+                if self._canon_budget.take(copy.nbytes):
+                    self._canon_budget.hold(blocks, copy.nbytes)
+                else:
+                    # Answers ending together (a batch started together ends together)
+                    # would each hold their gather on the device until copied: past the
+                    # budget, copy here as before.
+                    copy = HostCopy.start(copy.wait())
+            return first, copy, keys
         finally:
             self.engine.free(seq_id, keep_keys=keys)
+            self.stats.canonical_engine_seconds_total += time.perf_counter() - t0
 
     async def _put(self, job: WriteJob) -> PutResult:
         return await self.store.put(job.keys, job.blocks, layout=job.layout,
@@ -668,6 +689,7 @@ def _expert_load(cfg: DecodeConfig, mc: Any) -> ExpertLoad | None:
 # engine's pool: 2 GiB is 8 llama-8b-shape prompts of 2,048 tokens, plenty at
 # DMA speed; past it a pull lands on the host and its adopt uploads it.
 _UPLOAD_BYTES = 2 << 30
+_CANONICAL_BYTES = 1 << 30
 
 
 def _upload(engine: Any) -> Upload | None:

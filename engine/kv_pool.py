@@ -85,9 +85,14 @@ class KVStorage:
         kv = self.data.index_select(3, block_ids)                         # [L, 2, H, n, B, D]
         return kv.view(*kv.shape[:3], -1, kv.shape[-1])
 
-    def export(self, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def export(self, block_ids: torch.Tensor, out: torch.Tensor | None = None, *,
+               on_device: bool = False) -> torch.Tensor:
         """[n, L, 2, H, B, D]: one device-side gather; on CUDA then one
-        non_blocking copy into pinned host memory."""
+        non_blocking copy into pinned host memory. ``on_device``: the gather
+        alone, queued on the current stream and not waited for (the caller
+        copies it out elsewhere: engine.staging.HostCopy)."""
+        if on_device:
+            return self._blocks.index_select(0, block_ids)
         if self.device.type == "cuda":
             gathered = self._blocks.index_select(0, block_ids)
             if out is None:

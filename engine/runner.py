@@ -416,15 +416,18 @@ class Engine(PrefillSteps):
     # -------------------------------------------------------- blocks in/out
     @torch.no_grad()  # exported tensors are ordinary (inference tensors refuse in-place use)
     def export_blocks(self, seq_id: str, start_block: int = 0, n_blocks: int | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-        """Full blocks of the sequence as [n, layers, 2, kv_heads, B, head_dim]."""
+                      out: torch.Tensor | None = None, *, on_device: bool = False
+                      ) -> torch.Tensor:
+        """Full blocks of the sequence as [n, layers, 2, kv_heads, B, head_dim];
+        ``on_device``: a gather on the engine's device, queued and not waited for."""
         s = self._seq(seq_id)
         full = s.kv_len // self.config.block_tokens
         n = full - start_block if n_blocks is None else n_blocks
         if start_block < 0 or n < 0 or start_block + n > full:
             raise EngineInputError(f"blocks [{start_block}, {start_block + n}) out of range: "
                                    f"sequence {seq_id!r} has {full} full blocks")
-        return self.storage.export(s.table[start_block: start_block + n], out)
+        return self.storage.export(s.table[start_block: start_block + n], out,
+                                   on_device=on_device)
 
     @torch.no_grad()
     def export_tokens(self, seq_id: str, start: int, end: int, *,
@@ -512,11 +515,14 @@ class Engine(PrefillSteps):
             sampler=sampler, keys=list(block_keys or ()))
 
     @torch.no_grad()
-    def canonical_blocks(self, seq_id: str) -> tuple[int, torch.Tensor]:
+    def canonical_blocks(self, seq_id: str, *, on_device: bool = False
+                         ) -> tuple[int, torch.Tensor]:
         """(first block index, blocks) for the full blocks after the prompt's
         last chunk boundary, up to the sequence's last chunk boundary (with the
         default chunk == block: every full block), recomputed through the
-        prefill path: exactly the KV a cold chunked prefill of these tokens gives."""
+        prefill path: exactly the KV a cold chunked prefill of these tokens gives.
+        ``on_device``: the blocks gathered on the engine's device and not waited
+        for (``export_blocks``), so the caller's thread need not wait for the copy."""
         s = self._seq(seq_id)
         B, C = self.config.block_tokens, self._canon_unit
         # Only whole chunks are canonical: a partial chunk's row count depends
@@ -529,13 +535,13 @@ class Engine(PrefillSteps):
         if self.invariant:
             # Decode wrote these blocks with the same per-row arithmetic as a cold
             # prefill: they are canonical as they are.
-            return first, self.storage.export(s.table[first:last])
+            return first, self.storage.export(s.table[first:last], on_device=on_device)
         s.shadow = self.blocks.allocate(last - first)
         table = torch.tensor(s.blocks[:first] + s.shadow, dtype=torch.int64,
                              device=self.device)
         mirror = self._mirror(table, first * B, last * B)
         self._run_chunks(s, first * B, last * B, all_logits=False, table=table, mirror=mirror)
-        return first, self.storage.export(table[first:])
+        return first, self.storage.export(table[first:], on_device=on_device)
 
     def free(self, seq_id: str, keep_keys: Seq[bytes] | None = None) -> None:
         """Release the sequence; its canonical full blocks stay in G1 under

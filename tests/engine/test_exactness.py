@@ -158,6 +158,26 @@ def test_canonical_blocks_equal_cold_prefill(model: str) -> None:
     eng.free("s")
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-hybrid"])
+def test_canonical_blocks_on_device_are_the_same_blocks(model: str, kernels: str) -> None:
+    """Decode's answer-end export gathers on the device and copies to the host
+    off the engine thread (``on_device``): the same blocks as the host export,
+    whether the kernels keep them as decoded or recompute them."""
+    engines = [make_engine(model, kernels=kernels), make_engine(model, kernels=kernels)]
+    prompt = random_prompts(1, 41, 41, 256, seed=5)[0]
+    got = []
+    for eng, on_device in zip(engines, (False, True), strict=True):
+        eng.prefill("s", prompt, sampling=SamplingParams(max_tokens=40, ignore_eos=True))
+        for _ in range(39):
+            eng.decode_step(["s"])
+        got.append(eng.canonical_blocks("s", on_device=on_device))
+        eng.free("s")
+    (f0, host), (f1, dev) = got
+    assert f0 == f1 and dev.shape[0] == host.shape[0] > 0
+    assert torch.equal(dev.cpu(), host)
+
+
 def test_g1_prefix_cache_reuse_and_lru() -> None:
     eng = make_engine("tiny-dense", num_blocks=24)
     B = eng.config.block_tokens

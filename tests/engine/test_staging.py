@@ -161,3 +161,36 @@ def test_a_graph_capture_waits_for_copies_and_holds_new_ones_back() -> None:
     for t in threads:
         t.join(5)
     assert seen == ["copy done", "capture", "capture done", "later copy"]
+
+
+def test_host_copy_gives_the_tensor_on_the_host_once() -> None:
+    """CPU: the gathered blocks are already on the host; ``wait`` hands them
+    over once (a second wait is a caller's bug, not a silent empty copy)."""
+    from engine.staging import HostCopy
+
+    st = _storage()
+    want = st.export(torch.tensor([4, 1, 7]))
+    got = HostCopy.start(st.export(torch.tensor([4, 1, 7]), on_device=True))
+    assert got.nbytes == want.numel() * want.element_size()
+    assert torch.equal(got.wait(), want)
+    with pytest.raises(RuntimeError, match="twice"):
+        got.wait()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_copy_on_cuda_waits_for_the_gather_not_the_engine_thread() -> None:
+    """The copy is ordered after the gather queued on the engine's stream (the
+    pool is overwritten right after: the copy must still see the old bytes)
+    and lands in pinned memory."""
+    from engine.staging import HostCopy
+
+    lay = KVLayout(layers=4, kv_heads=2, block_tokens=16, head_dim=64, dtype="bfloat16")
+    st = KVStorage(lay, num_blocks=64, device=torch.device("cuda"))
+    st.data.copy_(torch.randn(st.data.shape, device="cuda"))
+    ids = torch.tensor([5, 0, 63, 9], device="cuda")
+    want = st.export(ids).clone()
+    copy = HostCopy.start(st.export(ids, on_device=True))
+    st.data.zero_()                     # queued after the gather on the same stream
+    out = copy.wait()
+    assert out.is_pinned() and torch.equal(out, want)
