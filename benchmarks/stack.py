@@ -126,8 +126,9 @@ def _phase(args: argparse.Namespace, out: Path, doc: dict[str, Any], tool: ap.AI
     # Where the time went: every service's time and byte counters over the phase.
     doc.setdefault("breakdown", {})[phase.name] = {
         role: {k: round(v, 4) for k, v in sorted(d.items())
-               if v and k.endswith(("_sum", "_count", "seconds_total", "bytes_total",
-                                    "tokens_total", "_s_total"))}
+               if v and (k.endswith(("_sum", "_count", "seconds_total", "bytes_total",
+                                     "tokens_total", "_s_total"))
+                         or k.startswith("kvserve_decode_batch_forward_seconds_bucket:"))}
         for role, d in delta.items()}
     steps = step_breakdown(delta["decode"])
     if steps:
@@ -275,9 +276,11 @@ def _scrape(stack: dict[str, Any]) -> dict[str, dict[str, float]]:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 into[s.name] = into.get(s.name, 0.0) + s.value
-                if "kind" in s.labels:      # e.g. how pulls came: ipc / shm / stream
-                    k = f"{s.name}:{s.labels['kind']}"
-                    into[k] = into.get(k, 0.0) + s.value
+                # e.g. how pulls came (kind: ipc / shm / stream), a histogram's buckets (le)
+                for label in ("kind", "le"):
+                    if label in s.labels:
+                        k = f"{s.name}:{s.labels[label]}"
+                        into[k] = into.get(k, 0.0) + s.value
     return out
 
 
@@ -324,7 +327,8 @@ def _report(doc: dict[str, Any], out: Path) -> Report:
         table.add("effective prefill tok/s", pf["effective_prefill_tps"], pf["limit_tps"],
                   pf["vs_limit"], f"{pf['prompt_tokens']:,.0f} prompt tokens, "
                   f"{100 * pf['cached_fraction']:.1f} % cached "
-                  f"({pf['warehouse_tokens']:,.0f} from G2), TTFT p50 {pf['ttft_p50_s']:.3f} s")
+                  f"({pf['warehouse_tokens']:,.0f} from G2), TTFT p50 {pf['ttft_p50_s']:.3f} s, "
+                  f"prefill busy {pf['prefill_busy_fraction']:.2f} of the phase")
     if df:
         table.add(f"decode tok/s, batch {df['mean_batch']:.1f}", df["decode_tps"],
                   df["roofline_tps"], df["vs_roofline"],
@@ -333,6 +337,7 @@ def _report(doc: dict[str, Any], out: Path) -> Report:
     step = "; ".join(
         f"{ph} phase: decode step {b['step_ms']:.1f} ms = " + ", ".join(
             f"{part} {b[f'step_{part}_ms']:.1f}" for part in (*STEP_PARTS, "loop"))
+        + f" (of the wait, other engine jobs {b.get('step_wait_jobs_ms', 0):.1f})"
         for ph, b in doc.get("decode_steps", {}).items())
     notes = [f"{doc.get('stack_ready_s', 0):.0f} s to a ready stack (limits included), "
              f"{doc['wall_s']:.0f} s in all; errors {errors}", *doc["problems"],

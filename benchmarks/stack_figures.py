@@ -64,7 +64,11 @@ def prefill_figures(records: Sequence[Record], limits: Limits,
     eff = prompt / span if span > 0 else 0.0
     limit = prompt / limit_s if limit_s > 0 else 0.0
     pull_s = counter(decode, "_pull_seconds_total")
+    # How much of the phase prefill computed: below 1 the figure is bound by the
+    # offered load (turns waiting for their previous answers), not by prefill.
+    busy_s = counter(prefill, "_step_seconds_total")
     return {"requests": float(len(records)), "errors": float(len(records) - len(ok)),
+            "prefill_busy_s": busy_s, "prefill_busy_fraction": busy_s / span if span else 0.0,
             "prompt_tokens": float(prompt), "cached_tokens": float(cached),
             "cached_fraction": cached / prompt if prompt else 0.0,
             "g1_tokens": counter(prefill, "_g1_tokens_total"),
@@ -119,4 +123,21 @@ def step_breakdown(decode: Mapping[str, float]) -> dict[str, float]:
     for part in STEP_PARTS:
         out[f"step_{part}_ms"] = counter(decode, f"_batch_step_{part}_seconds_total") / steps * 1e3
     out["step_loop_ms"] = out["step_ms"] - sum(out[f"step_{p}_ms"] for p in STEP_PARTS)
+    # Of the wait: other engine jobs (adopts, canonical exports); the rest is the hop.
+    out["step_wait_jobs_ms"] = counter(decode, "_batch_step_wait_jobs_seconds_total") / steps * 1e3
+    for q in (10, 50, 90):
+        if (v := bucket_quantile(decode, "_batch_forward_seconds_bucket", q)) is not None:
+            out[f"step_forward_p{q}_ms"] = v * 1e3
     return out
+
+
+def bucket_quantile(delta: Mapping[str, float], suffix: str, q: float) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` (percent) of a
+    histogram whose cumulative buckets are ``<name><suffix>:<le>`` (as
+    benchmarks.stack scrapes them); None with no observations."""
+    cum = sorted((float(k.rsplit(":", 1)[1]), v) for k, v in delta.items()
+                 if k.rsplit(":", 1)[0].endswith(suffix))
+    if not cum or cum[-1][1] <= 0:
+        return None
+    want = cum[-1][1] * q / 100
+    return next(le for le, n in cum if n >= want)

@@ -65,6 +65,8 @@ class Finished:
 
 
 FinishHook = Callable[[Finished], Awaitable[None]]
+FORWARD_BUCKETS = (0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.010, 0.012,
+                   0.014, 0.016, 0.020, 0.025, 0.030, 0.040, 0.060, 0.100, 0.250)
 StepHook = Callable[[], None]       # runs on the engine thread right after each step
 
 
@@ -81,6 +83,7 @@ class _Parts:
     """Where one step's time went, measured on the engine thread."""
 
     wait_s: float = 0.0             # from the loop's call until the job started
+    wait_jobs_s: float = 0.0        # of it, other engine jobs running (the rest: the hop)
     forward_s: float = 0.0
     sample_s: float = 0.0
     read_s: float = 0.0
@@ -117,8 +120,13 @@ class BatcherStats:
     # is left of step_seconds after the parts is the event loop's and the thread hops'.
     step_seconds: Hist = field(default_factory=Hist)
     step_rows_total: int = 0                # rows stepped (mean batch: / steps_total)
+    # The forwards one by one, in ms-wide buckets: a mean can hide that some steps
+    # ran beside another process's kernels on a shared GPU (prefill's) and some not.
+    forward_seconds: Hist = field(default_factory=lambda: Hist(FORWARD_BUCKETS))
     step_wait_seconds_total: float = 0.0    # queued behind other engine jobs (adopt, free,
-    #                                         canonical blocks, restores)
+    #                                         canonical blocks, restores) and the thread hop
+    step_wait_jobs_seconds_total: float = 0.0  # of it, other jobs' run time (the rest: the
+    #                                         hop and the GIL, e.g. a busy event loop)
     step_forward_seconds_total: float = 0.0  # the forwards (device time on CUDA)
     step_sample_seconds_total: float = 0.0  # the rest of decode_step: inputs, sampling, copies
     step_read_seconds_total: float = 0.0    # each sequence's text and finish verdict
@@ -273,13 +281,17 @@ class Batcher:
             return None
         return self._read(seq_id, self._engine.seq_tokens(seq_id)[-1])
 
-    def _step(self, seq_ids: list[str], building: list[str], t_call: float
+    def _step(self, seq_ids: list[str], building: list[str], t_call: float, busy_call: float
               ) -> tuple[dict[str, _Out], dict[str, _Out] | Exception, _Parts]:
         """One decode step, then one chunk of each building prompt; -> the decode
         outputs, the first tokens of the prompts completed (or the chunk's error),
-        and where the time went."""
+        and where the time went. ``busy_call``: the engine thread's busy seconds
+        at ``t_call``; what they grew by before this job started is other jobs'
+        time (a job already running at ``t_call`` counts whole, so at most the wait)."""
         t0 = time.perf_counter()
-        parts = _Parts(wait_s=t0 - t_call)
+        wait = t0 - t_call
+        parts = _Parts(wait_s=wait,
+                       wait_jobs_s=min(wait, max(0.0, self._thread.busy_s - busy_call)))
         outs: dict[str, _Out] = {}
         if seq_ids:
             tokens = self._engine.decode_step(seq_ids)
@@ -357,7 +369,8 @@ class Batcher:
             self._update_gauges()
             t_call = time.perf_counter()
             try:
-                outs, firsts, parts = await self._thread.call(self._step, ids, building, t_call)
+                outs, firsts, parts = await self._thread.call(self._step, ids, building, t_call,
+                                                              self._thread.busy_s)
             except Exception:  # fail the batch's sequences, keep serving
                 log.exception("decode step failed for %d sequences", len(ids))
                 self._fail(ids)
@@ -388,7 +401,9 @@ class Batcher:
         st.step_rows_total += rows
         st.step_seconds.observe(step_s)
         st.step_wait_seconds_total += p.wait_s
+        st.step_wait_jobs_seconds_total += p.wait_jobs_s
         st.step_forward_seconds_total += p.forward_s
+        st.forward_seconds.observe(p.forward_s)
         st.step_sample_seconds_total += p.sample_s
         st.step_read_seconds_total += p.read_s
         st.step_chunk_seconds_total += p.chunk_s

@@ -81,6 +81,8 @@ class PrefillStats:
     queue_wait_s_total: float = 0.0         # their time from arrival to admission
     steps_total: int = 0                    # engine steps (one forward with bik)
     step_tokens_total: int = 0              # prompt tokens computed by them
+    step_seconds_total: float = 0.0         # their time on the engine thread (waits for the
+                                            # device included where a step samples): busy
     chunks_total: int = 0                   # prompt chunks computed (one per prompt per step)
     stopped_total: int = 0                  # prompts ended early: their caller went away
     rewarmed_total: int = 0                 # fetches planned again: G1 lost blocks meanwhile

@@ -331,6 +331,7 @@ class StepLoop:
                       len(out.done), s.queue)
             self._stats.steps_total += 1
             self._stats.step_tokens_total += out.tokens
+            self._stats.step_seconds_total += out.seconds
             s.tokens_per_s = self._observe(out.tokens, out.seconds)
         self._gauges()
 

@@ -83,7 +83,8 @@ def test_records_and_prefill_figures() -> None:
     lim = _limits()
     prefill = {"kvserve_prefill_prefill_warehouse_tokens_total": 7936.0,
                "kvserve_prefill_prefill_g1_tokens_total": 0.0,
-               "kvserve_prefill_prefill_computed_tokens_total": 8128.0}
+               "kvserve_prefill_prefill_computed_tokens_total": 8128.0,
+               "kvserve_prefill_prefill_step_seconds_total": 0.42}
     decode = {"kvserve_decode_decode_pull_bytes_total": 4e9,
               "kvserve_decode_decode_pull_seconds_total": 2.0}
     f = prefill_figures(recs, lim, prefill, decode)
@@ -96,6 +97,9 @@ def test_records_and_prefill_figures() -> None:
     assert f["limit_pcie_s"] == pytest.approx(pcie)
     assert f["vs_limit"] == pytest.approx((16064 / 1.05) / (16064 / (compute + pcie)))
     assert f["decode_pull_gbps"] == pytest.approx(2.0)
+    # Prefill computed 0.42 s of the 1.05-s phase: the figure is not prefill-bound.
+    assert f["prefill_busy_s"] == pytest.approx(0.42)
+    assert f["prefill_busy_fraction"] == pytest.approx(0.42 / 1.05)
 
 
 def test_decode_figures_use_the_batch_the_server_ran() -> None:
@@ -148,8 +152,17 @@ def test_decode_step_breakdown_from_the_batchers_counters() -> None:
     delta = {f"{p}step_seconds_sum": 4.0, f"{p}step_seconds_count": 10.0,
              f"{p}step_wait_seconds_total": 0.5, f"{p}step_forward_seconds_total": 0.1,
              f"{p}step_sample_seconds_total": 3.0, f"{p}step_read_seconds_total": 0.2,
-             f"{p}step_chunk_seconds_total": 0.05}
+             f"{p}step_chunk_seconds_total": 0.05, f"{p}step_wait_jobs_seconds_total": 0.3}
     b = step_breakdown(delta)
+    assert b["step_wait_jobs_ms"] == pytest.approx(30.0)       # of the wait, not beside it
+    assert "step_forward_p50_ms" not in b                      # no buckets scraped
+    # The forwards' buckets (cumulative, as scraped with their le label): 6 of 10
+    # at most 7 ms, 9 at most 12 ms, one past it: p50 in the 7-ms bucket, p90 12 ms.
+    h = f"{p}forward_seconds_bucket"
+    delta |= {f"{h}:0.006": 2.0, f"{h}:0.007": 6.0, f"{h}:0.012": 9.0, f"{h}:+Inf": 10.0}
+    b = step_breakdown(delta)
+    assert (b["step_forward_p10_ms"], b["step_forward_p50_ms"]) == pytest.approx((6.0, 7.0))
+    assert b["step_forward_p90_ms"] == pytest.approx(12.0)
     assert b["step_ms"] == pytest.approx(400.0) and b["step_sample_ms"] == pytest.approx(300.0)
     assert b["step_loop_ms"] == pytest.approx(400.0 - 50 - 10 - 300 - 20 - 5)
     assert step_breakdown({}) == {}

@@ -138,6 +138,9 @@ def test_concurrent_prompts_share_steps_and_answer_as_alone(policy: str) -> None
             # thread was held, when only the first arrivals had warmed up).
             assert st.steps_total <= -(-st.step_tokens_total // 64) + 1
             assert st.chunks_total > st.steps_total
+            # The steps' time (the stack's prefill busy fraction): there, and at most
+            # the engine thread's own busy time.
+            assert 0 < st.step_seconds_total <= svc.steps._thread.busy_s
 
     asyncio.run(asyncio.wait_for(body(), 120))
 
