@@ -135,8 +135,9 @@ def bucket_quantile(delta: Mapping[str, float], suffix: str, q: float) -> float 
     """The upper bound of the bucket holding quantile ``q`` (percent) of a
     histogram whose cumulative buckets are ``<name><suffix>:<le>`` (as
     benchmarks.stack scrapes them); None with no observations."""
+    # The scrape also keeps each sample summed over its labels, under the bare name.
     cum = sorted((float(k.rsplit(":", 1)[1]), v) for k, v in delta.items()
-                 if k.rsplit(":", 1)[0].endswith(suffix))
+                 if ":" in k and k.rsplit(":", 1)[0].endswith(suffix))
     if not cum or cum[-1][1] <= 0:
         return None
     want = cum[-1][1] * q / 100

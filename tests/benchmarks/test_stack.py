@@ -159,7 +159,8 @@ def test_decode_step_breakdown_from_the_batchers_counters() -> None:
     # The forwards' buckets (cumulative, as scraped with their le label): 6 of 10
     # at most 7 ms, 9 at most 12 ms, one past it: p50 in the 7-ms bucket, p90 12 ms.
     h = f"{p}forward_seconds_bucket"
-    delta |= {f"{h}:0.006": 2.0, f"{h}:0.007": 6.0, f"{h}:0.012": 9.0, f"{h}:+Inf": 10.0}
+    delta |= {f"{h}:0.006": 2.0, f"{h}:0.007": 6.0, f"{h}:0.012": 9.0, f"{h}:+Inf": 10.0,
+              h: 27.0}      # the scrape's sum over every bucket, under the bare name
     b = step_breakdown(delta)
     assert (b["step_forward_p10_ms"], b["step_forward_p50_ms"]) == pytest.approx((6.0, 7.0))
     assert b["step_forward_p90_ms"] == pytest.approx(12.0)
