@@ -383,7 +383,7 @@ class Engine(PrefillSteps):
         gen, p = s.generated, s.sampling
         if not p.ignore_eos and gen and gen[-1] in self.tokenizer.eos_token_ids:
             return "stop"
-        if p.stop and any(x in self.tokenizer.decode(gen) for x in p.stop):
+        if p.stop and any(x in self._text(s, gen) for x in p.stop):
             return "stop"
         if len(gen) >= p.max_tokens or s.kv_len >= self.model_config.max_position:
             return "length"
@@ -394,9 +394,26 @@ class Engine(PrefillSteps):
         gen = s.generated
         if gen and gen[-1] in self.tokenizer.eos_token_ids and not s.sampling.ignore_eos:
             gen = gen[:-1]
-        text = self.tokenizer.decode(gen)
+        text = self._text(s, gen)
         cuts = [text.find(x) for x in s.sampling.stop if x in text]
         return text[: min(cuts)] if cuts else text
+
+    def _text(self, s: Sequence, ids: list[int]) -> str:
+        """``tokenizer.decode(ids)`` for ids that begin with ``s.generated``'s
+        first tokens, decoding only what follows the text kept from earlier
+        calls (``Tokenizer.stable_prefix``). Decoding the whole completion again
+        each step was 2-2.5 ms of every decode step at batch 28-38 on the H200
+        stack (the step's ``read``; docs/benchmarks-history.md, run 15)."""
+        k, head = s.text_cache
+        if k > len(ids):                    # never, while tokens only grow; stay exact
+            k, head = 0, ""
+        tail = ids[k:]
+        j = self.tokenizer.stable_prefix(tail)
+        if j:
+            head += self.tokenizer.decode(tail[:j])
+            s.text_cache = (k + j, head)
+            tail = tail[j:]
+        return head + self.tokenizer.decode(tail)
 
     def generate(self, tokens: Seq[int], sampling: SamplingParams = GREEDY,
                  restored: torch.Tensor | None = None,

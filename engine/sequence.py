@@ -96,6 +96,9 @@ class Sequence:
     prefill: PrefillState | None = None
     # Chain keys of its leading full blocks, kept in G1 on a free given no keys.
     keys: list[bytes] = field(default_factory=list)
+    # (n, text): the first n generated tokens decode to text whatever follows
+    # (Tokenizer.stable_prefix), so a step decodes only the tokens after them.
+    text_cache: tuple[int, str] = (0, "")
 
     @property
     def generated(self) -> list[int]:

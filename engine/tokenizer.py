@@ -45,6 +45,13 @@ class Tokenizer(ABC):
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> list[int]: ...
 
+    def stable_prefix(self, ids: Sequence[int]) -> int:
+        """A length j <= len(ids) such that for every continuation c,
+        ``decode(ids + c) == decode(ids[:j]) + decode(ids[j:] + c)``: the text
+        of the first j ids never changes again, so a caller may keep it and
+        decode only what follows. 0 (the default): no such promise."""
+        return 0
+
     def min_tokens(self, n_chars: int) -> int:
         """A lower bound on the tokens of ``n_chars`` characters of plain text
         (each character is at least one UTF-8 byte): a cheap too-long check."""
@@ -194,6 +201,16 @@ class ByteTokenizer(Tokenizer):
             elif i >= BYTE_VOCAB:
                 out.append(self._LETTERS[i % len(self._LETTERS)])
         return out.decode("utf-8", errors="replace")
+
+    def stable_prefix(self, ids: Sequence[int]) -> int:
+        """Up to the last id that starts a character: each id is one byte (or
+        none), and UTF-8 decoding, replacement included, restarts at every
+        byte that is not a continuation byte (0x80-0xBF)."""
+        for j in range(len(ids) - 1, -1, -1):
+            i = ids[j]
+            if i >= BYTE_VOCAB or 0 <= i < 0x80 or 0xC0 <= i < 256:
+                return j
+        return 0
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> list[int]:

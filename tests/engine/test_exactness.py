@@ -412,3 +412,25 @@ def test_a_next_turn_adopted_on_decodes_own_g1_prefix_is_exact(model: str) -> No
     dec.unpin(held)
     assert all(dec.blocks.ref_count(b) == 0 for b in held)
     assert dec.free_blocks == dec.blocks.num_blocks        # cached, idle: all allocatable
+
+
+@pytest.mark.parametrize("stop", [(), ("zz",)])
+def test_completion_text_decodes_only_the_new_tokens_and_stays_exact(stop: tuple[str, ...]
+                                                                      ) -> None:
+    """The text a step reads is the whole completion decoded, step after step,
+    though only the tokens after the kept prefix are decoded again (the step's
+    ``read`` was 2-2.5 ms at batch 28-38 on the H200 stack)."""
+    eng = make_engine("tiny-dense")
+    sp = SamplingParams(max_tokens=300, ignore_eos=True, temperature=1.0, seed=3, stop=stop)
+    eng.prefill("s", random_prompts(1, 20, 20, 256, seed=2)[0], sampling=sp)
+    for _ in range(200):
+        gen = eng.seq_tokens("s")[20:]
+        full = eng.tokenizer.decode(gen)
+        cut = [full.find(x) for x in stop if x in full]
+        assert eng.completion_text("s") == (full[:min(cut)] if cut else full)
+        if eng.finish_reason("s"):
+            break
+        eng.decode_step(["s"])
+    kept, _ = eng._seq("s").text_cache
+    assert kept > 100                       # most of the completion is decoded once
+    eng.free("s")
