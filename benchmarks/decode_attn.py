@@ -124,6 +124,19 @@ def main(argv: list[str] | None = None) -> None:
             res[f"b{b}_ctx{ctx}"] = case
             all_same &= all(bool(r["same_bits"]) for r in case.values())
             save_json(res, a.json)
+    res["all_same_bits"] = all_same
+    key = f"b64_ctx{a.ctx[0]}"
+    if key in res and all_same:
+        case = res[key]
+        assert isinstance(case, dict)
+        best = min(case, key=lambda k: case[k]["us"])
+        res["best_b64"] = best.split("p")[0]
+        _log(f"fastest at b64 ctx {a.ctx[0]}: {best} ({case[best]['us']:.1f} us)")
+        if a.best:
+            from security.secret_files import write_private
+
+            write_private(a.best, str(res["best_b64"]))
+    save_json(res, a.json)
     for ctx in a.ctx:                               # last: an illegal address ends the rest
         if 64 in a.batches and a.risky:
             try:
@@ -134,17 +147,6 @@ def main(argv: list[str] | None = None) -> None:
                 break
             res[f"b64_ctx{ctx}_risky"] = case
             save_json(res, a.json)
-    res["all_same_bits"] = all_same
-    key = f"b64_ctx{a.ctx[0]}"
-    if key in res and all_same:
-        case = res[key]
-        assert isinstance(case, dict)
-        best = min(case, key=lambda k: case[k]["us"])
-        res["best_b64"] = best.split("p")[0]
-        _log(f"fastest at b64 ctx {a.ctx[0]}: {best} ({case[best]['us']:.1f} us)")
-        if a.best:
-            with open(a.best, "w") as f:
-                f.write(str(res["best_b64"]))
     save_json(res, a.json)
 
 
