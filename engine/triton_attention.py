@@ -87,15 +87,16 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True, slots=True)
 class DecodeSchedule:
     """How a decode program loads and pipelines its key tiles; never what it
-    computes (every schedule gives the same bits, tests/engine/test_gpu_invariant.py
-    and ``benchmarks.decode_attn`` check it). ``loop``: 0 ``_split_tiles``
-    (a masked and an unmasked loop a split), 1 one masked loop, 2 one masked
-    loop with each tile's pool slots read one tile ahead (``_tiles_ahead``);
+    computes (every schedule gives the same bits: tests/engine/test_gpu_interpreted.py
+    and ``benchmarks.decode_attn`` check it). ``loop``: 0 ``_split_tiles`` (a
+    masked and an unmasked loop a split), 1 one masked loop, 2 one masked loop
+    with each tile's pool slots read a tile ahead (``_tiles_ahead``);
     ``stages``: Triton's pipeline stages; ``warps``; ``maxnreg``: a register
-    cap (0: none). Written ``l2s3w4`` (``r128`` appended for a cap)."""
+    cap (0: none). Written ``l0s2w4`` (``r128`` appended for a cap). The
+    defaults are the shipped decode program's."""
 
-    loop: int = 2
-    stages: int = 3
+    loop: int = 0
+    stages: int = 2
     warps: int = 4
     maxnreg: int = 0
 
@@ -112,19 +113,22 @@ class DecodeSchedule:
     def parse(cls, spec: str) -> DecodeSchedule:
         m = re.fullmatch(r"l(\d)s(\d)w(\d)(?:r(\d+))?", spec)
         if m is None:
-            raise ValueError(f"decode schedule {spec!r} is not like l2s3w4 or l0s1w4r128")
+            raise ValueError(f"decode schedule {spec!r} is not like l0s2w4 or l0s1w4r128")
         return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 0))
 
 
-# main's schedule before _tiles_ahead (comparisons only): K/V one stage ahead,
-# each next tile's copies issued after this tile's dots
-MAIN_DECODE = DecodeSchedule(loop=0, stages=2)
-# Three stages of the slots-ahead loop: the pipeliner keeps K/V two tiles ahead
-# (three 32 KB buffers, 104 KB of shared memory: two programs an SM) and waits
-# for the oldest only, so a program's copies overlap its arithmetic (read in
-# the TTGIR that Triton 3.6 builds for sm_90 offline: engine/triton_static.py).
-# KVSERVE_DECODE_ATTN=<spec> picks another (measurements).
-DECODE = DecodeSchedule.parse(os.environ.get("KVSERVE_DECODE_ATTN", "l2s3w4"))
+# The slots-ahead loop at three stages: Triton keeps K/V two tiles ahead (three
+# 32 KB buffers, 104 KB of shared memory: two programs an SM) and waits for the
+# oldest only, so a program's copies overlap its arithmetic (read in the TTGIR
+# Triton 3.6 builds for sm_90: engine/triton_static.py). On the H200 at b64
+# (benchmarks.decode_attn, 2026-12-03): 138.9 against 175.1 us a layer at
+# 2,064 keys (3.90 against 3.09 TB/s), but 55.1 against 35.9 at 272 keys (two
+# waves of two programs an SM where the shipped one fits 1.3 waves of three).
+# Not shipped: slower at the benchmark's 256-key contexts.
+AHEAD_DECODE = DecodeSchedule(loop=2, stages=3)
+# Shipped: DecodeSchedule() (the K/V copies one stage ahead, each issued after
+# the tile before's dots). KVSERVE_DECODE_ATTN=<spec> picks another (measurements).
+DECODE = DecodeSchedule.parse(os.environ.get("KVSERVE_DECODE_ATTN", str(DecodeSchedule())))
 
 
 def _prec(dtype: torch.dtype) -> str:

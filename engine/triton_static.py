@@ -169,7 +169,7 @@ def attention_builds(dtype: str = "bf16", dim: int = 128, group: int = 4) -> lis
                                  f"s{stages}", b))
         ops[f"prefill s{stages}"] = reduce_ops(str(b["ttgir"]))
     for label, parts in (("decode", 1), ("decode-split", 4)):
-        for sch in (ta.MAIN_DECODE, ta.DECODE):
+        for sch in (ta.DECODE, ta.AHEAD_DECODE):
             b = compile_offline(ta._decode_kernel, {
                 **common, "ACC": "*fp32", "ML": "*fp32", "s_ab": 4 * 32 * dim, "s_ap": 32 * dim,
                 "s_ah": dim, "s_mb": 4 * 32 * 2, "s_mp": 32 * 2, "s_mh": 2}, {

@@ -172,9 +172,9 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -
 
 def check_attention() -> None:
     from engine.triton_attention import (
+        AHEAD_DECODE,
         DECODE,
         KEY_TILE,
-        MAIN_DECODE,
         AttnSegment,
         DecodeSchedule,
         InvariantAttention,
@@ -222,7 +222,7 @@ def check_attention() -> None:
         # rows; every decode schedule (loop form, stages, warps) gives the same
         # rows (the shipped one at every share count, the others at 1 and 3)
         at = [*rng.sample(range(t), 6), t - 1, 0]
-        for sch, counts in ((DECODE, (1, 2, 3, 5)), (MAIN_DECODE, (1, 3)),
+        for sch, counts in ((DECODE, (1, 2, 3, 5)), (AHEAD_DECODE, (1, 3)),
                             (DecodeSchedule(1, 2), (1, 3))):
             for n_parts in counts:
                 out = torch.full((len(at), heads * dim), float("nan"), dtype=torch.float16)
