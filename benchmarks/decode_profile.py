@@ -13,9 +13,10 @@ per kernel, and the gaps between kernels inside the graph.
 A mode is ``plain`` or ``+``-joined parts: ``pdl`` (dependent launches),
 ``nBMxBNsSkK`` (``triton_gemm.NARROW_64``, the 33-64-row plan of narrow
 outputs: tile, stages, K per stage), ``asN`` (decode attention pipeline
-stages); ``@B`` at the end runs it at batch B only. Plans and stages only
-schedule the same arithmetic: the bit checks say whether that held. Issue 21,
-docs/BENCHMARKS.md.
+stages), ``l2s3w4`` (a decode attention schedule,
+``triton_attention.DecodeSchedule``); ``@B`` at the end runs it at batch B
+only. Plans, stages and schedules only schedule the same arithmetic: the bit
+checks say whether that held. Issue 21, docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
@@ -45,7 +47,7 @@ def _log(msg: str) -> None:
 
 
 SHIPPED_N64 = triton_gemm.NARROW_64
-SHIPPED_STAGES = triton_attention.DECODE_STAGES
+SHIPPED_DECODE = triton_attention.DECODE
 
 
 def parse_plan(spec: str) -> triton_gemm.GemmPlan:
@@ -62,12 +64,14 @@ def set_mode(eng: Engine, mode: str) -> None:
     parts = mode.split("@")[0].split("+")
     runner.pdl = "pdl" in parts
     triton_gemm.NARROW_64 = SHIPPED_N64
-    triton_attention.DECODE_STAGES = SHIPPED_STAGES
+    triton_attention.DECODE = SHIPPED_DECODE
     for part in parts:
         if part.startswith("n"):
             triton_gemm.NARROW_64 = parse_plan(part[1:])
         elif part.startswith("as"):
-            triton_attention.DECODE_STAGES = int(part[2:])
+            triton_attention.DECODE = replace(triton_attention.DECODE, stages=int(part[2:]))
+        elif part.startswith("l"):
+            triton_attention.DECODE = triton_attention.DecodeSchedule.parse(part)
     runner.reset_graphs()
 
 
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", nargs="+", default=["plain", "pdl"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--ctx", type=int, nargs="+", default=[256],
+                   help="prompt lengths (several: each row and profile per context)")
     p.add_argument("--profile", type=int, nargs="*", default=[1, 64],
                    help="batches whose graph replays are profiled in --profile-modes")
     p.add_argument("--profile-modes", nargs="*", default=["plain", "pdl"])
@@ -204,46 +209,51 @@ def main(argv: list[str] | None = None) -> None:
     from engine import triton_pdl
     _log(f"PDL supported: {triton_pdl.supported()} (gdc in Triton: {triton_pdl.HAVE_GDC})")
     res: dict[str, object] = {"model": a.model, "ctx": a.ctx, "steps": a.steps}
+    # the largest batch at the longest context, its steps, the warm-up and a
+    # spare block a row, and the engine's scratch
+    blocks = max(a.batches) * (-(-(max(a.ctx) + a.steps + 2) // 64) + 1) + 64
     for fam in a.kernels:
         eng = Engine(EngineConfig(model=a.model, dtype="bfloat16", device="cuda", kernels=fam,
-                                  block_tokens=64, num_blocks=1024, prefill_chunk=2048,
-                                  decode_bucket=max(a.batches)))
+                                  block_tokens=64, num_blocks=max(1024, blocks),
+                                  prefill_chunk=2048, decode_bucket=max(a.batches)))
         # the first copy of a process reads low (3.76 against 4.1-4.2 TB/s on the
         # H200, 2026-12-02: benchmarks.kernels times it after its prefills)
         mem_copy_gbps(eng.device)
         bw = mem_copy_gbps(eng.device) * 1e9
         fr: dict[str, object] = {"hbm_copy_gbps": bw / 1e9}
-        ref: dict[int, dict] = {}
         # plan and attention variants are triton_bi's kernels
         modes = a.modes if fam == "triton_bi" else [
             m for m in a.modes if all(p in ("plain", "pdl") for p in m.split("@")[0].split("+"))]
-        for b in a.batches:
-            for mode in modes:
-                if b not in mode_batches(mode, a.batches):
-                    continue
-                try:
-                    r = run_batch(eng, b, a.steps, a.ctx, bw, mode, ref)
-                except Exception as e:          # one mode failing leaves the others
-                    r = {"error": repr(e)[:300]}
-                fr[f"b{b}_{mode}"] = r
-                _log(f"{fam} b{b} {mode}: " + ", ".join(
-                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                    for k, v in r.items()))
-        for b in a.profile:
-            for mode in a.profile_modes:
-                if mode not in modes:
-                    continue
-                try:
-                    set_mode(eng, mode)
-                    prof = profile_replays(eng, b, 5, a.out, f"{fam}_b{b}_{mode}")
-                except Exception as e:
-                    prof = {"error": repr(e)[:300]}
-                fr[f"profile_b{b}_{mode}"] = prof
-                _log(f"{fam} profile b{b} {mode}: " + json.dumps(
-                    {k: v for k, v in prof.items() if k != "by_kernel"}))
-                for row in prof.get("by_kernel", [])[:14]:
-                    _log(f"    {row['name']:<58} x{row['count']:<5.0f} {row['us']:9.1f} us"
-                         f"  gaps before {row['gap_before_us']:7.1f} us")
+        for ctx in a.ctx:
+            tag = f"c{ctx}_" if len(a.ctx) > 1 else ""
+            ref: dict[int, dict] = {}
+            for b in a.batches:
+                for mode in modes:
+                    if b not in mode_batches(mode, a.batches):
+                        continue
+                    try:
+                        r = run_batch(eng, b, a.steps, ctx, bw, mode, ref)
+                    except Exception as e:          # one mode failing leaves the others
+                        r = {"error": repr(e)[:300]}
+                    fr[f"{tag}b{b}_{mode}"] = r
+                    _log(f"{fam} ctx {ctx} b{b} {mode}: " + ", ".join(
+                        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in r.items()))
+            for b in a.profile:
+                for mode in a.profile_modes:
+                    if mode not in modes:
+                        continue
+                    try:
+                        set_mode(eng, mode)
+                        prof = profile_replays(eng, b, 5, a.out, f"{fam}_{tag}b{b}_{mode}")
+                    except Exception as e:
+                        prof = {"error": repr(e)[:300]}
+                    fr[f"profile_{tag}b{b}_{mode}"] = prof
+                    _log(f"{fam} profile ctx {ctx} b{b} {mode}: " + json.dumps(
+                        {k: v for k, v in prof.items() if k != "by_kernel"}))
+                    for row in prof.get("by_kernel", [])[:14]:
+                        _log(f"    {row['name']:<58} x{row['count']:<5.0f} {row['us']:9.1f} us"
+                             f"  gaps before {row['gap_before_us']:7.1f} us")
         res[fam] = fr
         del eng
         gc.collect()

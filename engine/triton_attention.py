@@ -46,7 +46,11 @@ key yet subtracts 0 instead of -inf and stays at (-inf, 0, 0). The only trace
 is the sign of an exactly-zero accumulator, folded by the final ``+ 0.0``.
 
 Tiles every row of a program sees in full skip the mask (``MASK=False``): the
-same numbers, fewer instructions. Prefill programs run longest first. Both
+same numbers, fewer instructions. A decode program (``DECODE``, a
+``DecodeSchedule``) may instead take all its tiles through the masked step in
+one loop, so that Triton pipelines the whole split in one go, with each tile's
+pool slots read a tile ahead so the copies run two tiles ahead of the
+arithmetic: a schedule changes loads, never numbers. Prefill programs run longest first. Both
 kernels compile with ``enable_fp_fusion=False``: with fusion on, the compiler
 contracts ``dot * scale - m`` into an FMA in the unmasked path but not through
 the masked path's ``where``, and which path a tile takes depends on the rows
@@ -58,6 +62,8 @@ Only imported on CUDA (or under ``TRITON_INTERPRET=1`` for CPU checks).
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -75,13 +81,54 @@ PREFILL_ROWS = 128            # rows per prefill program: 8 warps, 2 warpgroups 
 # GQA group on its narrow side, padded to DECODE_COLS (Triton's narrowest dot
 # operand), in one warpgroup.
 DECODE_COLS = 16
-DECODE_WARPS = 4
-# Two stages, not three: with the group on the row side (the previous decode
-# program, tbi3) on the H200 (graph-timed, 288 keys) 18.4 / 14.9 / 37.1 against
-# 19.3 / 15.4 / 41.2 us a layer at b1/8/64 (stages only schedule the loads);
-# not measured again for the keys-major program.
-DECODE_STAGES = 2
 LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSchedule:
+    """How a decode program loads and pipelines its key tiles; never what it
+    computes (every schedule gives the same bits: tests/engine/test_gpu_interpreted.py
+    and ``benchmarks.decode_attn`` check it). ``loop``: 0 ``_split_tiles`` (a
+    masked and an unmasked loop a split), 1 one masked loop, 2 one masked loop
+    with each tile's pool slots read a tile ahead (``_tiles_ahead``);
+    ``stages``: Triton's pipeline stages; ``warps``; ``maxnreg``: a register
+    cap (0: none). Written ``l0s2w4`` (``r128`` appended for a cap). The
+    defaults are the shipped decode program's."""
+
+    loop: int = 0
+    stages: int = 2
+    warps: int = 4
+    maxnreg: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loop not in (0, 1, 2) or not 1 <= self.stages <= 6 or self.warps not in (4, 8) \
+                or not (self.maxnreg == 0 or 32 <= self.maxnreg <= 255):
+            raise ValueError(f"bad decode schedule {self!r}")
+
+    def __str__(self) -> str:
+        return f"l{self.loop}s{self.stages}w{self.warps}" + (
+            f"r{self.maxnreg}" if self.maxnreg else "")
+
+    @classmethod
+    def parse(cls, spec: str) -> DecodeSchedule:
+        m = re.fullmatch(r"l(\d)s(\d)w(\d)(?:r(\d+))?", spec)
+        if m is None:
+            raise ValueError(f"decode schedule {spec!r} is not like l0s2w4 or l0s1w4r128")
+        return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 0))
+
+
+# The slots-ahead loop at three stages: Triton keeps K/V two tiles ahead (three
+# 32 KB buffers, 104 KB of shared memory: two programs an SM) and waits for the
+# oldest only, so a program's copies overlap its arithmetic (read in the TTGIR
+# Triton 3.6 builds for sm_90: engine/triton_static.py). On the H200 at b64
+# (benchmarks.decode_attn, 2026-12-03): 138.9 against 175.1 us a layer at
+# 2,064 keys (3.90 against 3.09 TB/s), but 55.1 against 35.9 at 272 keys (two
+# waves of two programs an SM where the shipped one fits 1.3 waves of three).
+# Not shipped: slower at the benchmark's 256-key contexts.
+AHEAD_DECODE = DecodeSchedule(loop=2, stages=3)
+# Shipped: DecodeSchedule() (the K/V copies one stage ahead, each issued after
+# the tile before's dots). KVSERVE_DECODE_ATTN=<spec> picks another (measurements).
+DECODE = DecodeSchedule.parse(os.environ.get("KVSERVE_DECODE_ATTN", str(DecodeSchedule())))
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -158,6 +205,14 @@ def _key_tile_t(qt, m, lsum_t, acc_t, kb, vb, TBL, t_off, kt, q_pos, window, qk_
     H200 by the GEMM's weight-major plans and tests/engine/test_gpu_invariant.py),
     and maxima are exact in any order. ``lsum_t`` [BN, NQ] has equal rows."""
     k_pos, k, v = _tile_keys(kb, vb, TBL, t_off, kt, q_pos, block_tokens, D, BN, MASK)
+    return _key_step_t(qt, m, lsum_t, acc_t, k_pos, k, v, q_pos, window, qk_scale, BN, MASK,
+                       PREC)
+
+
+@triton.jit
+def _key_step_t(qt, m, lsum_t, acc_t, k_pos, k, v, q_pos, window, qk_scale, BN: tl.constexpr,
+                MASK: tl.constexpr, PREC: tl.constexpr):
+    """``_key_tile_t``'s arithmetic on a loaded tile (K, V [BN, D] at ``k_pos``)."""
     s = tl.dot(k, qt, input_precision=PREC) * qk_scale                 # [BN, NQ]
     if MASK:
         see = k_pos <= q_pos
@@ -185,6 +240,56 @@ def _tiles(q, m, lsum, acc, kb, vb, TBL, t_off, a, b, q_pos, hi, window, qk_scal
         else:
             m, lsum, acc = _key_tile(q, m, lsum, acc, kb, vb, TBL, t_off, kt, q_pos, hi, window,
                                      qk_scale, block_tokens, D, BN, MASK, PREC)
+    return m, lsum, acc
+
+
+@triton.jit
+def _tile_slots(TBL, t_off, kt, hi, block_tokens, BN: tl.constexpr):
+    """Pool slots of key tile ``kt``'s keys (those past ``hi``: slot of block 0, never read)."""
+    k_pos = kt * BN + tl.arange(0, BN)
+    blk = tl.load(TBL + t_off + k_pos // block_tokens, mask=k_pos <= hi, other=0).to(tl.int64)
+    return blk * block_tokens + k_pos % block_tokens
+
+
+@triton.jit
+def _tiles_ahead(qt, m, lsum, acc, kb, vb, TBL, t_off, a, b, q_pos, window, qk_scale,
+                 block_tokens, D: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """Decode key tiles [a, b) in one loop, every tile through the masked step
+    (a tile the row sees whole keeps every score: the same numbers as the
+    unmasked step), each tile's pool slots read one tile ahead. Why: with the
+    block-table read inside the tile, Triton's pipeliner (3.6, sm_90) keeps K/V
+    one stage ahead and issues the next tile's copies after this tile's dots,
+    so a program's copies never overlapped its arithmetic; and each of
+    ``_split_tiles``' three loops drained and refilled its own pipeline."""
+    d = tl.arange(0, D)
+    slot = _tile_slots(TBL, t_off, a, q_pos, block_tokens, BN)
+    for kt in range(a, b):
+        k_pos = kt * BN + tl.arange(0, BN)
+        k_ok = k_pos <= q_pos
+        k = tl.load(kb + slot[:, None] * D + d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(vb + slot[:, None] * D + d[None, :], mask=k_ok[:, None], other=0.0)
+        slot = _tile_slots(TBL, t_off, kt + 1, q_pos, block_tokens, BN)
+        m, lsum, acc = _key_step_t(qt, m, lsum, acc, k_pos, k, v, q_pos, window, qk_scale, BN,
+                                   True, PREC)
+    return m, lsum, acc
+
+
+@triton.jit
+def _decode_split(qt, m, lsum, acc, kb, vb, TBL, t_off, a, b, fa, fb, q_pos, window, qk_scale,
+                  block_tokens, D: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+                  LOOP: tl.constexpr):
+    """One decode split's tiles [a, b): LOOP 0 ``_split_tiles`` (masked and
+    unmasked loops), 1 one masked loop, 2 ``_tiles_ahead``. The same numbers
+    every way (only loads and their schedule differ)."""
+    if LOOP == 0:
+        m, lsum, acc = _split_tiles(qt, m, lsum, acc, kb, vb, TBL, t_off, a, b, fa, fb, q_pos,
+                                    q_pos, window, qk_scale, block_tokens, D, BN, PREC, True)
+    elif LOOP == 1:
+        m, lsum, acc = _tiles(qt, m, lsum, acc, kb, vb, TBL, t_off, a, b, q_pos, q_pos, window,
+                              qk_scale, block_tokens, D, BN, True, PREC, True)
+    else:
+        m, lsum, acc = _tiles_ahead(qt, m, lsum, acc, kb, vb, TBL, t_off, a, b, q_pos, window,
+                                    qk_scale, block_tokens, D, BN, PREC)
     return m, lsum, acc
 
 
@@ -269,7 +374,8 @@ def _attn_kernel(Q, KP, VP, TBL, SEG, TILE, OUT,
 @triton.jit
 def _decode_whole(qt, kb, vb, TBL, t_off, ta, tb, fa, fb, q_pos, window, qk_scale,
                   block_tokens, OUT, qrow, s_om, heads, g_ok, d, NQ: tl.constexpr,
-                  D: tl.constexpr, BN: tl.constexpr, TPS: tl.constexpr, PREC: tl.constexpr):
+                  D: tl.constexpr, BN: tl.constexpr, TPS: tl.constexpr, PREC: tl.constexpr,
+                  LOOP: tl.constexpr):
     """One program takes all the row's splits, folds them in order and stores the
     output (main's one-share decode, unchanged: the fold in the [NQ, D] layout)."""
     zero_m = tl.full([NQ], float("-inf"), tl.float32)
@@ -280,9 +386,8 @@ def _decode_whole(qt, kb, vb, TBL, t_off, ta, tb, fa, fb, q_pos, window, qk_scal
         a = tl.maximum(ta, sp * TPS)
         b = tl.minimum(tb, sp * TPS + TPS)
         ms, ls, accs = zero_m, zero_l, zero_acc
-        ms, ls, accs = _split_tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa, fb,
-                                    q_pos, q_pos, window, qk_scale, block_tokens, D, BN, PREC,
-                                    True)
+        ms, ls, accs = _decode_split(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa, fb, q_pos,
+                                     window, qk_scale, block_tokens, D, BN, PREC, LOOP)
         m, lsum, acc = _fold(m, lsum, acc, ms, tl.max(ls, 0), tl.trans(accs))
     o = acc / tl.where(g_ok, lsum, 1.0)[:, None] + 0.0
     tl.store(OUT + qrow * s_om + heads[:, None] * D + d[None, :],
@@ -295,7 +400,7 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
                    window, qk_scale, block_tokens,
                    G: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                    TPS: tl.constexpr, PARTS: tl.constexpr, PREC: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   LOOP: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Decode row ``program_id(0)`` (a one-token segment), the GQA group of KV
     head ``program_id(1)``. PARTS 1, or a row of one split: one program takes all
     its splits, folds them and stores the output (``_decode_whole``). PARTS > 1
@@ -320,7 +425,7 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
     vb = VP + hk * s_kh
     if PARTS <= 1:
         _decode_whole(qt, kb, vb, TBL, t_off, ta, tb, fa, fb, q_pos, window, qk_scale,
-                      block_tokens, OUT, qrow, s_om, heads, g_ok, d, NQ, D, BN, TPS, PREC)
+                      block_tokens, OUT, qrow, s_om, heads, g_ok, d, NQ, D, BN, TPS, PREC, LOOP)
     else:
         # Which path a row takes is decided by the row alone: its split count
         # comes from its own position and window (_key_range), never from the
@@ -338,7 +443,7 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
             if tl.program_id(2) == 0:
                 _decode_whole(qt, kb, vb, TBL, t_off, ta, tb, fa, fb, q_pos, window, qk_scale,
                               block_tokens, OUT, qrow, s_om, heads, g_ok, d, NQ, D, BN, TPS,
-                              PREC)
+                              PREC, LOOP)
         else:
             # A split's state is the same numbers wherever it is computed; only
             # the fold order matters, and _fold_splits keeps the prefill's. So
@@ -352,9 +457,9 @@ def _decode_kernel(Q, KP, VP, TBL, SEG, OUT, ACC, ML,
                 a = tl.maximum(ta, sp * TPS)
                 b = tl.minimum(tb, sp * TPS + TPS)
                 ms, ls, accs = zero_m, zero_l, zero_acc
-                ms, ls, accs = _split_tiles(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa,
-                                            fb, q_pos, q_pos, window, qk_scale, block_tokens,
-                                            D, BN, PREC, True)
+                ms, ls, accs = _decode_split(qt, ms, ls, accs, kb, vb, TBL, t_off, a, b, fa,
+                                             fb, q_pos, window, qk_scale, block_tokens, D, BN,
+                                             PREC, LOOP)
                 slot = seg * s_ab + sp * s_ap
                 tl.store(ACC + slot + heads[None, :] * s_ah + d[:, None], accs,
                          mask=g_ok[None, :])
@@ -448,16 +553,15 @@ def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor
            seg_meta: torch.Tensor, tiles: torch.Tensor, n_tiles: int, group: int,
            window: int, out: torch.Tensor, parts: int = 0,
            acc: torch.Tensor | None = None, ml: torch.Tensor | None = None,
-           split: int = KEY_SPLIT, stages: int = 0, maxnreg: int = 0) -> None:
+           split: int = KEY_SPLIT, schedule: DecodeSchedule | None = None) -> None:
     """One launch for every tile of every segment of one layer. ``parts`` 0:
     prefill tiles; >= 1: one-token decode rows (program i = segment i; ``tiles``
     is read by prefill only), their splits dealt over ``parts`` programs a row
     whose split states go to ``acc`` and ``ml`` (``decode_scratch``: a slot for
     every split a row can have) and are folded here by a second kernel.
     ``split`` (keys, a multiple of KEY_TILE) is part of the arithmetic: other
-    values are for checks and timings only; ``parts``, ``stages`` (decode
-    pipeline stages, 0: ``DECODE_STAGES``) and ``maxnreg`` (a decode program's
-    register cap, 0: none) are not."""
+    values are for checks and timings only; ``parts`` and ``schedule`` (a
+    decode program's ``DecodeSchedule``, None: ``DECODE``) are not."""
     if split % KEY_TILE:
         raise ValueError(f"key split {split} is not a multiple of {KEY_TILE}")
     _, _, kv_heads, _, block_tokens, dim = pool.shape
@@ -481,15 +585,15 @@ def attend(pool: torch.Tensor, layer: int, q: torch.Tensor, tables: torch.Tensor
     else:
         acc = ml = out
         sa = sm = (0, 0, 0, 0)
-    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    sch = schedule or DECODE
+    extra = {"maxnreg": sch.maxnreg} if sch.maxnreg else {}
     _decode_kernel[(n_tiles, kv_heads, parts)](
         q, kp, vp, tables, seg_meta, out, acc, ml,
         q.stride(0), q.stride(1), kp.stride(0), out.stride(0), sa[0], sa[1], sa[2],
         sm[0], sm[1], sm[2], window, scale, block_tokens,
         G=group, NQ=max(DECODE_COLS, gp), D=dim, BN=KEY_TILE, TPS=tps,
-        PARTS=parts, PREC=_prec(q.dtype), num_warps=DECODE_WARPS,
-        num_stages=stages or DECODE_STAGES, enable_fp_fusion=False, **extra,
-        **triton_pdl.opts())
+        PARTS=parts, PREC=_prec(q.dtype), LOOP=sch.loop, num_warps=sch.warps,
+        num_stages=sch.stages, enable_fp_fusion=False, **extra, **triton_pdl.opts())
     if parts > 1:
         _fold_splits[(n_tiles, kv_heads)](seg_meta, acc, ml, out, sa[0], sa[1], sa[2], sm[0],
                                           sm[1], sm[2], out.stride(0), window, G=group, GP=gp,
@@ -511,10 +615,10 @@ class InvariantAttention:
     sequences of a (batched) prefill, or one-token decode rows."""
 
     def __init__(self, pool: torch.Tensor, segments: Seq[AttnSegment], num_heads: int,
-                 parts: int = 0, split: int = KEY_SPLIT, stages: int = 0,
-                 maxnreg: int = 0) -> None:
+                 parts: int = 0, split: int = KEY_SPLIT,
+                 schedule: DecodeSchedule | None = None) -> None:
         # pool: [L, 2, Hkv, num_blocks, B, D] (engine.kv_pool.KVStorage.data)
-        self.pool, self.split, self.stages, self.maxnreg = pool, split, stages, maxnreg
+        self.pool, self.split, self.schedule = pool, split, schedule
         self.group = num_heads // pool.shape[2]
         self.parts = parts
         if parts and any(s.rows != 1 for s in segments):
@@ -543,5 +647,4 @@ class InvariantAttention:
         # q: [M, H, D] (unit stride in D); out: [M, H * D]
         if self.n_tiles:
             attend(self.pool, layer, q, self.tables, self.seg_meta, self.tiles, self.n_tiles,
-                   self.group, window, out, self.parts, acc, ml, self.split, self.stages,
-                   self.maxnreg)
+                   self.group, window, out, self.parts, acc, ml, self.split, self.schedule)

@@ -20,6 +20,7 @@ is what the device would build, up to Triton's version (the H200 image has 3.6).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -61,8 +62,13 @@ def compile_offline(fn: triton.JITFunction, args: dict[str, object], constexprs:
     consts = dict(constexprs)
     attrs: dict[tuple[int, ...], list[list[object]]] = {}
     names = fn.arg_names
+    # constexprs with a default the launcher leaves out (PDL) take it here too
+    defaults = {n: q.default for n, q in inspect.signature(fn.fn).parameters.items()
+                if q.default is not inspect.Parameter.empty}
     for i, name in enumerate(names):
-        if name in constexprs:
+        if name not in constexprs and name not in args and name in defaults:
+            consts[name] = defaults[name]
+        if name in consts:
             sig[name] = "constexpr"
             continue
         v = args[name]
@@ -163,14 +169,15 @@ def attention_builds(dtype: str = "bf16", dim: int = 128, group: int = 4) -> lis
                                  f"s{stages}", b))
         ops[f"prefill s{stages}"] = reduce_ops(str(b["ttgir"]))
     for label, parts in (("decode", 1), ("decode-split", 4)):
-        for stages in (1, ta.DECODE_STAGES):
+        for sch in (ta.DECODE, ta.AHEAD_DECODE):
             b = compile_offline(ta._decode_kernel, {
                 **common, "ACC": "*fp32", "ML": "*fp32", "s_ab": 4 * 32 * dim, "s_ap": 32 * dim,
                 "s_ah": dim, "s_mb": 4 * 32 * 2, "s_mp": 32 * 2, "s_mh": 2}, {
                 "G": group, "NQ": max(ta.DECODE_COLS, gp), "D": dim, "BN": ta.KEY_TILE,
-                "TPS": tps, "PARTS": parts, "PREC": prec}, ta.DECODE_WARPS, stages)
-            out.append(inspect_build(f"attn {dtype} D={dim} {label} keys-major s{stages}", b))
-            ops[f"{label} s{stages}"] = reduce_ops(str(b["ttgir"]))
+                "TPS": tps, "PARTS": parts, "PREC": prec, "LOOP": sch.loop}, sch.warps,
+                sch.stages)
+            out.append(inspect_build(f"attn {dtype} D={dim} {label} {sch}", b))
+            ops[f"{label} {sch}"] = reduce_ops(str(b["ttgir"]))
     # the split fold (no reduction at all)
     b = compile_offline(ta._fold_splits, {
         "SEG": "*i32", "ACC": "*fp32", "ML": "*fp32", "OUT": f"*{dtype}", "s_ab": 4 * 32 * dim,

@@ -194,8 +194,10 @@ def tune_decode(su: Setup) -> dict[str, object]:
     return out
 
 
-# decode attention variants timed: (pipeline stages, register cap or 0)
-VARIANTS = ((1, 0), (1, 128))
+# decode attention schedules timed beside the shipped one
+# (one stage capped at 128 registers met an illegal address on the H200 on
+# 2026-12-02 and again on 2026-12-03: not among them)
+VARIANTS = (ta.AHEAD_DECODE, ta.DecodeSchedule(2, 2), ta.DecodeSchedule(1, 2))
 
 
 def _pool(su: Setup, t: int, batch: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -207,7 +209,7 @@ def _pool(su: Setup, t: int, batch: int = 1) -> tuple[torch.Tensor, list[torch.T
 
 
 def tune_attention(su: Setup, prefill: bool = True,
-                   variants: tuple[tuple[int, int], ...] = ()) -> dict[str, object]:
+                   variants: tuple[ta.DecodeSchedule, ...] = ()) -> dict[str, object]:
     import torch.nn.functional as F
 
     from engine.paged_decode import paged_decode, splits_for
@@ -247,21 +249,19 @@ def tune_attention(su: Setup, prefill: bool = True,
             acc, ml = ta.decode_scratch(b, ctx, heads, dim, dev)
             out = torch.empty(b, heads * dim, device=dev, dtype=su.dtype)
             segs = [ta.AttnSegment(i, 1, ctx - 1, tb) for i, tb in enumerate(tables)]
-            # pipeline stages and a register cap do not change the bits: which is
-            # fastest at this batch (at b64, 512 programs: 2 stages' 72 KB of
-            # shared memory and 141 registers leave 3 programs an SM; 1 stage
-            # capped at 128 registers, 4)
+            # a decode schedule (loop, stages, warps, register cap) does not
+            # change the bits: which is fastest at this batch
             by_var: dict[str, float] = {}
             same = True
             first: torch.Tensor | None = None
-            for st, nreg in ((ta.DECODE_STAGES, 0), *variants):
-                inv = ta.InvariantAttention(pool, segs, heads, parts, stages=st, maxnreg=nreg)
+            for sch in (ta.DECODE, *variants):
+                inv = ta.InvariantAttention(pool, segs, heads, parts, schedule=sch)
                 inv(0, q, 0, out, acc, ml)
                 first = out.clone() if first is None else first
                 same &= torch.equal(out, first)
-                by_var[f"s{st}r{nreg}"] = _ms(lambda inv=inv, q=q, out=out, acc=acc, ml=ml:
-                                              inv(0, q, 0, out, acc, ml))
-            ms = by_var[f"s{ta.DECODE_STAGES}r0"]
+                by_var[str(sch)] = _ms(lambda inv=inv, q=q, out=out, acc=acc, ml=ml:
+                                       inv(0, q, 0, out, acc, ml))
+            ms = by_var[str(ta.DECODE)]
             tbl = torch.stack(tables).to(torch.int32)
             lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
             pacc = torch.empty(b, parts, heads, dim, device=dev)

@@ -171,7 +171,15 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -
 
 
 def check_attention() -> None:
-    from engine.triton_attention import KEY_TILE, AttnSegment, InvariantAttention, decode_scratch
+    from engine.triton_attention import (
+        AHEAD_DECODE,
+        DECODE,
+        KEY_TILE,
+        AttnSegment,
+        DecodeSchedule,
+        InvariantAttention,
+        decode_scratch,
+    )
 
     heads, kv_heads, dim, bt, split = 8, 2, 16, 16, 128      # splits of 2 key tiles
     t = 300
@@ -211,14 +219,19 @@ def check_attention() -> None:
         assert torch.equal(out, whole[rows]), window
         # decode rows: one token each, its splits dealt over 1..5 programs (a
         # row of 3 splits at 2 programs: one program holds two of them)
+        # rows; every decode schedule (loop form, stages, warps) gives the same
+        # rows (the shipped one at every share count, the others at 1 and 3)
         at = [*rng.sample(range(t), 6), t - 1, 0]
-        for n_parts in (1, 2, 3, 5):
-            out = torch.full((len(at), heads * dim), float("nan"), dtype=torch.float16)
-            acc, ml = (x.fill_(float("nan")) for x in decode_scratch(
-                len(at), t, heads, dim, torch.device("cpu"), split))
-            InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
-                               heads, parts=n_parts, split=split)(0, q[at], window, out, acc, ml)
-            assert torch.equal(out, whole[at]), (window, n_parts)
+        for sch, counts in ((DECODE, (1, 2, 3, 5)), (AHEAD_DECODE, (1, 3)),
+                            (DecodeSchedule(1, 2), (1, 3))):
+            for n_parts in counts:
+                out = torch.full((len(at), heads * dim), float("nan"), dtype=torch.float16)
+                acc, ml = (x.fill_(float("nan")) for x in decode_scratch(
+                    len(at), t, heads, dim, torch.device("cpu"), split))
+                InvariantAttention(pool, [AttnSegment(i, 1, p, table) for i, p in enumerate(at)],
+                                   heads, parts=n_parts, split=split, schedule=sch)(
+                    0, q[at], window, out, acc, ml)
+                assert torch.equal(out, whole[at]), (window, str(sch), n_parts)
         if window:
             continue                         # a window of 50 keys spans at most 2 splits
         # fp32, whose outputs show a fold's rounding (fp16 hides most of it)
