@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.children import die_with_parent
-from kvstore.redis_server import free_port
-from tests.prefill_svc.procs import Proc, healthy
+from kvstore.redis_server import EmbeddedRedis, free_port
+from tests.prefill_svc.procs import Proc, engine_service, healthy, start_all, store, write_config
 from tests.redis_args import redis_args
 
 
@@ -135,6 +135,57 @@ def router_proc(config: Path, redis_url: str, log_dir: Path, *,
                       extra)
 
 
+@dataclass(slots=True)
+class TinyStack:
+    """Redis, kvstore, prefill, decode and router processes serving tiny-dense
+    (byte-level tokenizer, 1024-token context) with 16-token blocks."""
+
+    router: RouterProc
+    config: Path
+    redis_url: str
+    decode: Proc
+
+    @property
+    def http(self) -> str:
+        return self.router.http
+
+    @property
+    def grpc(self) -> str:
+        return self.router.grpc
+
+
+TINY_MODEL, TINY_BLOCK = "tiny-dense", 16
+
+
+@contextlib.contextmanager
+def tiny_stack(d: Path) -> Iterator[TinyStack]:
+    """What ``kvserve up`` starts, as separate processes (test_openai_client goes
+    through the launcher itself). Killed at the end: a graceful stop would only
+    add seconds here."""
+    config = write_config(d / "kvserve.toml", model=TINY_MODEL, block_tokens=TINY_BLOCK)
+    with EmbeddedRedis() as redis:
+        st = store(config, redis.url, d)
+        engines = [engine_service(role, config, redis.url, d, store_address=st.address)
+                   for role in ("prefill", "decode")]
+        router = router_proc(config, redis.url, d)
+        procs = [st, *engines, router.proc]
+        try:
+            start_all(*procs)
+            wait_until(lambda: _live(router.http) == {"prefill": 1, "decode": 1}, 30,
+                       "router sees prefill and decode")
+            yield TinyStack(router, config, redis.url, engines[1])
+        finally:
+            for p in procs:
+                p.kill()
+
+
+def _live(http_base: str) -> dict[str, int]:
+    try:
+        return live_counts(http_base)
+    except OSError:                   # the HTTP port a moment after gRPC health
+        return {}
+
+
 def wait_until(cond: object, timeout_s: float, what: str, step_s: float = 0.05) -> float:
     """Poll ``cond()`` until true; returns the seconds it took."""
     t0 = time.monotonic()
@@ -162,5 +213,5 @@ def metric_sum(http_base: str, name: str, **labels: str) -> float:
     return total
 
 
-__all__ = ["Reply", "RouterProc", "UpStack", "healthy", "http", "live_counts", "metric_sum",
-           "router_proc", "up_stack", "wait_until"]
+__all__ = ["Reply", "RouterProc", "TinyStack", "UpStack", "healthy", "http", "live_counts",
+           "metric_sum", "router_proc", "tiny_stack", "up_stack", "wait_until"]
