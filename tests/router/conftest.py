@@ -15,7 +15,8 @@ from tests.router.front_stack import RouterProc, TinyStack, tiny_stack
 @pytest.fixture(scope="package")
 def agent_stack(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str
                 ) -> Iterator[RouterProc]:
-    """The SmolLM2 stack the tools/structured-output and Messages API tests share
+    """The SmolLM2 stack the tools/structured-output, Messages API and openai client
+    tests share
     (KVSERVE_TEST_AGENT_URL=http://host:port points them at a running router instead)."""
     url = os.environ.get("KVSERVE_TEST_AGENT_URL")
     if url:

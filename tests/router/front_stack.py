@@ -1,14 +1,11 @@
-"""Real stacks for the router-front tests: ``kvserve up`` as a child process,
-or separate service processes (tests/prefill_svc/procs.py) plus a router,
-and a small HTTP helper that never raises on 4xx/5xx."""
+"""Real stacks for the router-front tests: separate service processes
+(tests/prefill_svc/procs.py) plus a router, and a small HTTP helper that never
+raises on 4xx/5xx."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -17,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.children import die_with_parent
 from kvstore.redis_server import EmbeddedRedis, free_port
 from tests.prefill_svc.procs import Proc, engine_service, healthy, start_all, store, write_config
 from tests.redis_args import redis_args
@@ -48,64 +44,6 @@ def http(method: str, url: str, body: bytes | dict | None = None,  # type: ignor
             return Reply(r.status, dict(r.headers), r.read())
     except urllib.error.HTTPError as e:
         return Reply(e.code, dict(e.headers), e.read())
-
-
-@dataclass(slots=True)
-class UpStack:
-    """A ``kvserve up`` launcher and what its state file says."""
-
-    proc: subprocess.Popen[bytes]
-    state: dict  # type: ignore[type-arg]
-    run_dir: Path
-
-    @property
-    def http(self) -> str:
-        return str(self.state["router_http"])
-
-    @property
-    def grpc(self) -> str:
-        return str(self.state["router_grpc"])
-
-    @property
-    def redis_url(self) -> str:
-        return str(self.state["redis_url"])
-
-    def log(self, name: str) -> str:
-        return Path(self.state["logs"][name]).read_text(errors="replace")
-
-
-@contextlib.contextmanager
-def up_stack(run_dir: Path, *, model: str, config: Path | None = None,
-             timeout_s: float = 180.0) -> Iterator[UpStack]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    state_file = run_dir / "up.json"
-    env = {**os.environ, "KVSERVE_STATE": str(state_file)}
-    env.pop("REDIS_URL", None)
-    argv = [sys.executable, "-m", "kvserve.cli", "up", "--model", model, "--free-ports",
-            "--run-dir", str(run_dir), "--grace", "3", "--g3-path", str(run_dir / "g3")]
-    if config is not None:
-        argv += ["--config", str(config)]
-    out = open(run_dir / "up.out", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not state_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("kvserve up did not start:\n"
-                                   + (run_dir / "up.out").read_text(errors="replace")[-4000:])
-            time.sleep(0.2)
-        time.sleep(0.1)  # the state file is written in one call; let it land
-        yield UpStack(proc, json.loads(state_file.read_text()), run_dir)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        out.close()
 
 
 @dataclass(slots=True)
@@ -213,5 +151,5 @@ def metric_sum(http_base: str, name: str, **labels: str) -> float:
     return total
 
 
-__all__ = ["Reply", "RouterProc", "TinyStack", "UpStack", "healthy", "http", "live_counts",
-           "metric_sum", "router_proc", "tiny_stack", "up_stack", "wait_until"]
+__all__ = ["Reply", "RouterProc", "TinyStack", "healthy", "http", "live_counts",
+           "metric_sum", "router_proc", "tiny_stack", "wait_until"]
