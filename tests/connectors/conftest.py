@@ -70,29 +70,17 @@ def vllm_stack(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory,
             store.stop()
 
 
-PLAIN = ("plain-0", "plain-1")     # test_vllm_attach.py's plain fleet
-
-
 class Servers:
     """vLLM servers by name, at most one alive unless a test asks for two: a vLLM
     CPU server holds ~1.5-2 GB, and a shared CI box runs out of memory with more.
     A server outlives its test, since starting one costs 40-80 s: test_affinity.py
     (two servers) runs first by name, test_identity.py then reuses both, and
     test_isolation.py and test_store_down.py keep B; test_vllm_attach.py, which
-    needs plain servers and stops these, sorts after them.
+    needs plain servers and stops these, sorts after them."""
 
-    The plain fleet (no connector, vLLM's own KV events) is kept apart from
-    ``only``; with ``plain_ahead`` (the session runs test_vllm_attach.py and four
-    servers fit) the first start spawns it too: a start is mostly three processes
-    importing in turn, one core each, so four starting together on two cores take
-    less than two starts of two, and the plain pair then waits idle (no CPU) until
-    its test."""
-
-    def __init__(self, stack: VLLMStack, plain_ahead: bool = False) -> None:
+    def __init__(self, stack: VLLMStack) -> None:
         self.stack = stack
         self.live: dict[str, object] = {}
-        self.plain: dict[str, object] = {}
-        self.plain_ahead = plain_ahead
 
     def only(self, name: str, **kw: object):  # type: ignore[no-untyped-def]
         for other in [n for n in self.live if n != name]:
@@ -109,55 +97,32 @@ class Servers:
                    if n not in self.live or not self.live[n].alive()]  # type: ignore[attr-defined]
         for n in started:
             self.live[n] = self.stack.server(n, **kw)
-        if self.plain_ahead and started:
-            self.plain_ahead = False
-            self._spawn_plain()
         for n in started:
             self.live[n].wait_ready()  # type: ignore[attr-defined]
         return [self.live[n] for n in names]
-
-    def _spawn_plain(self) -> None:
-        for n in PLAIN:
-            if n not in self.plain or not self.plain[n].alive():  # type: ignore[attr-defined]
-                self.plain[n] = self.stack.server(
-                    n, connector=False, kv_events=f"ipc://{self.stack.root}/{n}.ev")
-
-    def plain_fleet(self) -> list:  # type: ignore[type-arg]
-        """The plain servers, ready: started now unless they came up ahead."""
-        self._spawn_plain()
-        return [self.plain[n].wait_ready() for n in PLAIN]  # type: ignore[attr-defined]
 
     def stop(self, name: str) -> None:
         proc = self.live.pop(name, None)
         if proc is not None:
             proc.stop()  # type: ignore[attr-defined]
 
-    def stop_all(self, plain: bool = True) -> None:
-        """Every server with the connector, and the plain fleet unless told not to."""
-        for proc in [*self.live.values(), *(self.plain.values() if plain else ())]:
+    def stop_all(self) -> None:
+        for proc in self.live.values():
             proc.stop()  # type: ignore[attr-defined]
         self.live.clear()
-        if plain:
-            self.plain.clear()
 
 
 @pytest.fixture(scope="package")
-def vllm_servers(vllm_stack: VLLMStack, request: pytest.FixtureRequest) -> Iterator[Servers]:
-    attach_runs = any(item.path.name == "test_vllm_attach.py" for item in request.session.items)
-    servers = Servers(vllm_stack, plain_ahead=attach_runs and servers_fit(4))
+def vllm_servers(vllm_stack: VLLMStack) -> Iterator[Servers]:
+    servers = Servers(vllm_stack)
     try:
         yield servers
     finally:
         servers.stop_all()
 
 
-def servers_fit(n: int) -> bool:
-    """Whether this machine has memory for ``n`` vLLM servers at once (2.5 GiB each)."""
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
-    return info.get("MemAvailable", 0) >= n * 5 * 2**19           # KiB
-
-
 def two_servers_fit() -> bool:
     """Whether this machine has memory for two vLLM servers at once."""
-    return servers_fit(2)
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    return info.get("MemAvailable", 0) >= 5 * 2**20           # KiB

@@ -14,7 +14,7 @@ import json
 import aiohttp
 import pytest
 
-from tests.connectors.conftest import PLAIN, two_servers_fit
+from tests.connectors.conftest import two_servers_fit
 from tests.connectors.stack import router_keys, until_router_places, vllm_router
 
 pytestmark = pytest.mark.timeout(1500)
@@ -25,14 +25,19 @@ def _messages(run: str, i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Plain fleet {run}, note {i}: {words}"}]
 
 
-def test_router_places_a_repeat_on_a_plain_vllm_from_its_own_events(vllm_stack, vllm_servers):
+def test_router_places_a_repeat_on_a_plain_vllm_from_its_own_events(vllm_stack, vllm_servers,
+                                                                    tmp_path):
     if not two_servers_fit():
         pytest.skip("less than 5 GiB of memory available: two vLLM servers do not fit")
     from connectors.vllm_identity import vllm_fingerprint
+    from kvserve.launch_vllm import VLLMProcess
     from kvserve.launch_vllm_attach import AttachConfig, run_attach
 
-    vllm_servers.stop_all(plain=False)     # the connector servers; not needed here
-    names = list(PLAIN)
+    vllm_servers.stop_all()
+    names = ["plain-0", "plain-1"]
+    specs = [vllm_stack.spec(n, connector=False, kv_events=f"ipc://{tmp_path}/{n}.ev")
+             for n in names]
+    procs = [VLLMProcess(s, vllm_stack.root / f"{s.instance_id}.log").start() for s in specs]
     fp = vllm_fingerprint(vllm_stack.model_dir).hex()
 
     async def body() -> None:
@@ -70,13 +75,12 @@ def test_router_places_a_repeat_on_a_plain_vllm_from_its_own_events(vllm_stack, 
             await asyncio.gather(*attach)
 
     try:
-        # Plain servers (no connector, vLLM's own KV events), started alongside the
-        # first connector servers when four fit (conftest.Servers), else now.
-        specs = [p.spec for p in vllm_servers.plain_fleet()]
-        assert [s.connector for s in specs] == [False, False] and all(s.kv_events for s in specs)
+        for p in procs:
+            p.wait_ready()
         asyncio.run(body())
     finally:
-        vllm_servers.stop_all()
+        for p in procs:
+            p.stop()
 
 
 async def _ask(http: aiohttp.ClientSession, base: str,
