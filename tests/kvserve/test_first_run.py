@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,7 @@ def test_up_second_up_metrics_keys_counters_and_kill9(tmp_path: Path) -> None:
     g3 = tmp_path / "g3"
     up, banner = _start_up(env, "--port", str(http_port), "--api-key-file", str(keys),
                            "--g3-path", str(g3))
+    pool = ThreadPoolExecutor(2)
     try:
         state = json.loads((tmp_path / "up.json").read_text())
         # up --port; --api-key-file reached the router.
@@ -180,10 +182,11 @@ def test_up_second_up_metrics_keys_counters_and_kill9(tmp_path: Path) -> None:
             assert f"  metrics   {role:<9} {url}" in banner
             assert urllib.request.urlopen(url, timeout=10).status == 200
 
+        # The CLI calls below run two at a time where neither depends on the other:
+        # each is mostly a Python start (imports), one core each.
         # A second up on the same state refuses and names the running one.
-        again = _kvserve("up", "--model", "tiny-dense", "--free-ports", env=env, timeout=60)
-        assert again.returncode == 2
-        assert f"already running: pid {up.pid}" in again.stderr and "--state-dir" in again.stderr
+        later = pool.submit(_kvserve, "up", "--model", "tiny-dense", "--free-ports", env=env,
+                            timeout=60)
 
         # Cached tokens add up: engine G1 + warehouse = what the API reported.
         question = "Tell me about the warehouse tiers: G2, G3 and G4, and when each helps. " * 2
@@ -192,6 +195,10 @@ def test_up_second_up_metrics_keys_counters_and_kill9(tmp_path: Path) -> None:
                             "--traffic-class", "agent",      # the key never in argv
                             env={**env, "KVSERVE_API_KEY": "first-run-key-123"})
             assert chat.returncode == 0, chat.stderr
+        again = later.result()
+        assert again.returncode == 2
+        assert f"already running: pid {up.pid}" in again.stderr and "--state-dir" in again.stderr
+        later = pool.submit(_kvserve, "status", env=env)
         snap = json.loads(_kvserve("status", "--json", env=env).stdout)
         c = snap["cached"]
         assert c["api_cached_tokens"] > 0
@@ -200,13 +207,15 @@ def test_up_second_up_metrics_keys_counters_and_kill9(tmp_path: Path) -> None:
         assert c["prefill_cached_tokens"] + c["decode_g1_tokens"] == c["api_cached_tokens"]
         assert _metric(state["metrics"]["router"], "kvserve_router_tokens_total",
                        kind="cached") == c["api_cached_tokens"]
-        assert "cached tokens since start: engine G1" in _kvserve("status", env=env).stdout
+        assert "cached tokens since start: engine G1" in later.result().stdout
 
         # store reindex and store whatif find the running stack by themselves.
+        later = pool.submit(_kvserve, "store", "whatif", "--ttl", "1h", "--capacity", "inf",
+                            env=env)
         reindex = _kvserve("store", "reindex", "--json", env=env)
         assert reindex.returncode == 0, reindex.stderr
         assert json.loads(reindex.stdout)["blocks"].get("G3", 0) > 0
-        whatif = _kvserve("store", "whatif", "--ttl", "1h", "--capacity", "inf", env=env)
+        whatif = later.result()
         assert whatif.returncode == 0, whatif.stderr
         assert "bytes at 1,024 KV bytes/token (tiny-dense, float32)" in whatif.stdout
 
@@ -221,6 +230,7 @@ def test_up_second_up_metrics_keys_counters_and_kill9(tmp_path: Path) -> None:
         left = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in kids if _alive(p)}
         assert not left, f"children outlived the launcher: {left}"
     finally:
+        pool.shutdown(cancel_futures=True)
         if up.poll() is None:
             up.kill()
             up.wait()

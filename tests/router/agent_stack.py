@@ -1,8 +1,9 @@
 """One real stack (Redis, kvstore, prefill, decode, router processes serving
 SmolLM2-135M with 64-token blocks) for the agent-API tests: tools and
-structured outputs (test_tools_client.py) and the Messages API
-(test_messages_client.py). Started once per test session by the
-``agent_stack`` fixture (tests/router/conftest.py) and killed at the end."""
+structured outputs (test_tools_client.py), the Messages API
+(test_messages_client.py) and the openai client (test_openai_client.py).
+Started once per test package by the ``agent_stack`` fixture
+(tests/router/conftest.py) and killed at the end."""
 
 from __future__ import annotations
 

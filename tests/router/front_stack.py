@@ -1,14 +1,11 @@
-"""Real stacks for the router-front tests: ``kvserve up`` as a child process,
-or separate service processes (tests/prefill_svc/procs.py) plus a router,
-and a small HTTP helper that never raises on 4xx/5xx."""
+"""Real stacks for the router-front tests: separate service processes
+(tests/prefill_svc/procs.py) plus a router, and a small HTTP helper that never
+raises on 4xx/5xx."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -17,9 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.children import die_with_parent
-from kvstore.redis_server import free_port
-from tests.prefill_svc.procs import Proc, healthy
+from kvstore.redis_server import EmbeddedRedis, free_port
+from tests.prefill_svc.procs import Proc, engine_service, healthy, start_all, store, write_config
 from tests.redis_args import redis_args
 
 
@@ -51,64 +47,6 @@ def http(method: str, url: str, body: bytes | dict | None = None,  # type: ignor
 
 
 @dataclass(slots=True)
-class UpStack:
-    """A ``kvserve up`` launcher and what its state file says."""
-
-    proc: subprocess.Popen[bytes]
-    state: dict  # type: ignore[type-arg]
-    run_dir: Path
-
-    @property
-    def http(self) -> str:
-        return str(self.state["router_http"])
-
-    @property
-    def grpc(self) -> str:
-        return str(self.state["router_grpc"])
-
-    @property
-    def redis_url(self) -> str:
-        return str(self.state["redis_url"])
-
-    def log(self, name: str) -> str:
-        return Path(self.state["logs"][name]).read_text(errors="replace")
-
-
-@contextlib.contextmanager
-def up_stack(run_dir: Path, *, model: str, config: Path | None = None,
-             timeout_s: float = 180.0) -> Iterator[UpStack]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    state_file = run_dir / "up.json"
-    env = {**os.environ, "KVSERVE_STATE": str(state_file)}
-    env.pop("REDIS_URL", None)
-    argv = [sys.executable, "-m", "kvserve.cli", "up", "--model", model, "--free-ports",
-            "--run-dir", str(run_dir), "--grace", "3", "--g3-path", str(run_dir / "g3")]
-    if config is not None:
-        argv += ["--config", str(config)]
-    out = open(run_dir / "up.out", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not state_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("kvserve up did not start:\n"
-                                   + (run_dir / "up.out").read_text(errors="replace")[-4000:])
-            time.sleep(0.2)
-        time.sleep(0.1)  # the state file is written in one call; let it land
-        yield UpStack(proc, json.loads(state_file.read_text()), run_dir)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        out.close()
-
-
-@dataclass(slots=True)
 class RouterProc:
     """``kvserve router serve`` on free ports."""
 
@@ -133,6 +71,57 @@ def router_proc(config: Path, redis_url: str, log_dir: Path, *,
             *redis_args(redis_url), *extra]
     return RouterProc(Proc("router", argv, port, log_dir / f"router-{port}.log"), http_port,
                       extra)
+
+
+@dataclass(slots=True)
+class TinyStack:
+    """Redis, kvstore, prefill, decode and router processes serving tiny-dense
+    (byte-level tokenizer, 1024-token context) with 16-token blocks."""
+
+    router: RouterProc
+    config: Path
+    redis_url: str
+    decode: Proc
+
+    @property
+    def http(self) -> str:
+        return self.router.http
+
+    @property
+    def grpc(self) -> str:
+        return self.router.grpc
+
+
+TINY_MODEL, TINY_BLOCK = "tiny-dense", 16
+
+
+@contextlib.contextmanager
+def tiny_stack(d: Path) -> Iterator[TinyStack]:
+    """What ``kvserve up`` starts, as separate processes (test_openai_client goes
+    through the launcher itself). Killed at the end: a graceful stop would only
+    add seconds here."""
+    config = write_config(d / "kvserve.toml", model=TINY_MODEL, block_tokens=TINY_BLOCK)
+    with EmbeddedRedis() as redis:
+        st = store(config, redis.url, d)
+        engines = [engine_service(role, config, redis.url, d, store_address=st.address)
+                   for role in ("prefill", "decode")]
+        router = router_proc(config, redis.url, d)
+        procs = [st, *engines, router.proc]
+        try:
+            start_all(*procs)
+            wait_until(lambda: _live(router.http) == {"prefill": 1, "decode": 1}, 30,
+                       "router sees prefill and decode")
+            yield TinyStack(router, config, redis.url, engines[1])
+        finally:
+            for p in procs:
+                p.kill()
+
+
+def _live(http_base: str) -> dict[str, int]:
+    try:
+        return live_counts(http_base)
+    except OSError:                   # the HTTP port a moment after gRPC health
+        return {}
 
 
 def wait_until(cond: object, timeout_s: float, what: str, step_s: float = 0.05) -> float:
@@ -162,5 +151,5 @@ def metric_sum(http_base: str, name: str, **labels: str) -> float:
     return total
 
 
-__all__ = ["Reply", "RouterProc", "UpStack", "healthy", "http", "live_counts", "metric_sum",
-           "router_proc", "up_stack", "wait_until"]
+__all__ = ["Reply", "RouterProc", "TinyStack", "healthy", "http", "live_counts",
+           "metric_sum", "router_proc", "tiny_stack", "wait_until"]

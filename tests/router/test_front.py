@@ -11,17 +11,17 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
-from kvstore.redis_server import EmbeddedRedis
 from proto import common_pb2, router_pb2, router_pb2_grpc
-from tests.prefill_svc.procs import Proc, engine_service, start_all, store, write_config
 from tests.router.front_stack import (
+    TINY_BLOCK,
+    TINY_MODEL,
     RouterProc,
+    TinyStack,
     http,
     live_counts,
     metric_sum,
@@ -30,47 +30,17 @@ from tests.router.front_stack import (
 )
 from tests.tls import channel
 
-MODEL = "tiny-dense"          # byte-level tokenizer, 1024-token context
-BLOCK = 16
+MODEL, BLOCK = TINY_MODEL, TINY_BLOCK       # byte-level tokenizer, 1024-token context
 
 
-@dataclass(slots=True)
-class Stack:
-    router: RouterProc
-    config: Path
-    redis_url: str
-    decode: Proc
-
-    @property
-    def http(self) -> str:
-        return self.router.http
-
-    @property
-    def grpc(self) -> str:
-        return self.router.grpc
+Stack = TinyStack
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Redis, kvstore, prefill, decode and router processes (what ``kvserve up``
-    starts; test_openai_client goes through the launcher itself). Killed at the
-    end: a graceful stop would only add seconds here."""
-    d = tmp_path_factory.mktemp("front")
-    config = write_config(d / "kvserve.toml", model=MODEL, block_tokens=BLOCK)
-    with EmbeddedRedis() as redis:
-        st = store(config, redis.url, d)
-        engines = [engine_service(role, config, redis.url, d, store_address=st.address)
-                   for role in ("prefill", "decode")]
-        router = router_proc(config, redis.url, d)
-        procs = [st, *engines, router.proc]
-        try:
-            start_all(*procs)
-            wait_until(lambda: live_counts(router.http) == {"prefill": 1, "decode": 1}, 30,
-                       "router sees prefill and decode")
-            yield Stack(router, config, redis.url, engines[1])
-        finally:
-            for p in procs:
-                p.kill()
+def stack(tiny: TinyStack) -> TinyStack:
+    """The package's tiny-dense stack (tests/router/conftest.py), which
+    test_front_input.py shares."""
+    return tiny
 
 
 @pytest.fixture(scope="module")

@@ -18,18 +18,18 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.redis_server import EmbeddedRedis
-from tests.prefill_svc.procs import engine_service, start_all, store, write_config
+from tests.prefill_svc.procs import write_config
 from tests.router.front_stack import (
+    TINY_BLOCK,
+    TINY_MODEL,
     RouterProc,
+    TinyStack,
     http,
-    live_counts,
     metric_sum,
     router_proc,
-    wait_until,
 )
 
-MODEL = "tiny-dense"
-BLOCK = 16
+MODEL, BLOCK = TINY_MODEL, TINY_BLOCK
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"
 OK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
@@ -38,31 +38,11 @@ OK_BYTES = json.dumps(OK).encode()
 MIB = 2**20
 
 
-def _live(r: RouterProc) -> dict[str, int]:
-    try:
-        return live_counts(r.http)
-    except OSError:                   # the HTTP port a moment after gRPC health
-        return {}
-
-
 @pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
-    d = tmp_path_factory.mktemp("front_input")
-    config = write_config(d / "kvserve.toml", model=MODEL, block_tokens=BLOCK)
-    with EmbeddedRedis() as redis:
-        st = store(config, redis.url, d)
-        engines = [engine_service(role, config, redis.url, d, store_address=st.address)
-                   for role in ("prefill", "decode")]
-        r = router_proc(config, redis.url, d)
-        procs = [st, *engines, r.proc]
-        try:
-            start_all(*procs)
-            wait_until(lambda: _live(r) == {"prefill": 1, "decode": 1}, 30,
-                       "router sees prefill and decode")
-            yield r
-        finally:
-            for p in procs:
-                p.kill()
+def router(tiny: TinyStack) -> RouterProc:
+    """The package's tiny-dense stack's router (tests/router/conftest.py), which
+    test_front.py shares."""
+    return tiny.router
 
 
 # -- a raw HTTP/1.1 client: the malformed requests urllib would refuse to send --------------

@@ -1,7 +1,7 @@
-"""The official ``openai`` client, unchanged, against ``kvserve up`` serving the
-real SmolLM2-135M-Instruct: models, chat, streaming chat, multi-turn,
-completions, cached_tokens on a repeat, and errors raised as the SDK's own
-exception types."""
+"""The official ``openai`` client, unchanged, against a real stack serving the
+real SmolLM2-135M-Instruct (tests/router/agent_stack.py): models, chat,
+streaming chat, multi-turn, completions, cached_tokens on a repeat, and errors
+raised as the SDK's own exception types."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.router.front_stack import UpStack, live_counts, up_stack, wait_until
+from tests.router.front_stack import RouterProc
 
 MODEL = "smollm2"
 # Long enough for several 64-token blocks, so a repeat restores some of them.
@@ -19,15 +19,16 @@ SYSTEM = ("You are a helpful geography tutor. Answer in one short sentence. "
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str) -> Iterator[UpStack]:
-    with up_stack(tmp_path_factory.mktemp("openai") / "run", model=MODEL) as s:
-        wait_until(lambda: live_counts(s.http) == {"prefill": 1, "decode": 1}, 30,
-                   "router sees prefill and decode")
-        yield s
+def stack(agent_stack: RouterProc) -> RouterProc:
+    """The package's SmolLM2 stack (tests/router/conftest.py), which the tools and
+    Messages API tests share: the same processes ``kvserve up`` starts, with
+    the same configuration; ``kvserve up`` itself is tests/kvserve's (test_up.py,
+    test_first_run.py, and test_serve_tools.py's tools over HTTP)."""
+    return agent_stack
 
 
 @pytest.fixture(scope="module")
-def client(stack: UpStack) -> Iterator[openai.OpenAI]:
+def client(stack: RouterProc) -> Iterator[openai.OpenAI]:
     c = openai.OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0,
                       timeout=120)
     yield c
