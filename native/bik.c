@@ -537,6 +537,7 @@ __attribute__((target("avx512f"))) static void norm_task512(void *ctx, int64_t m
 /* --------------------------------------------------------- attention */
 #define ATT_PMAX 8   /* (row, head) pairs whose value sums stay in registers */
 #define ATT_NPMAX 48 /* (row, head) pairs of one work item (AVX-512: up to 16 rows x 3 heads) */
+#define ATT_SCRATCH (4 << 20) /* bytes of scores per thread that larger items may grow to */
 #define ATT_VB_BYTES 32768 /* a block of V the value groups share: in L1 (48 KiB) */
 
 /* The key (or value) rows one work item reads: a sequence's contiguous mirror,
@@ -1488,13 +1489,15 @@ static PyObject *attend_call(PyObject *args, int fields) {
          * neither fits a 2 MB L2), so fewer, larger items read less: up to
          * ATT_NPMAX pairs, 1.2-1.3x over 12 on an Intel Xeon at 5.5k keys
          * (measured; the AVX2 path did not move), as long as every thread
-         * still gets two items. */
+         * still gets two items and a thread's scores stay within ATT_SCRATCH. */
         int64_t maxrows = 1;
         for (int64_t i = 0; i < nseg; i++)
             if (segs[i * SEG_FIELDS + 1] > maxrows) maxrows = segs[i * SEG_FIELDS + 1];
         const int64_t blocks = (2 * (int64_t)g_threads + per_block - 1) / per_block;
         int64_t rb = (maxrows + blocks - 1) / blocks;
         if (rb > ATT_NPMAX / a.heads_per_pass) rb = ATT_NPMAX / a.heads_per_pass;
+        const int64_t fit = ATT_SCRATCH / (4 * max_keys * a.heads_per_pass);
+        if (rb > fit) rb = fit;
         if (rb > a.rows_per_item) a.rows_per_item = rb;
     }
 #endif
