@@ -5,7 +5,8 @@ contiguously and through a block table), and optionally cold TTFT and the TTFT
 of a resent 5.5k-token context; with ``--against OLD.so`` every figure is also taken on
 another build of the kernels in the same process, the two timed in alternation
 (on a shared host the load moves between runs; alternating keeps the ratio
-fair). Timing is the best of several rounds.
+fair), and every attention output of the two builds must be bit-identical
+(else it raises). Timing is the best of several rounds.
 
     python -m benchmarks.bik [--against /path/to/old/_bik.so] [--ttft] [--json]
         [--threads 1]   # one thread, timed by its CPU time: steady on a loaded host
@@ -116,24 +117,35 @@ def _attention(opts: BenchBikOptions, res: BenchBikResult) -> None:
     pairs_dec = HEADS * 8 * KEYS
     for what, fn_q, segs, o, pairs, reps in (("prefill512", q, pre, out, pairs_pre, 2),
                                              ("decode8", qd, dec, outd, pairs_dec, 20)):
-        fns = {name: _on(ctx, lambda q=fn_q, s=segs, o=o: bik.attend(q, s, KV_HEADS, 0, o))
+        outs = {name: torch.empty_like(o) for name in _builds(opts)}
+        fns = {name: _on(ctx, lambda q=fn_q, s=segs, o=outs[name]: bik.attend(q, s, KV_HEADS, 0, o))
                for name, ctx in _builds(opts).items()}
         for name, t in _best(fns, reps, opts.rounds).items():
             res.values[f"attend_{what}_{name}_ns_per_row_head_key"] = t / pairs * 1e9
+        _same_bits(outs, f"attention {what}")
     kv = torch.randn(2, KV_HEADS, AGENT_KEYS + 8, HEAD_DIM, generator=g)
     for rows in AGENT_ROWS:
         q = torch.randn(rows, HEADS, HEAD_DIM, generator=g)
-        o = torch.empty(rows, HEADS * HEAD_DIM)
+        outs = {name: torch.empty(rows, HEADS * HEAD_DIM) for name in _builds(opts)}
         segs = [bik.AttnSegment(0, rows, AGENT_KEYS - rows, kv)]
         # 2 * D flops per (row, head, key) for the score, 2 * D for the values
         flops = 4 * HEAD_DIM * HEADS * sum(AGENT_KEYS - rows + r + 1 for r in range(rows))
-        fns = {name: _on(ctx, lambda q=q, s=segs, o=o: bik.attend(q, s, KV_HEADS, 0, o))
+        fns = {name: _on(ctx, lambda q=q, s=segs, o=outs[name]: bik.attend(q, s, KV_HEADS, 0, o))
                for name, ctx in _builds(opts).items()}
         for name, t in _best(fns, 1 if rows > 128 else 3, opts.rounds).items():
             res.values[f"attend_ctx{AGENT_KEYS}_rows{rows}_{name}_gflops"] = flops / t / 1e9
+        _same_bits(outs, f"attention over {AGENT_KEYS} keys, {rows} rows")
         if bik.paged():
             res.values[f"attend_ctx{AGENT_KEYS}_rows{rows}_paged_vs_contiguous"] = \
                 _paged_vs_contiguous(g, kv, q, rows, opts.rounds)
+
+
+def _same_bits(outs: dict[str, torch.Tensor], what: str) -> None:
+    """With --against, the two builds must agree bit for bit (KERNEL_ID holds)."""
+    first = next(iter(outs.values()))
+    for name, o in outs.items():
+        if not torch.equal(o, first):
+            raise AssertionError(f"{what}: build '{name}' changed the bits")
 
 
 def _paged_vs_contiguous(g: torch.Generator, kv: torch.Tensor, q: torch.Tensor, rows: int,

@@ -536,7 +536,9 @@ __attribute__((target("avx512f"))) static void norm_task512(void *ctx, int64_t m
 
 /* --------------------------------------------------------- attention */
 #define ATT_PMAX 8   /* (row, head) pairs whose value sums stay in registers */
-#define ATT_NPMAX 16 /* (row, head) pairs of one work item */
+#define ATT_NPMAX 48 /* (row, head) pairs of one work item (AVX-512: up to 16 rows x 3 heads) */
+#define ATT_SCRATCH (4 << 20) /* bytes of scores per thread that larger items may grow to */
+#define ATT_VB_BYTES 32768 /* a block of V the value groups share: in L1 (48 KiB) */
 
 /* The key (or value) rows one work item reads: a sequence's contiguous mirror,
  * or its blocks in the paged pool through its block table. Row j of the item
@@ -714,6 +716,13 @@ __attribute__((target("avx512f"))) static void scores512_##NV( \
     for (int64_t j = 0; j + LANES <= nkmax; j += LANES) { \
         const float *kg[LANES]; \
         kv_rows16(K, j, kg); \
+        if (j + 2 * LANES <= nkmax) { \
+            const float *kn[LANES]; \
+            kv_rows16(K, j + LANES, kn); \
+            for (int t = 0; t < LANES; t++) \
+                for (int64_t c = 0; c < nv; c++) \
+                    _mm_prefetch((const char *)(kn[t] + c * LANES), _MM_HINT_T0); \
+        } \
         for (int p = 0; p < np; p++) { \
             if (j + LANES > nk[p]) continue; \
             __m512 qv[16]; \
@@ -774,24 +783,37 @@ __attribute__((target("avx512f"))) static float expsum512(float *sc, int64_t nk,
     return tree16(part);
 }
 
-/* The weighted sum of values for P pairs at once: each output element is one
- * FMA chain over its own keys in order, the P * NV chains are independent (FMA
- * latency no longer bounds the loop) and each value row is loaded once for
- * all P pairs. Keys every pair has run jointly; a pair with more keys (a later
- * causal row) continues its chains over the rest. */
+/* The weighted sums of values for P pairs at once over keys [j0, j1): each
+ * output element is one FMA chain over its own keys in order, the P * NV
+ * chains are independent (FMA latency no longer bounds the loop) and each
+ * value row is loaded once for all P pairs. Keys every pair has run jointly;
+ * a pair with more keys (a later causal row) continues its chains over the
+ * rest. Between key ranges a chain's running sum is parked in o (a float
+ * stored and loaded back is the same float): the caller walks V in blocks
+ * that stay in L1 for every group of pairs, so V streams from L3 once per
+ * item instead of once per group (values were 2x slower over a 5.5k context
+ * than over 512 keys, on an Intel Xeon whose 2 MB L2 holds neither K nor V
+ * of one KV head). The division by the denominator is values512_div's. */
+#define ATT_PF 32 /* value rows prefetched ahead (the stream crosses 4 KiB pages) */
 #define DEF_VALUES512(NV, P) \
 __attribute__((target("avx512f"))) static void values512_##NV##_##P( \
-    const kv_rows *V, const int64_t *nk, float *const *sc, const float *total, float *const *o) { \
+    const kv_rows *V, int64_t j0, int64_t j1, const int64_t *nk, float *const *sc, \
+    float *const *o) { \
     __m512 ov[P][NV]; \
-    int64_t nmin = nk[0], nmax = nk[0]; \
+    int64_t nmin = j1, nmax = j0; \
     for (int h = 0; h < P; h++) { \
-        for (int c = 0; c < NV; c++) ov[h][c] = _mm512_setzero_ps(); \
-        if (nk[h] < nmin) nmin = nk[h]; \
-        if (nk[h] > nmax) nmax = nk[h]; \
+        for (int c = 0; c < NV; c++) \
+            ov[h][c] = j0 ? _mm512_loadu_ps(o[h] + c * LANES) : _mm512_setzero_ps(); \
+        const int64_t e = nk[h] < j1 ? nk[h] : j1; \
+        if (e < nmin) nmin = e; \
+        if (e > nmax) nmax = e; \
     } \
-    for (int64_t j = 0, n; j < nmin;) \
+    for (int64_t j = j0, n; j < nmin;) \
     for (const float *vj = kv_span(V, j, nmin, &n), *vend = vj + n * NV * LANES; vj < vend; \
          vj += NV * LANES, j++) { \
+        if (vj + ATT_PF * NV * LANES < vend) \
+            for (int c = 0; c < NV; c++) \
+                _mm_prefetch((const char *)(vj + (ATT_PF * NV + c) * LANES), _MM_HINT_T0); \
         __m512 vv[NV]; \
         for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(vj + c * LANES); \
         for (int h = 0; h < P; h++) { \
@@ -799,7 +821,7 @@ __attribute__((target("avx512f"))) static void values512_##NV##_##P( \
             for (int c = 0; c < NV; c++) ov[h][c] = _mm512_fmadd_ps(e, vv[c], ov[h][c]); \
         } \
     } \
-    for (int64_t j = nmin; j < nmax; j++) { \
+    for (int64_t j = nmin > j0 ? nmin : j0; j < nmax; j++) { \
         const float *vj = kv_row(V, j); \
         __m512 vv[NV]; \
         for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(vj + c * LANES); \
@@ -809,11 +831,15 @@ __attribute__((target("avx512f"))) static void values512_##NV##_##P( \
             for (int c = 0; c < NV; c++) ov[h][c] = _mm512_fmadd_ps(e, vv[c], ov[h][c]); \
         } \
     } \
-    for (int h = 0; h < P; h++) { \
-        __m512 tv = _mm512_set1_ps(total[h]); \
-        for (int c = 0; c < NV; c++) \
-            _mm512_storeu_ps(o[h] + c * LANES, _mm512_div_ps(ov[h][c], tv)); \
-    } \
+    for (int h = 0; h < P; h++) \
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(o[h] + c * LANES, ov[h][c]); \
+}
+
+/* o / total, each of D elements: the one rounding after the numerator's chain. */
+__attribute__((target("avx512f"))) static void values512_div(int64_t D, float total, float *o) {
+    const __m512 tv = _mm512_set1_ps(total);
+    for (int64_t d = 0; d < D; d += LANES)
+        _mm512_storeu_ps(o + d, _mm512_div_ps(_mm512_loadu_ps(o + d), tv));
 }
 
 /* Any head size: the same chains, one pair at a time. */
@@ -848,7 +874,7 @@ DEF_VALUES512(8, 1) DEF_VALUES512(8, 2) DEF_VALUES512(8, 3)
 
 typedef void (*scores_fn)(const attn_args *, const float *const *, const kv_rows *,
                           const int64_t *, int, float *const *, float *);
-typedef void (*values_fn)(const kv_rows *, const int64_t *, float *const *, const float *,
+typedef void (*values_fn)(const kv_rows *, int64_t, int64_t, const int64_t *, float *const *,
                           float *const *);
 static scores_fn scores512_for(int64_t nv) {
     switch (nv) {
@@ -1256,15 +1282,24 @@ static void attn_task(void *ctx, int64_t i0, int64_t i1, int tid) {
                 scores512_for(D / LANES)(a, qs, K, nks, np, scs, mx);
                 for (int i = 0; i < np; i++) totals[i] = expsum512(scs[i], nks[i], mx[i]);
                 const int pv = (int)a->pairs_per_values;
-                for (int i = 0; i < np; i += pv) {
-                    const int n = np - i < pv ? np - i : pv;
-                    values_fn values = values512_for(D / LANES, n);
-                    if (values) {
-                        values(V, nks + i, scs + i, totals + i, outs + i);
-                    } else {
-                        for (int j = i; j < i + n; j++)
-                            values512_any(D, V, nks[j], scs[j], totals[j], outs[j]);
+                int64_t nkmax = 0;
+                for (int i = 0; i < np; i++)
+                    if (nks[i] > nkmax) nkmax = nks[i];
+                if (values512_for(D / LANES, pv < np ? pv : np)) {
+                    /* Key blocks outermost: a block of V is read from L3 once
+                     * and from L1 by every group of pairs. */
+                    const int64_t vb = ATT_VB_BYTES / (D * 4) > 16 ? ATT_VB_BYTES / (D * 4) : 16;
+                    for (int64_t kb = 0; kb < nkmax; kb += vb) {
+                        const int64_t ke = kb + vb < nkmax ? kb + vb : nkmax;
+                        for (int i = 0; i < np; i += pv) {
+                            const int n = np - i < pv ? np - i : pv;
+                            values512_for(D / LANES, n)(V, kb, ke, nks + i, scs + i, outs + i);
+                        }
                     }
+                    for (int i = 0; i < np; i++) values512_div(D, totals[i], outs[i]);
+                } else {
+                    for (int j = 0; j < np; j++)
+                        values512_any(D, V, nks[j], scs[j], totals[j], outs[j]);
                 }
                 continue;
             }
@@ -1442,12 +1477,30 @@ static PyObject *attend_call(PyObject *args, int fields) {
     int64_t group = H / Hkv;
     a.heads_per_pass = group < pmax ? group : pmax;
     /* Scores for twice that many pairs share each 16-key block of K (then two
-     * passes over V): 1.1x over one pass, measured. */
+     * groups over V): 1.1x over one group, measured; AVX-512 grows it below. */
     a.rows_per_item = 2 * pmax / a.heads_per_pass;
     if (a.rows_per_item * a.heads_per_pass > ATT_NPMAX) a.rows_per_item = ATT_NPMAX / a.heads_per_pass;
     if (a.rows_per_item < 1) a.rows_per_item = 1;
     a.pairs_per_values = pmax;
     int64_t per_block = Hkv * ((group + a.heads_per_pass - 1) / a.heads_per_pass);
+#if BIK_X86
+    if (g_isa == ISA_AVX512) {
+        /* Every item streams its KV head's K and V from L3 once (past ~1k keys
+         * neither fits a 2 MB L2), so fewer, larger items read less: up to
+         * ATT_NPMAX pairs, 1.2-1.3x over 12 on an Intel Xeon at 5.5k keys
+         * (measured; the AVX2 path did not move), as long as every thread
+         * still gets two items and a thread's scores stay within ATT_SCRATCH. */
+        int64_t maxrows = 1;
+        for (int64_t i = 0; i < nseg; i++)
+            if (segs[i * SEG_FIELDS + 1] > maxrows) maxrows = segs[i * SEG_FIELDS + 1];
+        const int64_t blocks = (2 * (int64_t)g_threads + per_block - 1) / per_block;
+        int64_t rb = (maxrows + blocks - 1) / blocks;
+        if (rb > ATT_NPMAX / a.heads_per_pass) rb = ATT_NPMAX / a.heads_per_pass;
+        const int64_t fit = ATT_SCRATCH / (4 * max_keys * a.heads_per_pass);
+        if (rb > fit) rb = fit;
+        if (rb > a.rows_per_item) a.rows_per_item = rb;
+    }
+#endif
     int64_t *item0 = malloc(sizeof(int64_t) * (size_t)(nseg + 1));
     a.scratch = malloc(sizeof(float) *
                        (size_t)(max_keys * a.heads_per_pass * a.rows_per_item * g_threads));
