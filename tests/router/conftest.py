@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.router.agent_stack import agent_stack as _agent_stack
-from tests.router.front_stack import RouterProc, TinyStack, tiny_stack
+from tests.router.front_stack import RouterProc, SplitStack, tiny_stack
 
 
 @pytest.fixture(scope="package")
@@ -27,7 +27,7 @@ def agent_stack(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str
 
 
 @pytest.fixture(scope="package")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyStack]:
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SplitStack]:
     """The tiny-dense stack test_front.py and test_front_input.py share (the same
     configuration; a start costs ~10 s of CPU on a 2-core box). Both only add
     requests with prompts of their own, and what they count is a delta or a

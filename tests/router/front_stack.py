@@ -74,9 +74,8 @@ def router_proc(config: Path, redis_url: str, log_dir: Path, *,
 
 
 @dataclass(slots=True)
-class TinyStack:
-    """Redis, kvstore, prefill, decode and router processes serving tiny-dense
-    (byte-level tokenizer, 1024-token context) with 16-token blocks."""
+class SplitStack:
+    """Redis, kvstore, prefill, decode and router processes (``split_stack``)."""
 
     router: RouterProc
     config: Path
@@ -96,11 +95,13 @@ TINY_MODEL, TINY_BLOCK = "tiny-dense", 16
 
 
 @contextlib.contextmanager
-def tiny_stack(d: Path) -> Iterator[TinyStack]:
-    """What ``kvserve up`` starts, as separate processes (test_openai_client goes
-    through the launcher itself). Killed at the end: a graceful stop would only
-    add seconds here."""
-    config = write_config(d / "kvserve.toml", model=TINY_MODEL, block_tokens=TINY_BLOCK)
+def split_stack(d: Path, *, model: str, block_tokens: int,
+                live_s: float) -> Iterator[SplitStack]:
+    """What ``kvserve up`` starts, as separate processes: Redis, kvstore,
+    prefill, decode and router, ready once the router sees both engines
+    (within ``live_s``). Killed at the end: a graceful stop would only add
+    seconds here."""
+    config = write_config(d / "kvserve.toml", model=model, block_tokens=block_tokens)
     with EmbeddedRedis() as redis:
         st = store(config, redis.url, d)
         engines = [engine_service(role, config, redis.url, d, store_address=st.address)
@@ -109,12 +110,20 @@ def tiny_stack(d: Path) -> Iterator[TinyStack]:
         procs = [st, *engines, router.proc]
         try:
             start_all(*procs)
-            wait_until(lambda: _live(router.http) == {"prefill": 1, "decode": 1}, 30,
+            wait_until(lambda: _live(router.http) == {"prefill": 1, "decode": 1}, live_s,
                        "router sees prefill and decode")
-            yield TinyStack(router, config, redis.url, engines[1])
+            yield SplitStack(router, config, redis.url, engines[1])
         finally:
             for p in procs:
                 p.kill()
+
+
+@contextlib.contextmanager
+def tiny_stack(d: Path) -> Iterator[SplitStack]:
+    """``split_stack`` serving tiny-dense (byte-level tokenizer, 1024-token
+    context) with 16-token blocks."""
+    with split_stack(d, model=TINY_MODEL, block_tokens=TINY_BLOCK, live_s=30) as s:
+        yield s
 
 
 def _live(http_base: str) -> dict[str, int]:
@@ -151,5 +160,5 @@ def metric_sum(http_base: str, name: str, **labels: str) -> float:
     return total
 
 
-__all__ = ["Reply", "RouterProc", "TinyStack", "healthy", "http", "live_counts",
+__all__ = ["Reply", "RouterProc", "SplitStack", "healthy", "http", "live_counts",
            "metric_sum", "router_proc", "tiny_stack", "wait_until"]

@@ -21,7 +21,7 @@ from tests.router.front_stack import (
     TINY_BLOCK,
     TINY_MODEL,
     RouterProc,
-    TinyStack,
+    SplitStack,
     http,
     live_counts,
     metric_sum,
@@ -33,11 +33,11 @@ from tests.tls import channel
 MODEL, BLOCK = TINY_MODEL, TINY_BLOCK       # byte-level tokenizer, 1024-token context
 
 
-Stack = TinyStack
+Stack = SplitStack
 
 
 @pytest.fixture(scope="module")
-def stack(tiny: TinyStack) -> TinyStack:
+def stack(tiny: SplitStack) -> SplitStack:
     """The package's tiny-dense stack (tests/router/conftest.py), which
     test_front_input.py shares."""
     return tiny

@@ -23,7 +23,7 @@ from tests.router.front_stack import (
     TINY_BLOCK,
     TINY_MODEL,
     RouterProc,
-    TinyStack,
+    SplitStack,
     http,
     metric_sum,
     router_proc,
@@ -39,7 +39,7 @@ MIB = 2**20
 
 
 @pytest.fixture(scope="module")
-def router(tiny: TinyStack) -> RouterProc:
+def router(tiny: SplitStack) -> RouterProc:
     """The package's tiny-dense stack's router (tests/router/conftest.py), which
     test_front.py shares."""
     return tiny.router
