@@ -27,10 +27,12 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -180,6 +182,7 @@ class VLLMProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
         self.ready_s = 0.0
+        self.tmp_dir: Path | None = None
         self._ssl = client_ssl(spec)
 
     def start(self) -> VLLMProcess:
@@ -190,11 +193,17 @@ class VLLMProcess:
             self.spec = replace(self.spec, redis_url_file=str(path))
         self.started_at = time.monotonic()
         # 0600: a log may quote prompts.
+        # vLLM leaves its torch.distributed store file and ZMQ sockets in the temp dir
+        # (world-readable, never removed): a 0700 one of its own, short enough for a
+        # socket path, removed at stop; umask 077 whoever launched us.
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="kvserve-vllm-"))
+        env = {**self.spec.env(), "TMPDIR": str(self.tmp_dir)}
         with os.fdopen(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
                        "wb") as out:
-            self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.env(), stdout=out,
+            self.proc = subprocess.Popen(self.spec.argv(), env=env, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=die_with_parent)
+                                         start_new_session=True, preexec_fn=die_with_parent,
+                                         umask=0o077)
         return self
 
     def alive(self) -> bool:
@@ -214,17 +223,20 @@ class VLLMProcess:
                         f"log {self.log}:\n{tail(self.log)}")
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM to its process group (the API server, engine core and workers)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
+        """SIGTERM to its process group (the API server, engine core and workers),
+        then its temp dir goes."""
+        if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
 
 def client_ssl(spec: VLLMSpec) -> ssl.SSLContext | None:

@@ -17,6 +17,7 @@ cache, so only the warehouse can answer (no dev-mode cache reset exists).
 from __future__ import annotations
 
 import asyncio
+import stat
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,7 @@ pytestmark = pytest.mark.timeout(1500)
 def test_tenants_apart_and_a_client_naming_another_tenant_gets_nothing(vllm_stack,
                                                                        vllm_servers):
     server = vllm_servers.only("vllm-b")
+    _only_private_files(server)
     p = prompts(1, seed=21, lo=600, hi=601)[0]
     alice_name, bob_name = f"alice-{vllm_stack.run}", f"bob-{vllm_stack.run}"
     alice, bob = salt(alice_name), salt(bob_name)
@@ -155,3 +157,15 @@ def test_async_loads_that_fail_or_are_tampered_are_recomputed_never_served(
     assert after.get("load_errors", 0) - before.get("load_errors", 0) == usable
     assert after.get("loaded_blocks", 0) == before.get("loaded_blocks", 0)
     assert asyncio.run(_g2_checksum_failures(address)) - failures >= usable
+
+
+def _only_private_files(server) -> None:  # type: ignore[no-untyped-def]
+    """What vLLM writes to its temp dir (its torch.distributed store file, ZMQ
+    sockets; world-readable in the shared /tmp otherwise) is its owner's alone."""
+    tmp = server.tmp_dir
+    assert tmp is not None and stat.S_IMODE(tmp.stat().st_mode) == 0o700
+    entries = list(tmp.rglob("*"))
+    assert entries, "vLLM wrote nothing to its TMPDIR: is it used at all?"
+    loose = [(e.name, oct(stat.S_IMODE(e.lstat().st_mode))) for e in entries
+             if stat.S_IMODE(e.lstat().st_mode) & 0o077]
+    assert not loose, loose

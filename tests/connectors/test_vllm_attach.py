@@ -33,7 +33,9 @@ def test_router_places_a_repeat_on_a_plain_vllm_from_its_own_events(vllm_stack, 
     from kvserve.launch_vllm import VLLMProcess
     from kvserve.launch_vllm_attach import AttachConfig, run_attach
 
+    tmp_dirs = [p.tmp_dir for p in vllm_servers.live.values()]
     vllm_servers.stop_all()
+    assert tmp_dirs and not any(d is None or d.exists() for d in tmp_dirs), tmp_dirs
     names = ["plain-0", "plain-1"]
     specs = [vllm_stack.spec(n, connector=False, kv_events=f"ipc://{tmp_path}/{n}.ev")
              for n in names]
