@@ -148,6 +148,10 @@ def _stack(p: argparse.ArgumentParser) -> None:
                        help="[engine] prefill_chunk in tokens (0: the engine's default)")
     stack.add_argument("--step-tokens", type=int, default=4096,
                        help="[prefill] step_tokens: prompt tokens per prefill step")
+    stack.add_argument("--admission-tokens", type=int, default=0,
+                       help="[admission] prefill_tokens: prompt tokens still to compute the "
+                            "router lets into prefill at once, per instance (0: the default "
+                            "16384, 0.12 s of an H200's prefill)")
     stack.add_argument("--ready-timeout", type=float, default=420.0)
     dec = p.add_argument_group("decode phase")
     dec.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT SLO, seconds")

@@ -38,7 +38,13 @@ from typing import Any
 
 from benchmarks import stack_aiperf as ap
 from benchmarks.harness import Chart, Goal, Report, Table, check_goals, load_average
-from benchmarks.stack_figures import STEP_PARTS, decode_figures, prefill_figures, step_breakdown
+from benchmarks.stack_figures import (
+    STEP_PARTS,
+    decode_figures,
+    prefill_figures,
+    queue_line,
+    step_breakdown,
+)
 from benchmarks.stack_limits import Limits
 
 GOALS = (Goal("effective prefill >= 0.7x compute of misses + PCIe of G2 hits",
@@ -136,7 +142,9 @@ def _phase(args: argparse.Namespace, out: Path, doc: dict[str, Any], tool: ap.AI
         say(f"{phase.name} phase: decode step {steps['step_ms']:.1f} ms = " + ", ".join(
             f"{p} {steps[f'step_{p}_ms']:.1f}" for p in (*STEP_PARTS, "loop")))
     if phase.name == "agent":
-        doc["prefill"] = prefill_figures(res.records, limits, delta["prefill"], delta["decode"])
+        doc["prefill"] = prefill_figures(res.records, limits, delta["prefill"], delta["decode"],
+                                         delta["router"])
+        say("agent phase: " + queue_line(doc["prefill"]))
     else:
         doc["decode"] = decode_figures(res.records, limits, delta["decode"], batch=batch,
                                        context=args.decode_context, tokens=args.decode_tokens,
@@ -219,7 +227,9 @@ def _config(args: argparse.Namespace) -> str:
                        "decode_gpu_fraction": args.decode_gpu_fraction}
                       if args.device.startswith("cuda") else {})},
         "tiers": {"g2_bytes": args.g2, "g3_bytes": args.g3},
-        "prefill": {"step_tokens": args.step_tokens}})
+        "prefill": {"step_tokens": args.step_tokens},
+        **({"admission": {"prefill_tokens": args.admission_tokens}}
+           if args.admission_tokens else {})})
     return to_toml(cfg)
 
 
@@ -341,6 +351,7 @@ def _report(doc: dict[str, Any], out: Path) -> Report:
         for ph, b in doc.get("decode_steps", {}).items())
     notes = [f"{doc.get('stack_ready_s', 0):.0f} s to a ready stack (limits included), "
              f"{doc['wall_s']:.0f} s in all; errors {errors}", *doc["problems"],
+             *([f"agent phase: {queue_line(pf)}"] if pf else []),
              *([step] if step else []),
              *doc.get("notes", []),
              *(f"GPU memory after the {ph} phase: " + ", ".join(

@@ -25,6 +25,7 @@ import numpy as np
 
 from benchmarks.stack_aiperf import Record
 from benchmarks.stack_limits import Limits
+from prefill_svc.scheduler import WAIT_REASONS
 
 
 def pct(xs: Sequence[float], q: float) -> float:
@@ -50,9 +51,41 @@ def pull_paths(decode: Mapping[str, float]) -> dict[str, float]:
             for k in ("ipc", "shm", "stream")}
 
 
+def queue_split(prefill: Mapping[str, float],
+                router: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Where a request waited before prefill computed it, in seconds per request:
+    the router's admission (per turn admitted), then prefill's own queue (per
+    request admitted into its engine) split by cause (prefill_svc/scheduler.py,
+    ``WAIT_REASONS``), and the engine thread's time copying unpulled residents out."""
+    admitted = counter(prefill, "_prefill_admitted_total")
+    out = {"prefill_admitted": admitted,
+           "prefill_queue_s": counter(prefill, "_queue_wait_s_total") / admitted
+           if admitted else 0.0,
+           "prefill_demote_s_total": counter(prefill, "_demote_seconds_total")}
+    for why in WAIT_REASONS:
+        secs = counter(prefill, f"_queue_split_seconds_total:{why}")
+        out[f"prefill_queue_{why}_s"] = secs / admitted if admitted else 0.0
+    if router:
+        turns = counter(router, "_queue_wait_seconds_count")
+        out["router_queue_s"] = (counter(router, "_queue_wait_seconds_sum") / turns
+                                 if turns else 0.0)
+    return out
+
+
+def queue_line(pf: Mapping[str, float]) -> str:
+    """``queue_split``'s figures as one line of the report."""
+    parts = ", ".join(f"{why} {pf.get(f'prefill_queue_{why}_s', 0.0):.3f}"
+                      for why in WAIT_REASONS)
+    return (f"a turn waited {pf.get('router_queue_s', 0.0):.3f} s in the router's admission; "
+            f"prefill's queue held each of its {pf.get('prefill_admitted', 0.0):.0f} requests "
+            f"{pf.get('prefill_queue_s', 0.0):.3f} s = {parts}; residents copied out whole "
+            f"on its engine thread {pf.get('prefill_demote_s_total', 0.0):.2f} s in all")
+
+
 def prefill_figures(records: Sequence[Record], limits: Limits,
-                    prefill: Mapping[str, float], decode: Mapping[str, float]) -> dict[str, float]:
-    """``prefill`` / ``decode``: counter deltas of the services over the phase."""
+                    prefill: Mapping[str, float], decode: Mapping[str, float],
+                    router: Mapping[str, float] | None = None) -> dict[str, float]:
+    """``prefill`` / ``decode`` / ``router``: counter deltas of the services over the phase."""
     ok = [r for r in records if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
@@ -82,7 +115,7 @@ def prefill_figures(records: Sequence[Record], limits: Limits,
             "decode_pull_gbps": (counter(decode, "_pull_bytes_total") / pull_s / 1e9
                                  if pull_s > 0 else 0.0),
             "decode_rebuilds": counter(decode, "_rebuilds_total"),
-            **pull_paths(decode), **latency(records)}
+            **pull_paths(decode), **queue_split(prefill, router), **latency(records)}
 
 
 def decode_figures(records: Sequence[Record], limits: Limits, decode: Mapping[str, float], *,

@@ -29,6 +29,12 @@ requests and step results and runs its plans on the engine thread.
   resends a long context while its previous turn is still in prefill): once
   the running one is done its blocks are in G1 and the waiting one is
   admitted as a hit. The wait is bounded by the running prompt's own compute.
+
+Every plan also says why each waiting request was not admitted
+(``StepPlan.blocked``, one of ``WAIT_REASONS``), so the service can split a
+request's queue time into its causes (``Entry.charge``): on the H200 stack
+prefill's queue held each request 0.8 s while its GPU idled three quarters of
+the time, and the one figure did not say for what.
 """
 
 from __future__ import annotations
@@ -42,6 +48,16 @@ from prefill_svc.policy import AGING, policy
 MIN_RETRY_MS = 10
 MAX_RETRY_MS = 60_000
 HOLD_MIN_TOKENS = 256       # shared uncached prefix worth waiting for (four 64-token blocks)
+
+# Why a waiting request is not in the engine yet:
+#   warm     its warehouse lookup and fetch are not done
+#   pool     the KV pool lacks its blocks (or an earlier request's stopped admissions)
+#   held     a running prompt computes its prefix: admitted as a hit once it is done
+#   running  max_running prompts are already being computed
+#   budget   the step's tokens went to requests ahead of it (policy order, aging)
+#   engine   ready and planned (or not yet planned): waits for the engine thread
+#            (the step in flight, resident demotions, the hop)
+WAIT_REASONS = ("warm", "pool", "held", "running", "budget", "engine")
 
 
 @dataclass(slots=True, eq=False)
@@ -60,6 +76,17 @@ class Entry:
     computing_from: int = 0     # running: its first block not taken from a cache
     idle_g1: tuple[int, ...] = ()   # G1 blocks it reuses that no one holds (in ``blocks``' pool
                                     # count once per step, however many waiting ones reuse them)
+    why: str = "warm"               # why it waits now (WAIT_REASONS)
+    since: float = -1.0             # monotonic: when ``why`` last changed (-1: at arrival)
+    waits: dict[str, float] = field(default_factory=dict)   # seconds waited, by reason
+
+    def charge(self, now: float, why: str) -> None:
+        """The time since the last change goes to the old reason; ``why`` from now."""
+        start = self.arrival if self.since < 0 else self.since
+        if now > start:
+            self.waits[self.why] = self.waits.get(self.why, 0.0) + (now - start)
+        self.since = max(now, start)
+        self.why = why
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +95,7 @@ class StepPlan:
     budgets: dict[str, int]             # request id -> tokens to compute in this step
     stop: tuple[Entry, ...]             # running but cancelled: free before the step
     starved: bool = False               # a ready request did not fit in the free blocks
+    blocked: dict[str, str] = field(default_factory=dict)   # ready, not admitted: id -> why
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +186,10 @@ class Scheduler:
             if budget <= 0:
                 break
             budget -= step.give(e, budget)
-        return StepPlan(tuple(step.admit), step.budgets, stop, starved=not step.admitting)
+        blocked = {e.request_id: step.why.get(e.request_id) or step.reason(e)
+                   for e in cands if not e.running and e.request_id not in step.budgets}
+        return StepPlan(tuple(step.admit), step.budgets, stop, starved=not step.admitting,
+                        blocked=blocked)
 
     def admitted(self, e: Entry, remaining: int) -> None:
         self.waiting.pop(e.request_id, None)
@@ -206,6 +237,16 @@ class _Step:
     pinned: set[int] = field(default_factory=set)      # idle G1 blocks admissions take
     admit: list[Entry] = field(default_factory=list)
     budgets: dict[str, int] = field(default_factory=dict)
+    why: dict[str, str] = field(default_factory=dict)  # refused admission: id -> why (last)
+
+    def reason(self, e: Entry) -> str:
+        """Why ``e``, never offered a share of this step, waits: what would
+        have stopped it had the step's tokens reached it."""
+        if self.computing and _holder(e, self.computing) is not None:
+            return "held"
+        if self.n_running >= self.max_running:
+            return "running"
+        return "budget" if self.admitting else "pool"
 
     def give(self, e: Entry, most: int) -> int:
         """Up to ``most`` tokens of this step to ``e`` (admitting it if it
@@ -214,12 +255,18 @@ class _Step:
         if left <= 0 or most <= 0:
             return 0
         if not e.running and e.request_id not in self.budgets:
-            if not self.admitting or self.n_running >= self.max_running:
+            if not self.admitting:
+                self.why[e.request_id] = "pool"
+                return 0
+            if self.n_running >= self.max_running:
+                self.why[e.request_id] = "running"
                 return 0
             if self.computing and _holder(e, self.computing) is not None:
+                self.why[e.request_id] = "held"
                 return 0                     # admitted as a G1 hit once that one is done
             pins = [b for b in e.idle_g1 if b not in self.pinned]
             if e.blocks + len(pins) > self.free_blocks:
+                self.why[e.request_id] = "pool"
                 self.admitting = False       # the pool frees as running prompts finish
                 return 0
             self.free_blocks -= e.blocks + len(pins)

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 import torch
 
+from engine.staging import HostCopy
 from kvstore.client import ctx_to_proto
 from kvstore.keys import chain_keys
 from kvstore.registry import LoadReport
@@ -42,6 +43,7 @@ from prefill_svc.config import PrefillConfig
 from prefill_svc.steps import Computed, Job, StepLoop
 from proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from service import kv_ipc
+from service.aio import background
 from service.cost import CostModel
 from service.engine_thread import EngineThread
 from service.errors import grpc_stream, grpc_unary, status_for
@@ -79,6 +81,15 @@ class PrefillStats:
     cancelled_total: int = 0                # callers gone before their first token
     admitted_total: int = 0                 # requests admitted into the engine
     queue_wait_s_total: float = 0.0         # their time from arrival to admission
+    # That time split by its cause (prefill_svc/scheduler.py, WAIT_REASONS): warm (lookup
+    # and fetch), pool (no KV blocks), held (a running prompt computes its prefix),
+    # running (max_running), budget (the step's tokens went to others), engine (the
+    # step in flight, demotions, the hop). Sums to queue_wait_s_total within the
+    # tokenization before a request is queued.
+    queue_split_seconds_total: dict[str, float] = field(default_factory=dict)
+    demote_seconds_total: float = 0.0       # engine thread copying unpulled residents out whole
+    finish_seconds_total: float = 0.0       # engine thread finishing prompts (write-through
+                                            # gather, G1 publish): no step runs meanwhile
     steps_total: int = 0                    # engine steps (one forward with bik)
     step_tokens_total: int = 0              # prompt tokens computed by them
     step_seconds_total: float = 0.0         # their time on the engine thread (waits for the
@@ -138,6 +149,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                            if cfg.ipc_pulls and isinstance(device, torch.device) else "")
         self.stats = PrefillStats()
         self._sweeper: asyncio.Task[None] | None = None
+        self._writes: set[asyncio.Task[None]] = set()   # new blocks on their way to the writer
         mc = engine.model_config
         self.token_nbytes = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                     engine.dtype).token_nbytes
@@ -158,6 +170,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     async def close(self) -> None:
         await self.steps.close()
+        if self._writes:                # their host copies, then the writer drains them
+            await asyncio.wait(list(self._writes), timeout=self.cfg.endpoint.drain_grace_s)
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -281,9 +295,15 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.buffer.put_resident(job.ctx.request_id, len(job.tokens), seed=job.kv_seed,
                                  resident=job.resident)
         if computed.new_blocks is not None:
-            self.writer.submit(job.keys[job.write_from:], computed.new_blocks,
-                               layout=self.engine.layout.name,
-                               token_count=self.block_tokens, ctx=job.ctx)
+            background(self._write_through(job, computed.new_blocks), self._writes,
+                       f"write-{job.ctx.request_id}")
+
+    async def _write_through(self, job: Job, copy: HostCopy) -> None:
+        """The new blocks to the block writer once on the host (the copy waits on
+        a worker thread, never on the engine's)."""
+        blocks = await asyncio.to_thread(copy.wait)
+        self.writer.submit(job.keys[job.write_from:], blocks, layout=self.engine.layout.name,
+                           token_count=self.block_tokens, ctx=job.ctx)
 
     def _demoted(self, job: Job, kv: torch.Tensor | BaseException) -> None:
         """A resident prompt was copied out whole (loop thread): its entry holds it."""

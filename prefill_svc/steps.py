@@ -21,6 +21,12 @@ freed, as every prompt was before. Whenever the plan cannot admit a ready
 request for want of blocks, or an admission finds the pool short, every
 resident is demoted first: residents never starve admissions.
 
+A finished prompt's new blocks for the warehouse are only gathered on the
+engine thread; their copy to the host runs on a worker thread
+(``engine.staging.HostCopy``, as decode's answer-end export): the copy and
+its pinned allocation, made on the engine thread, kept every waiting request
+out of the engine and the GPU idle meanwhile.
+
 Nothing admitted fails for want of room: a prompt the pool cannot hold yet
 waits until running ones finish. Every future a handler awaits is resolved
 exactly once or cancelled by its handler (service/aio.py), so no exception
@@ -43,7 +49,7 @@ import torch
 
 from common.config import PrefillSection
 from engine import EngineInputError, PoolExhaustedError, PrefillResult
-from engine.staging import PinnedChunks
+from engine.staging import DeviceBudget, HostCopy, PinnedChunks
 from kvstore.types import RequestCtx
 from prefill_svc.scheduler import Entry, Scheduler, StepPlan
 from service.aio import background, settle
@@ -61,10 +67,16 @@ class Sampled:
     queue_s: float                  # submission to admission into the engine
 
 
+# Device gathers of new blocks that may wait at once for their copy to the host
+# (outside the engine's capped pool); past it the copy is made on the engine thread.
+_WRITE_DEVICE_BYTES = 2 * 2**30
+
+
 @dataclass(frozen=True, slots=True)
 class Computed:
     resident: bool                  # its sequence is held for decode's pull; False: caller gone
-    new_blocks: torch.Tensor | None  # [n, layers, 2, kv_heads, B, head_dim], blocks write_from..
+    new_blocks: HostCopy | None     # [n, layers, 2, kv_heads, B, head_dim], blocks write_from..,
+                                    # on their way to the host (``wait`` off the engine thread)
 
 
 @dataclass(slots=True, eq=False)
@@ -102,6 +114,7 @@ class _Outcome:
     """What one engine-thread step did, applied on the loop afterwards."""
 
     admitted: dict[str, int] = field(default_factory=dict)      # id -> tokens left after admit
+    admitted_at: dict[str, float] = field(default_factory=dict)  # id -> monotonic, at admission
     deferred: list[Entry] = field(default_factory=list)         # pool full at admission
     failed: list[tuple[Entry, BaseException]] = field(default_factory=list)
     stopped: list[Entry] = field(default_factory=list)          # freed: caller gone
@@ -144,6 +157,7 @@ class StepLoop:
         # speed, more would only share the link.
         on_cuda = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
         self._chunks = PinnedChunks(sets=4, pin=True) if on_cuda else None
+        self._write_budget = DeviceBudget(_WRITE_DEVICE_BYTES)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -231,6 +245,7 @@ class StepLoop:
                                 (restore.start_block + restore.n_blocks) * B)
         self.sched.mark_ready(e, len(job.tokens) - job.planned_reuse,
                               -(-len(job.tokens) // B) - restore.start_block)
+        e.charge(time.monotonic(), "engine")    # its lookup and fetch were its wait so far
         self._pool_seen = (-1, -1, -1)      # size it against G1 as it is now
         self._gauges()
         self._wake.set()
@@ -265,6 +280,7 @@ class StepLoop:
             g1 = self._engine.g1_admission(job.g1_keys or (), L)
             if g1.held_blocks < r.start_block and job.warm is not None:
                 self.sched.unready(e)
+                e.charge(time.monotonic(), "warm")
                 job.restore = None
                 self._stats.rewarmed_total += 1
                 job.warming = background(self._warm(e, job.warm(g1.held_blocks)),
@@ -279,6 +295,8 @@ class StepLoop:
             self._refresh_waiting()
             plan = (self.sched.plan(self._engine.free_blocks, time.monotonic())
                     if self.sched.has_work else None)
+            if plan is not None:
+                self._account(plan)
             if plan is not None and plan.starved and self._held:
                 # Residents hold blocks a ready request needs: out to the host, plan again.
                 await self._thread.call(self._demote_all)
@@ -292,6 +310,14 @@ class StepLoop:
             out = await self._thread.call(self._step, plan, entries, loop)
             self._apply(out, entries)
 
+    def _account(self, plan: StepPlan) -> None:
+        """Each waiting request's time so far to its reason; the plan's from now."""
+        now, admit = time.monotonic(), {e.request_id for e in plan.admit}
+        for e in self.sched.waiting.values():
+            if e.ready and not e.cancelled:
+                rid = e.request_id
+                e.charge(now, "engine" if rid in admit else plan.blocked.get(rid, "engine"))
+
     def _apply(self, out: _Outcome, entries: dict[str, Entry]) -> None:
         s = self.sched
         for e in out.stopped:
@@ -301,11 +327,18 @@ class StepLoop:
         for e, exc in out.failed:
             s.drop(e)
             self._fail(e, exc)
+        split = self._stats.queue_split_seconds_total
         for rid, left in out.admitted.items():
-            s.admitted(entries[rid], left)
+            e = entries[rid]
+            e.charge(out.admitted_at[rid], "")
+            for why, secs in e.waits.items():
+                split[why] = split.get(why, 0.0) + secs
+            s.admitted(e, left)
             self._stats.admitted_total += 1
-            self._stats.queue_wait_s_total += entries[rid].payload.queue_s
+            self._stats.queue_wait_s_total += e.payload.queue_s
         for e in out.deferred:
+            e.charge(time.monotonic(), "pool")
+
             if not s.running and not out.admitted:
                 s.drop(e)   # the whole pool is free and still too small: it never fits
                 self._fail(e, InvalidRequest(f"request {e.request_id!r} does not fit in this "
@@ -356,6 +389,7 @@ class StepLoop:
                 out.failed.append((e, exc))
                 continue
             e.payload.queue_s = time.perf_counter() - e.payload.t_submit
+            out.admitted_at[e.request_id] = time.monotonic()
             out.admitted[e.request_id] = adm.to_compute
         live: dict[str, int] = {}
         for rid, budget in plan.budgets.items():
@@ -416,15 +450,18 @@ class StepLoop:
         sequence kept for decode's pull (freed at once if its caller left)."""
         eng, job = self._engine, e.payload
         rid, L, B = e.request_id, len(job.tokens), self._block_tokens
+        t0 = time.perf_counter()
         try:
             n_full = L // B
-            new = (eng.export_blocks(rid, job.write_from, n_full - job.write_from)
+            new = (self._export_new(rid, job.write_from, n_full - job.write_from)
                    if n_full > job.write_from else None)
             if not e.cancelled:
                 eng.publish(rid, job.g1_keys)
         except Exception as exc:
             self._free(rid, job.g1_keys)
             return exc
+        finally:
+            self._stats.finish_seconds_total += time.perf_counter() - t0
         if e.cancelled:
             self._free(rid, job.g1_keys)
             return Computed(False, new)
@@ -433,6 +470,19 @@ class StepLoop:
         eng.release_mirror(rid)
         self._hold(rid, _Held(job, time.monotonic()))
         return Computed(True, new)
+
+    def _export_new(self, rid: str, first: int, n: int) -> HostCopy:
+        """Blocks [first, first + n) of ``rid`` gathered on the device, queued on
+        this thread's stream before anything that could reuse them, and their
+        copy to the host started; past the device budget copied here as before."""
+        blocks = self._engine.export_blocks(rid, first, n, on_device=True)
+        copy = HostCopy.start(blocks)
+        if blocks.device.type != "cpu":
+            if self._write_budget.take(copy.nbytes):
+                self._write_budget.hold(blocks, copy.nbytes)
+            else:
+                copy = HostCopy.start(copy.wait())
+        return copy
 
     # -- residents (engine thread, but for the two entry points) -----------------------
 
@@ -518,12 +568,15 @@ class StepLoop:
             return
         job = held.job
         result: torch.Tensor | BaseException
+        t0 = time.perf_counter()
         try:
             result = self._engine.export_tokens(rid, 0, len(job.tokens))
         except Exception as exc:
             result = exc
         finally:
             self._free(rid, job.g1_keys)
+            # On the engine thread: no step runs meanwhile.
+            self._stats.demote_seconds_total += time.perf_counter() - t0
         if isinstance(result, torch.Tensor):
             self._stats.handoff_demoted_total += 1
             self._stats.handoff_bytes_total += result.numel() * result.element_size()

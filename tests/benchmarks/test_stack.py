@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.stack_aiperf import AIPerf, Phase, Record, command, parse_records
-from benchmarks.stack_figures import decode_figures, prefill_figures
+from benchmarks.stack_figures import decode_figures, prefill_figures, queue_line, queue_split
 from benchmarks.stack_limits import Limits, fit_quadratic, model_config, weight_bytes
 
 
@@ -167,3 +167,25 @@ def test_decode_step_breakdown_from_the_batchers_counters() -> None:
     assert b["step_ms"] == pytest.approx(400.0) and b["step_sample_ms"] == pytest.approx(300.0)
     assert b["step_loop_ms"] == pytest.approx(400.0 - 50 - 10 - 300 - 20 - 5)
     assert step_breakdown({}) == {}
+
+
+def test_queue_split_per_request_and_its_report_line() -> None:
+    prefill = {"kvserve_prefill_prefill_admitted_total": 4.0,
+               "kvserve_prefill_prefill_queue_wait_s_total": 2.0,
+               "kvserve_prefill_prefill_queue_split_seconds_total": 1.9,
+               "kvserve_prefill_prefill_queue_split_seconds_total:warm": 0.4,
+               "kvserve_prefill_prefill_queue_split_seconds_total:pool": 1.2,
+               "kvserve_prefill_prefill_queue_split_seconds_total:engine": 0.3,
+               "kvserve_prefill_prefill_demote_seconds_total": 0.25}
+    router = {"kvserve_router_queue_wait_seconds_sum": 3.0,
+              "kvserve_router_queue_wait_seconds_count": 6.0}
+    q = queue_split(prefill, router)
+    assert q["prefill_admitted"] == 4 and q["prefill_queue_s"] == pytest.approx(0.5)
+    assert (q["prefill_queue_warm_s"], q["prefill_queue_pool_s"],
+            q["prefill_queue_engine_s"]) == pytest.approx((0.1, 0.3, 0.075))
+    assert q["prefill_queue_held_s"] == q["prefill_queue_budget_s"] == 0.0
+    assert q["prefill_demote_s_total"] == 0.25 and q["router_queue_s"] == pytest.approx(0.5)
+    line = queue_line(q)
+    assert line.startswith("a turn waited 0.500 s in the router's admission; ")
+    assert "4 requests 0.500 s = warm 0.100, pool 0.300, held 0.000" in line
+    assert queue_split({})["prefill_queue_s"] == 0.0 and "router_queue_s" not in queue_split({})
