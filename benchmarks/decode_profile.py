@@ -14,8 +14,12 @@ A mode is ``plain`` or ``+``-joined parts: ``pdl`` (dependent launches),
 ``nBMxBNsSkK`` (``triton_gemm.NARROW_64``, the 33-64-row plan of narrow
 outputs: tile, stages, K per stage), ``asN`` (decode attention pipeline
 stages), ``l2s3w4`` (a decode attention schedule,
-``triton_attention.DecodeSchedule``); ``@B`` at the end runs it at batch B
-only. Plans, stages and schedules only schedule the same arithmetic: the bit
+``triton_attention.DecodeSchedule``), ``host0`` (the host work between
+replays as before issue 21: every input rebuilt and sent, the unfused draw;
+``DecodeRunner.staged``, ``draw.FUSED``); ``@B`` at the end runs it at batch B
+only. A mode given twice is run twice (its second row's key ends in ``'``), so
+``host0`` and the shipped path can alternate in one process. Plans, stages,
+schedules and ``host0`` only schedule the same arithmetic: the bit
 checks say whether that held. Issue 21, docs/BENCHMARKS.md.
 """
 
@@ -37,7 +41,7 @@ import torch
 
 from benchmarks.engine import _prompt, decode_limit_tok_s, mem_copy_gbps
 from benchmarks.harness import save_json
-from engine import triton_attention, triton_gemm
+from engine import draw, triton_attention, triton_gemm
 from engine.config import EngineConfig
 from engine.runner import Engine
 
@@ -63,6 +67,7 @@ def set_mode(eng: Engine, mode: str) -> None:
     assert runner is not None
     parts = mode.split("@")[0].split("+")
     runner.pdl = "pdl" in parts
+    runner.staged = draw.FUSED = "host0" not in parts
     triton_gemm.NARROW_64 = SHIPPED_N64
     triton_attention.DECODE = SHIPPED_DECODE
     for part in parts:
@@ -134,6 +139,38 @@ def profile_replays(eng: Engine, b: int, replays: int, out_dir: str, tag: str) -
                            "gap_before_us": gaps_before[n]} for n, c, us in table]}
 
 
+IDLE_STEPS = 8      # decode steps profiled for the device's idle time between them
+
+
+def device_idle(eng: Engine, sids: list[str], steps: int) -> dict:
+    """Per decode step (``Engine.decode_step`` as a server calls it): the device's
+    span, its busy time (the union of kernels and copies) and the rest, idle: the
+    gaps inside the graph plus the wait for the host between steps."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.decode_step(sids)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "steps.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not spans:
+        return {}
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    span = end - spans[0][0]
+    return {"device_step_us": span / steps, "device_busy_us": busy / steps,
+            "device_idle_us": (span - busy) / steps}
+
+
 def run_batch(eng: Engine, b: int, steps: int, ctx: int, bw: float, mode: str,
               ref: dict[int, dict]) -> dict:
     set_mode(eng, mode)
@@ -182,7 +219,8 @@ def _run_batch(eng: Engine, sids: list[str], b: int, steps: int, ctx: int, bw: f
     res = {"tok_s": tok_s, "vs_roofline": tok_s / limit,
            "step_ms": 1e3 * statistics.median(totals), "forward_ms": 1e3 * statistics.median(fwds),
            "other_ms": 1e3 * (statistics.median(totals) - statistics.median(fwds)),
-           "replay_ms": replay_ms, "replay_vs_roofline": (b / (replay_ms / 1e3)) / limit}
+           "replay_ms": replay_ms, "replay_vs_roofline": (b / (replay_ms / 1e3)) / limit,
+           **device_idle(eng, sids, IDLE_STEPS)}
     if mode == "plain" or b not in ref:
         ref[b] = {"logits": logits, "tokens": toks}
     else:
@@ -209,9 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     from engine import triton_pdl
     _log(f"PDL supported: {triton_pdl.supported()} (gdc in Triton: {triton_pdl.HAVE_GDC})")
     res: dict[str, object] = {"model": a.model, "ctx": a.ctx, "steps": a.steps}
-    # the largest batch at the longest context, its steps, the warm-up and a
-    # spare block a row, and the engine's scratch
-    blocks = max(a.batches) * (-(-(max(a.ctx) + a.steps + 2) // 64) + 1) + 64
+    # the largest batch at the longest context, its steps (timed and profiled),
+    # the warm-up and a spare block a row, and the engine's scratch
+    blocks = max(a.batches) * (-(-(max(a.ctx) + a.steps + IDLE_STEPS + 2) // 64) + 1) + 64
     for fam in a.kernels:
         eng = Engine(EngineConfig(model=a.model, dtype="bfloat16", device="cuda", kernels=fam,
                                   block_tokens=64, num_blocks=max(1024, blocks),
@@ -235,7 +273,10 @@ def main(argv: list[str] | None = None) -> None:
                         r = run_batch(eng, b, a.steps, ctx, bw, mode, ref)
                     except Exception as e:          # one mode failing leaves the others
                         r = {"error": repr(e)[:300]}
-                    fr[f"{tag}b{b}_{mode}"] = r
+                    key = f"{tag}b{b}_{mode}"
+                    while key in fr:
+                        key += "'"
+                    fr[key] = r
                     _log(f"{fam} ctx {ctx} b{b} {mode}: " + ", ".join(
                         f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                         for k, v in r.items()))
@@ -255,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
                         _log(f"    {row['name']:<58} x{row['count']:<5.0f} {row['us']:9.1f} us"
                              f"  gaps before {row['gap_before_us']:7.1f} us")
         res[fam] = fr
+        draw.FUSED = True               # the shipped draw for whatever runs next
         del eng
         gc.collect()
         torch.cuda.empty_cache()

@@ -38,6 +38,9 @@ _A, _B = np.uint32(MIX_A), np.uint32(MIX_B)
 # The nucleus' weights are fixed-point with this many fractional bits: the largest is
 # 1.0, and a vocabulary of up to 2**21 entries keeps the total exact in a float64.
 NUCLEUS_BITS = 32
+# The device draw as shipped; False: as before issue 21 (benchmarks.decode_profile's
+# ``host0`` mode times the two in one process). Same tokens either way.
+FUSED = True
 
 
 def key_halves(key: int) -> tuple[int, int]:
@@ -111,22 +114,38 @@ def _draw_device(x: torch.Tensor, temps: Sequence[float], top_ps: Sequence[float
 
     # Every per-row input in one host array and one asynchronous copy (a pageable
     # source is staged at once): a blocking copy would wait for the forward on the
-    # stream, and one per input would add a round trip each.
+    # stream, and one per input would add a round trip each. The kernel reads its
+    # columns where they lie: no cast launches between the forward and the draw.
     n = len(temps)
     nucleus = [i for i, (t, p) in enumerate(zip(temps, top_ps, strict=True))
                if t > 0.0 and p < 1.0]
-    host = np.zeros((n, 5), dtype=np.float64)        # t, top_p, k0, k1, nucleus rows
+    host = np.zeros((n, 6), dtype=np.float64)        # t, top_p, k0, k1, nucleus rows, cut
     host[:, 0] = np.asarray(temps, dtype=np.float32)
     host[:, 1] = top_ps
     host[:, 2:4] = [key_halves(k) for k in keys]
     host[: len(nucleus), 4] = nucleus
+    host[:, 5] = -np.inf
     dev = torch.from_numpy(host).to(x.device, non_blocking=True)
+    if not FUSED:
+        return _draw_device_unfused(x, dev, nucleus)
+    if nucleus:
+        idx = dev[: len(nucleus), 4].long()
+        dev[idx, 5] = nucleus_cut(x[idx].float(), dev[idx, 0].float(), dev[idx, 1]).double()
+    return draw(x, dev[:, 0], dev[:, 5], dev[:, 2:4]).tolist()
+
+
+def _draw_device_unfused(x: torch.Tensor, dev: torch.Tensor, nucleus: list[int]) -> list[int]:
+    """The device draw before issue 21 (``FUSED = False``, to time against): an
+    fp32 copy of the logits, the inputs cast in three launches, the pick in torch."""
+    from engine.triton_draw import draw
+
+    x = x.float()
     t = dev[:, 0].float()
-    cut = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
+    cut = torch.full((x.shape[0],), float("-inf"), dtype=torch.float32, device=x.device)
     if nucleus:
         idx = dev[: len(nucleus), 4].long()
         cut[idx] = nucleus_cut(x[idx], t[idx], dev[:, 1][idx])
-    return draw(x, t, cut, dev[:, 2:4].long()).tolist()
+    return draw(x, t, cut, dev[:, 2:4].long(), fused=False).tolist()
 
 
 def draw_rows(logits: torch.Tensor, temps: Sequence[float], top_ps: Sequence[float],
@@ -141,10 +160,10 @@ def draw_rows(logits: torch.Tensor, temps: Sequence[float], top_ps: Sequence[flo
         return []
     if any(not (math.isfinite(t) and t >= 0.0) for t in temps):
         raise ValueError(f"temperatures must be finite and >= 0, got {list(temps)}")
-    x = logits[:n].float()
+    x = logits[:n]
     if x.is_cuda and _device_kernel():
-        return _draw_device(x, temps, top_ps, keys)
-    return _draw_host(x.cpu(), temps, top_ps, keys)
+        return _draw_device(x, temps, top_ps, keys)     # widened inside the kernel
+    return _draw_host(x.float().cpu(), temps, top_ps, keys)
 
 
 def _device_kernel() -> bool:

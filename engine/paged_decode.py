@@ -11,7 +11,8 @@ matrix product (GQA without repeating K/V); sliding-window layers start at
 
 Graphs: every per-step input (tokens, positions, write slots, block tables,
 lengths) lives in static device buffers, so one ``CUDAGraph.replay`` runs the
-32-layer forward with no launch gaps. Padding rows of a bucket point at a
+32-layer forward with no launch gaps; engine/step_inputs.py fills them in at
+most two copies a step. Padding rows of a bucket point at a
 reserved scratch block, never at a live sequence's KV.
 
 Only imported on CUDA (Triton is not a CPU dependency).
@@ -30,6 +31,7 @@ import triton.language as tl
 from engine import triton_pdl
 from engine.kv_pool import KVStorage
 from engine.staging import CAPTURE
+from engine.step_inputs import StagedInputs
 from engine.triton_pdl import pdl_enter
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -232,6 +234,10 @@ class DecodeRunner:
         self.kv_heads = lay.kv_heads
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._bufs: dict[int, StepBuffers] = {}
+        self._inputs: dict[int, StagedInputs] = {}
+        # False: main's host-side inputs before issue 21 (benchmarks.decode_profile's
+        # ``host0`` mode times the two in one process)
+        self.staged = True
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # a bucket's attend callback may own device tensors its graph reads: kept alive
         self._attends: dict[int, object] = {}
@@ -246,12 +252,10 @@ class DecodeRunner:
     def _buffers(self, b: int) -> StepBuffers:
         if b not in self._bufs:
             dev, sp = self.device, splits_for(b, self.kv_heads, self.sms)
+            ins = StagedInputs(b, self.max_blocks, self.scratch, self.block_tokens, dev)
+            self._inputs[b] = ins
             self._bufs[b] = StepBuffers(
-                torch.zeros(b, dtype=torch.int64, device=dev),
-                torch.zeros(b, dtype=torch.int64, device=dev),
-                torch.full((b,), self.scratch * self.block_tokens, dtype=torch.int64, device=dev),
-                torch.full((b, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
-                torch.ones(b, dtype=torch.int32, device=dev),
+                ins.tokens, ins.positions, ins.slots, ins.tables, ins.lens,
                 torch.empty(b, sp, self.heads, self.head_dim, dtype=torch.float32, device=dev),
                 torch.empty(b, sp, self.heads, 2, dtype=torch.float32, device=dev), sp)
         return self._bufs[b]
@@ -297,9 +301,28 @@ class DecodeRunner:
     def step(self, pending: list[int], positions: list[int],
              blocks: list[list[int]]) -> torch.Tensor:
         """Logits [n, V] of one decode step for n <= 64 sequences."""
-        n, bt = len(pending), self.block_tokens
+        n = len(pending)
         b = self.bucket(n)
         buf = self._buffers(b)
+        if self.staged:
+            self._inputs[b].stage(pending, positions, blocks)
+        else:
+            self._rebuild(buf, pending, positions, blocks)
+            self._inputs[b].forget()
+        if self.use_graphs:
+            graph, logits = self._graph(b)
+            graph.replay()
+        else:
+            attn = self.attention(self.storage, self.windows, self.heads, buf)
+            logits = self.forward(buf.tokens, buf.positions, attn)
+        return logits[:n]
+
+    def _rebuild(self, buf: StepBuffers, pending: list[int], positions: list[int],
+                 blocks: list[list[int]]) -> None:
+        """main's inputs before issue 21, kept to time against (``staged=False``):
+        the whole table filled on the host and sent, the integers in a pageable
+        copy and four device copies."""
+        b, bt = buf.tokens.shape[0], self.block_tokens
         host = np.zeros((4, b), dtype=np.int64)
         host[2, :] = self.scratch * bt
         host[3, :] = 1
@@ -315,10 +338,3 @@ class DecodeRunner:
         buf.slots.copy_(h[2])
         buf.lens.copy_(h[3])
         buf.tables.copy_(torch.from_numpy(table).to(self.device, non_blocking=True))
-        if self.use_graphs:
-            graph, logits = self._graph(b)
-            graph.replay()
-        else:
-            attn = self.attention(self.storage, self.windows, self.heads, buf)
-            logits = self.forward(buf.tokens, buf.positions, attn)
-        return logits[:n]

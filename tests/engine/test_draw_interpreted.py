@@ -39,7 +39,8 @@ def _check() -> None:
         x = torch.randn(n, vocab, generator=g) * 3
         x[0, 5] = float("nan")
         x[-1, 10:20] = float("-inf")
-        x[n // 2, 100] = x[n // 2, 300] = 40.0                 # a tie for greedy
+        # a tie for greedy, in one range and across ranges (the pick keeps the first)
+        x[n // 2, 100] = x[n // 2, 300] = x[n // 2, vocab - 50] = 40.0
         temps = [(0.0, 1.0, 0.6, 1.7)[i % 4] for i in range(n)]
         tops = [(1.0, 1.0, 0.8, 0.3)[i % 4] if i % 5 else 1.0 for i in range(n)]
         keys = [(i * 0x9E3779B97F4A7C15 + vocab) % (2**63 - 1) for i in range(n)]
@@ -55,8 +56,17 @@ def _check() -> None:
             td.splits_for = lambda rows, voc, sms, s=splits: s  # type: ignore[assignment]
             got = td.draw(x, t, cut, words).tolist()
             assert got == want, (n, vocab, splits, got, want)
-        # the CUDA path's packing of the per-row inputs, on CPU tensors here
-        assert d._draw_device(x, temps, tops, keys) == want, n
+        # the CUDA path's packing of the per-row inputs, on CPU tensors here: the
+        # kernel reads the packed fp64 columns where they lie, and the path before
+        # issue 21 (widened copy, cast inputs, torch's pick) draws the same tokens
+        for fused in (True, False):
+            d.FUSED = fused
+            assert d._draw_device(x, temps, tops, keys) == want, (n, fused)
+        d.FUSED = True
+        # half logits are widened inside the kernel: the tokens of a widened copy
+        half = x.half()
+        assert d._draw_device(half, temps, tops, keys) == \
+            d._draw_host(half.float(), temps, tops, keys), n
     print("draw ok")
 
 

@@ -169,6 +169,41 @@ def test_paged_decode_sequences_hold_no_mirrors(kernels: str) -> None:
         assert got == [ref.generate(p, sp).tokens for p in prompts]
 
 
+def test_staged_decode_inputs_and_fused_draw_step_as_main_did() -> None:
+    """engine/step_inputs.py's inputs (the block table sent only when a row's list
+    changed) and the fused draw (bf16 logits widened in the kernel, one pick
+    launch) give, step after step, the tokens of main's path before issue 21
+    (every input rebuilt, an fp32 copy, torch's pick), greedy and sampled rows
+    alike, through batches that shrink, reorder, regrow and cross blocks."""
+    from engine import draw
+
+    prompts = random_prompts(5, 20, 120, 256, seed=11)
+    params = [SamplingParams(max_tokens=64, ignore_eos=True, seed=i,
+                             temperature=(0.0, 0.9, 1.3)[i % 3], top_p=(1.0, 0.8)[i % 2])
+              for i in range(len(prompts))]
+    engines = [make_engine("tiny-hybrid", device="cuda", dtype="bfloat16",
+                           kernels="triton_bi") for _ in range(2)]
+    new, old = engines
+    assert new._paged is not None and old._paged is not None
+    old._paged.staged = False
+    ids = [f"s{i}" for i in range(len(prompts))]
+    for eng in engines:
+        for i, p, sp in zip(ids, prompts, params, strict=True):
+            eng.prefill(i, p, sampling=sp)
+    batches = [ids] * 6 + [ids[3:0:-1]] * 6 + [ids[::-1]] * 6 + [ids[:2]] * 4 + [ids] * 18
+    for batch in batches:
+        draw.FUSED = False
+        try:
+            want = old.decode_step(batch)
+        finally:
+            draw.FUSED = True
+        assert new.decode_step(batch) == want, batch
+    assert [new.seq_tokens(i) for i in ids] == [old.seq_tokens(i) for i in ids]
+    # the table went over only when a row's blocks changed: not every step
+    sends = sum(ins.table_sends for ins in new._paged._inputs.values())
+    assert 0 < sends < len(batches), sends
+
+
 def test_a_gpu_share_too_small_for_weights_pool_and_a_context_refuses_to_start() -> None:
     """``gpu_fraction`` caps the process (two engines share one GPU): an engine
     whose share cannot hold its weights, its pool and one context's KV twice

@@ -40,6 +40,24 @@ def test_device_draw_equals_each_rows_own_and_the_host_path() -> None:
         assert sum(a != b for a, b in zip(got, host, strict=True)) <= 1, (got, host)
 
 
+def test_bf16_logits_draw_the_tokens_of_their_fp32_copy_fused_or_not() -> None:
+    """A decode graph's bf16 logits go to the draw as they are (widened in the
+    kernel): the tokens of an fp32 copy, and of the unfused path before issue 21
+    (the copy, cast inputs, torch's pick)."""
+    from engine import draw
+
+    for seed in range(3):
+        x, temps, tops, keys = _batch(64, 10 + seed)
+        x = x.bfloat16()
+        want = draw_rows(x.float(), temps, tops, keys)
+        assert draw_rows(x, temps, tops, keys) == want
+        draw.FUSED = False
+        try:
+            assert draw_rows(x, temps, tops, keys) == want
+        finally:
+            draw.FUSED = True
+
+
 def test_a_step_of_64_rows_draws_in_well_under_a_millisecond() -> None:
     x, _, _, keys = _batch(64, 7)
     temps, tops = [1.0] * 64, [1.0] * 64
