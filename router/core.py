@@ -149,6 +149,7 @@ class RouterCore:
         # Off the event loop (router.tokenize): a long prompt must not stall the front.
         tokens = await tokenize_off_loop(self.tokenize, self.meta.tokenizer, req,
                                          self.meta.max_context)
+        t_tokenized = time.monotonic()
         sampling = self.sampling(req.sampling, len(tokens),
                                  prompt_param="messages" if req.messages else "prompt")
         try:
@@ -193,10 +194,13 @@ class RouterCore:
             # Where a slow first token went, per request, for the operator (and for
             # finding which stage holds short turns behind long prompts).
             if started.prefill is None:
+                # Where a returning turn's first token went: tokenizing here, decode's
+                # own time (its event's t_s), and the rest (keys, placement, the hops).
                 log.info("request %s: %d prompt tokens, a short tail computed on decode %s "
-                         "(no prefill); admission wait %.2fs; first token at %.2fs",
-                         req.request_id, len(tokens), d_id, ticket.waited_s,
-                         time.monotonic() - t_arrived)
+                         "(no prefill); admission wait %.2fs; first token at %.3fs "
+                         "(tokenize %.3fs, decode %.3fs)", req.request_id, len(tokens), d_id,
+                         ticket.waited_s, time.monotonic() - t_arrived,
+                         t_tokenized - t_arrived, started.first.t_s)
             else:
                 log.info("request %s: %d prompt tokens, %d cached; admission wait %.2fs, "
                          "prefill %s queue %.2fs (lookup %.2fs, fetch %.2fs) compute %.2fs; "
