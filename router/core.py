@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from engine.encode_memo import EncodeMemo, EncodeMemoConfig
 from engine.errors import EngineInputError
 from kvstore.keys import chain_keys
 from kvstore.types import RequestCtx
@@ -66,6 +67,9 @@ class CoreConfig:
     secret: bytes = field(default=b"", repr=False)  # deployment secret: keys tenant salts
     local_tail_tokens: int = 512     # router.dispatch: short tails computed on decode alone
     local_cold_tokens: int = 256     # router.dispatch: short cold prompts, likewise
+    # Characters of chat segments remembered encoded, per tenant (engine/encode_memo.py):
+    # a returning conversation encodes only its new messages. 0: off.
+    encode_memo_chars: int = 8 * 2**20
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -78,6 +82,8 @@ class CoreConfig:
             raise ValueError(f"local_tail_tokens must be >= 0, got {self.local_tail_tokens}")
         if self.local_cold_tokens < 0:
             raise ValueError(f"local_cold_tokens must be >= 0, got {self.local_cold_tokens}")
+        if self.encode_memo_chars < 0:
+            raise ValueError(f"encode_memo_chars must be >= 0, got {self.encode_memo_chars}")
 
 
 class RouterCore:
@@ -95,6 +101,7 @@ class RouterCore:
                                    local_cold_tokens=cfg.local_cold_tokens)
         self.ops: Any = None        # router.cluster_ops.ClusterOps: warm-up on arrival
         self.serving = ServingMetrics.on(metrics.registry, meta.served_name)
+        self.memo = EncodeMemo(EncodeMemoConfig(max_chars=cfg.encode_memo_chars))
 
     def live_counts(self) -> dict[str, int]:
         return self.view.live_counts()
@@ -105,7 +112,8 @@ class RouterCore:
         tok = self.meta.tokenizer
         try:
             if req.messages:
-                tokens = tok.apply_chat_template(messages_as_dicts(req.messages))
+                tokens = tok.apply_chat_template(messages_as_dicts(req.messages),
+                                                 memo=self.memo.for_scope(req.tenant))
             elif req.prompt:
                 tokens = tok.encode(req.prompt)
             else:
