@@ -202,13 +202,16 @@ class RouterCore:
             # Where a slow first token went, per request, for the operator (and for
             # finding which stage holds short turns behind long prompts).
             if started.prefill is None:
-                # Where a returning turn's first token went: tokenizing here, decode's
-                # own time (its event's t_s), and the rest (keys, placement, the hops).
+                # Where a returning turn's first token went: tokenizing, what came
+                # before the Decode call (keys, admission, placement), decode's own
+                # time (its event's t_s) and the two hops with the stream's first read.
+                now = time.monotonic()
                 log.info("request %s: %d prompt tokens, a short tail computed on decode %s "
                          "(no prefill); admission wait %.2fs; first token at %.3fs "
-                         "(tokenize %.3fs, decode %.3fs)", req.request_id, len(tokens), d_id,
-                         ticket.waited_s, time.monotonic() - t_arrived,
-                         t_tokenized - t_arrived, started.first.t_s)
+                         "(tokenize %.3fs, to the call %.3fs, decode %.3fs, hops %.3fs)",
+                         req.request_id, len(tokens), d_id, ticket.waited_s, now - t_arrived,
+                         t_tokenized - t_arrived, started.sent_at - t_tokenized,
+                         started.first.t_s, now - started.sent_at - started.first.t_s)
             else:
                 log.info("request %s: %d prompt tokens, %d cached; admission wait %.2fs, "
                          "prefill %s queue %.2fs (lookup %.2fs, fetch %.2fs) compute %.2fs; "
