@@ -76,9 +76,8 @@ def model_config(model: str) -> ModelConfig:
     """The model's shape: a named config, a fetchable model or a directory."""
     from pathlib import Path
 
-    from engine.config import named_configs
+    from engine.config import named_configs, read_config
     from engine.fetch import KNOWN_MODELS, fetch_model
-    from engine.loader import read_config
 
     if model in named_configs():
         return ModelConfig.from_name(model)

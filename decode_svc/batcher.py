@@ -393,6 +393,8 @@ class Batcher:
                     self._active[seq_id] = seq
             if ids:                    # the step through its tokens' events
                 self._account(len(ids), time.perf_counter() - t_call, parts)
+            else:                      # chunks alone (a tail computed with nothing decoding)
+                self.stats.step_chunk_seconds_total += parts.chunk_s
             self._update_gauges()
 
     def _account(self, rows: int, step_s: float, p: _Parts) -> None:

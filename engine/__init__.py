@@ -13,20 +13,31 @@ import os
 # attention call 400x slower (28 ms vs 68 us, measured on cpu-2c).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine.config import EngineConfig, ModelConfig, MoEConfig
-from engine.errors import (
-    DeviceError,
-    EngineError,
-    EngineInputError,
-    ModelConfigError,
-    ModelLoadError,
-    PoolExhaustedError,
-)
-from engine.kv_pool import KVLayout
-from engine.runner import Engine
-from engine.sampling import SamplingParams
-from engine.sequence import GenerationResult, PrefillResult
-from engine.tokenizer import Tokenizer
+import importlib
+
+# Exported lazily (PEP 562): ``import engine.errors`` or ``engine.tokenizer`` in a
+# process that never computes (the router, ``kvserve up``) must not load torch
+# and the model runner, seconds of a start on a 2-core machine.
+_EXPORTS = {
+    "EngineConfig": "engine.config", "ModelConfig": "engine.config",
+    "MoEConfig": "engine.config",
+    "DeviceError": "engine.errors", "EngineError": "engine.errors",
+    "EngineInputError": "engine.errors", "ModelConfigError": "engine.errors",
+    "ModelLoadError": "engine.errors", "PoolExhaustedError": "engine.errors",
+    "KVLayout": "engine.kv_pool", "Engine": "engine.runner",
+    "SamplingParams": "engine.sampling", "GenerationResult": "engine.sequence",
+    "PrefillResult": "engine.sequence", "Tokenizer": "engine.tokenizer",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DeviceError",

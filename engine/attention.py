@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from engine import bik
 from engine.kv_pool import KVStorage
@@ -110,6 +109,10 @@ class BatchAttention:
                 # GPU prefill chunk: a lower-right causal bias instead of a dense mask
                 # lets SDPA run its flash kernel (a 2k-row chunk over 32k keys would
                 # otherwise take the masked path); heads stay in the same order.
+                # Imported here: the module loads torch._dynamo (~1.5 s of every CPU
+                # engine's start) and only this CUDA branch needs it.
+                from torch.nn.attention.bias import causal_lower_right
+
                 qh = q[r0:r0 + m].transpose(0, 1).unsqueeze(0)            # [1, H, m, D]
                 o = F.scaled_dot_product_attention(
                     qh, kv[0], kv[1], attn_mask=causal_lower_right(m, end - plan.lo),

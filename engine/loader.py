@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.errors import ModelConfigError, ModelLoadError
+# read_config is engine/config.py's (no torch: the router reads a model's config too).
+from engine.config import ModelConfig, read_config
+from engine.errors import ModelLoadError
 from engine.tokenizer import HFTokenizer
 from engine.weights import DenseFFNWeights, LayerWeights, ModelWeights, move_weights
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 HASH_CACHE = ".kvserve-weights-hash.json"
 
 
@@ -32,28 +32,6 @@ class LoadedModel:
     weights: ModelWeights
     tokenizer: HFTokenizer
     weights_hash: bytes          # 16 bytes: BLAKE2b of the safetensors files' bytes
-
-
-def read_config(model_dir: Path) -> ModelConfig:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: missing (not an HF-layout model directory)")
-    try:
-        data: Any = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    mtype = data.get("model_type")
-    if mtype not in SUPPORTED_TYPES:
-        raise ModelLoadError(
-            f"{path}: model_type {mtype!r} is not supported; supported: {SUPPORTED_TYPES}")
-    try:
-        return ModelConfig.from_hf_config(data, name=model_dir.name)
-    except KeyError as exc:
-        raise ModelLoadError(f"{path}: missing key {exc}") from exc
-    except (TypeError, ValueError, ModelConfigError) as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
 
 
 class _TensorSource:

@@ -11,6 +11,7 @@ trusted caller built itself (a benchmark's hand-made turns).
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from tokenizers import Tokenizer as _HFTok
 
 from engine.config import BYTE_VOCAB
 from engine.control_text import ControlStrings, Piece, new_nonce
+from engine.encode_memo import MemoView
 from engine.errors import EngineInputError, ModelLoadError
 
 Messages = Sequence[Mapping[str, Any]]
@@ -42,8 +44,10 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     @abstractmethod
-    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> list[int]: ...
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True, *,
+                            memo: MemoView | None = None, **template_kwargs: Any) -> list[int]:
+        """``memo``: segments encoded before for this scope (engine/encode_memo.py),
+        used where the tokenizer can cut at its markers and ignored elsewhere."""
 
     def stable_prefix(self, ids: Sequence[int]) -> int:
         """A length j <= len(ids) such that for every continuation c,
@@ -77,6 +81,7 @@ class HFTokenizer(Tokenizer):
             self._tok = _HFTok.from_file(str(path))
         except Exception as exc:
             raise ModelLoadError(f"{path}: cannot load tokenizer ({exc})") from exc
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         cfg = _read_json(model_dir / "tokenizer_config.json")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._bos = _token_text(cfg.get("bos_token"))
@@ -100,6 +105,7 @@ class HFTokenizer(Tokenizer):
             except jinja2.TemplateError as exc:
                 raise ModelLoadError(f"{model_dir}: bad chat template ({exc})") from exc
         self._controls, self._plain_ids = self._control_strings()
+        self._markers, self._marker_ids = self._segmentable()
         vocab = self._tok.get_vocab(with_added_tokens=False)
         self.max_token_bytes = (max((len(t.encode()) for t in vocab), default=1)
                                 if self._tok.normalizer is None else None)
@@ -122,6 +128,21 @@ class HFTokenizer(Tokenizer):
             ids[s] = got
         return controls, ids
 
+    def _segmentable(self) -> tuple[re.Pattern[str] | None, dict[str, int]]:
+        """The added tokens as one pattern when the tokenizer matches them as exact
+        strings and encodes the text between them on its own (no normalizer, no
+        lstrip/rstrip/single_word): then ``encode(a + marker + b)`` is ``encode(a) +
+        [marker] + encode(b)``, and a segment's ids can be remembered (encode_memo)."""
+        added = self._tok.get_added_tokens_decoder()
+        if self._tok.normalizer is not None or not added or any(
+                a.lstrip or a.rstrip or a.single_word for a in added.values()):
+            return None, {}
+        ids = {a.content: i for i, a in added.items()}
+        # Longest first: the alternation then takes the longest marker at a position,
+        # as the tokenizer's own leftmost-longest match does.
+        alternatives = sorted(ids, key=len, reverse=True)
+        return re.compile("|".join(re.escape(a) for a in alternatives)), ids
+
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         if special or not self._controls:
             return self._encode_pieces([Piece(text, False)])
@@ -129,10 +150,15 @@ class HFTokenizer(Tokenizer):
         return self._encode_pieces(self._controls.split(self._controls.neutralise(text, nonce),
                                                         nonce))
 
-    def _encode_pieces(self, pieces: Sequence[Piece]) -> list[int]:
-        # encode_batch releases the GIL (encode does not: 8 MB of text held it ~16 s).
+    def _encode_pieces(self, pieces: Sequence[Piece], memo: MemoView | None = None) -> list[int]:
+        if memo is not None and self._markers is not None and memo.memo.cfg.max_chars:
+            return self._encode_remembered(pieces, memo)
+        # encode_batch releases the GIL (encode does not: 8 MB of text held it ~16 s);
+        # its _fast form (tokenizers >= 0.21) also skips the character offsets nobody
+        # here reads: the same ids in 0.55-0.8x the time (a 1,493-token prompt: 4.6
+        # against 5.6 ms, on every request's path).
         texts = [p.text for p in pieces if not p.control]
-        encoded = iter(self._tok.encode_batch(texts, add_special_tokens=False)) if texts else None
+        encoded = iter(self._encode_batch(texts, add_special_tokens=False)) if texts else None
         out: list[int] = []
         for p in pieces:
             if p.control:
@@ -142,6 +168,40 @@ class HFTokenizer(Tokenizer):
                 out += next(encoded).ids
         return out
 
+    def _encode_remembered(self, pieces: Sequence[Piece], view: MemoView) -> list[int]:
+        """``_encode_pieces`` cut further at the markers, each long segment looked up
+        in the memo first; what is not there is encoded in one call and remembered."""
+        assert self._markers is not None
+        parts: list[list[int] | str] = []
+        for p in pieces:
+            if p.control:
+                parts.append(self._plain_ids[p.text])
+                continue
+            pos = 0
+            for m in self._markers.finditer(p.text):
+                if m.start() > pos:
+                    parts.append(p.text[pos:m.start()])
+                parts.append([self._marker_ids[m.group()]])
+                pos = m.end()
+            if pos < len(p.text):
+                parts.append(p.text[pos:])
+        memo, scope = view.memo, view.scope
+        todo: list[int] = []
+        for i, part in enumerate(parts):
+            if isinstance(part, str):
+                got = memo.get(scope, part) if memo.wants(part) else None
+                if got is None:
+                    todo.append(i)
+                else:
+                    parts[i] = got
+        if todo:
+            texts = [str(parts[i]) for i in todo]
+            for i, text, enc in zip(todo, texts, self._encode_batch(
+                    texts, add_special_tokens=False), strict=True):
+                memo.put(scope, text, enc.ids)
+                parts[i] = enc.ids
+        return [t for part in parts for t in part]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
@@ -149,10 +209,11 @@ class HFTokenizer(Tokenizer):
         """The HF tokenizer as JSON text (what grammar compilers read: engine.constrained)."""
         return str(self._tok.to_str())
 
-    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> list[int]:
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True, *,
+                            memo: MemoView | None = None, **template_kwargs: Any) -> list[int]:
         """Render and encode; every string the caller passes in (message fields at
-        any depth, tools, other template variables) is untrusted text."""
+        any depth, tools, other template variables) is untrusted text. ``memo``:
+        the caller's segments seen before (engine/encode_memo.py)."""
         _check_messages(messages)
         if self._template is None:
             raise EngineInputError("this model has no chat template; send a plain prompt")
@@ -166,7 +227,7 @@ class HFTokenizer(Tokenizer):
                 bos_token=self._bos or "", eos_token=self._eos or "")
         except jinja2.TemplateError as exc:
             raise EngineInputError(f"chat template failed: {exc}") from exc
-        return self._encode_pieces(self._controls.split(text, nonce))
+        return self._encode_pieces(self._controls.split(text, nonce), memo)
 
 
 class ByteTokenizer(Tokenizer):
@@ -212,8 +273,8 @@ class ByteTokenizer(Tokenizer):
                 return j
         return 0
 
-    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> list[int]:
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True, *,
+                            memo: MemoView | None = None, **template_kwargs: Any) -> list[int]:
         _check_messages(messages)
         out: list[int] = []
         for m in messages:

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.constrained import GrammarSpec, validate
 from engine.errors import EngineInputError
+from engine.grammar import GrammarSpec, validate
 from router.errors import InvalidRequestError
 from router.generation import Usage
 from router.openai_responses import ChatShapes, JsonObj

@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from engine.encode_memo import EncodeMemo, EncodeMemoConfig
 from engine.errors import EngineInputError
 from kvstore.keys import chain_keys
 from kvstore.types import RequestCtx
@@ -66,6 +67,9 @@ class CoreConfig:
     secret: bytes = field(default=b"", repr=False)  # deployment secret: keys tenant salts
     local_tail_tokens: int = 512     # router.dispatch: short tails computed on decode alone
     local_cold_tokens: int = 256     # router.dispatch: short cold prompts, likewise
+    # Characters of chat segments remembered encoded, per tenant (engine/encode_memo.py):
+    # a returning conversation encodes only its new messages. 0: off.
+    encode_memo_chars: int = 8 * 2**20
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -78,6 +82,8 @@ class CoreConfig:
             raise ValueError(f"local_tail_tokens must be >= 0, got {self.local_tail_tokens}")
         if self.local_cold_tokens < 0:
             raise ValueError(f"local_cold_tokens must be >= 0, got {self.local_cold_tokens}")
+        if self.encode_memo_chars < 0:
+            raise ValueError(f"encode_memo_chars must be >= 0, got {self.encode_memo_chars}")
 
 
 class RouterCore:
@@ -95,6 +101,7 @@ class RouterCore:
                                    local_cold_tokens=cfg.local_cold_tokens)
         self.ops: Any = None        # router.cluster_ops.ClusterOps: warm-up on arrival
         self.serving = ServingMetrics.on(metrics.registry, meta.served_name)
+        self.memo = EncodeMemo(EncodeMemoConfig(max_chars=cfg.encode_memo_chars))
 
     def live_counts(self) -> dict[str, int]:
         return self.view.live_counts()
@@ -105,7 +112,8 @@ class RouterCore:
         tok = self.meta.tokenizer
         try:
             if req.messages:
-                tokens = tok.apply_chat_template(messages_as_dicts(req.messages))
+                tokens = tok.apply_chat_template(messages_as_dicts(req.messages),
+                                                 memo=self.memo.for_scope(req.tenant))
             elif req.prompt:
                 tokens = tok.encode(req.prompt)
             else:
@@ -149,6 +157,7 @@ class RouterCore:
         # Off the event loop (router.tokenize): a long prompt must not stall the front.
         tokens = await tokenize_off_loop(self.tokenize, self.meta.tokenizer, req,
                                          self.meta.max_context)
+        t_tokenized = time.monotonic()
         sampling = self.sampling(req.sampling, len(tokens),
                                  prompt_param="messages" if req.messages else "prompt")
         try:
@@ -193,10 +202,16 @@ class RouterCore:
             # Where a slow first token went, per request, for the operator (and for
             # finding which stage holds short turns behind long prompts).
             if started.prefill is None:
+                # Where a returning turn's first token went: tokenizing, what came
+                # before the Decode call (keys, admission, placement), decode's own
+                # time (its event's t_s) and the two hops with the stream's first read.
+                now = time.monotonic()
                 log.info("request %s: %d prompt tokens, a short tail computed on decode %s "
-                         "(no prefill); admission wait %.2fs; first token at %.2fs",
-                         req.request_id, len(tokens), d_id, ticket.waited_s,
-                         time.monotonic() - t_arrived)
+                         "(no prefill); admission wait %.2fs; first token at %.3fs "
+                         "(tokenize %.3fs, to the call %.3fs, decode %.3fs, hops %.3fs)",
+                         req.request_id, len(tokens), d_id, ticket.waited_s, now - t_arrived,
+                         t_tokenized - t_arrived, started.sent_at - t_tokenized,
+                         started.first.t_s, now - started.sent_at - started.first.t_s)
             else:
                 log.info("request %s: %d prompt tokens, %d cached; admission wait %.2fs, "
                          "prefill %s queue %.2fs (lookup %.2fs, fetch %.2fs) compute %.2fs; "

@@ -88,6 +88,7 @@ class Started:
     first: decode_pb2.DecodeEvent
     prefill: Choice | None          # None: computed on the decode instance alone
     decode: Choice
+    sent_at: float = 0.0            # monotonic time the Decode call that answered was made
 
 
 @dataclass(slots=True)
@@ -146,6 +147,7 @@ class Dispatcher:
         self._count(choice, "decode")
         inst = choice.instance
         handle = prefill_pb2.KVHandle(ctx=preq.ctx, prompt_ids=preq.token_ids)
+        sent_at = time.monotonic()
         call = self.upstreams.decode(inst.address, handle, sampling, budget_s=budget.left(),
                                      local_tail_tokens=max(self.local_tail_tokens,
                                                            self.local_cold_tokens))
@@ -163,7 +165,7 @@ class Dispatcher:
         else:
             if first is not None:
                 self._count_local(choice, "served")
-                return Started(handle, call, first, None, choice)
+                return Started(handle, call, first, None, choice, sent_at)
             call.cancel()
             err = UpstreamError(f"decode instance {inst.instance_id} closed the stream "
                                 "without a token", retryable=True, instance=inst.instance_id)
@@ -243,6 +245,7 @@ class Dispatcher:
                     continue
                 self._count(dchoice, "decode")
                 inst = dchoice.instance
+                sent_at = time.monotonic()
                 call = self.upstreams.decode(inst.address, handle, sampling,
                                              budget_s=budget.left())
                 try:
@@ -256,7 +259,7 @@ class Dispatcher:
                     raise
                 else:
                     if first is not None:
-                        return Started(handle, call, first, pchoice, dchoice)
+                        return Started(handle, call, first, pchoice, dchoice, sent_at)
                     call.cancel()
                     err = UpstreamError(f"decode instance {inst.instance_id} closed the stream "
                                         "without a token", retryable=True,

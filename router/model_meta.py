@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import ModelConfig, named_configs
+from engine.config import ModelConfig, named_configs, read_config
 from engine.errors import ModelConfigError
 from engine.fetch import KNOWN_MODELS, fetch_model
-from engine.loader import read_config
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 

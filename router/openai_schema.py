@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.constrained import GrammarSpec
+from engine.grammar import GrammarSpec
 from router.errors import InvalidRequestError, ModelNotFoundError
 from router.structured import parse_response_format
 from router.tools import ToolCall, ToolSpec, parse_message_tool_calls, parse_openai_tools

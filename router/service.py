@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.config import TrafficClasses
-from engine.constrained import GrammarSpec, validate
 from engine.errors import EngineInputError
+from engine.grammar import GrammarSpec, validate
 from kvstore.keys import KeyInputError, validate_tenant
 from proto import common_pb2, decode_pb2, router_pb2, router_pb2_grpc
 from router.auth import DEFAULT_TENANT, ApiKeys, traffic_class

@@ -22,8 +22,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engine.constrained import GrammarSpec, validate
 from engine.errors import EngineInputError
+from engine.grammar import GrammarSpec, validate
 from router.errors import InvalidRequestError
 
 P = "response_format"

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from engine.constrained import GrammarSpec
+from engine.grammar import GrammarSpec
 from router.errors import InvalidRequestError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

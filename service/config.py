@@ -190,8 +190,8 @@ def block_nbytes_for(spec: EngineSpec) -> int:
     else:
         from pathlib import Path
 
+        from engine.config import read_config
         from engine.fetch import KNOWN_MODELS, fetch_model
-        from engine.loader import read_config
 
         mc = read_config(fetch_model(spec.model) if spec.model in KNOWN_MODELS
                          else Path(spec.model).expanduser())

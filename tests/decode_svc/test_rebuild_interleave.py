@@ -99,3 +99,34 @@ def test_a_rebuild_whose_caller_leaves_is_freed_between_chunks() -> None:
     batcher = asyncio.run(asyncio.wait_for(body(), 120))
     assert batcher.stats.cancelled_total == 1
     assert batcher.stats.rebuild_chunks_total < -(-len(prompt) // 16)
+
+
+def test_a_tail_computed_alone_counts_its_chunk_time() -> None:
+    """A prompt computed with nothing decoding beside it (a returning turn's
+    tail on an idle instance) still shows its chunk's time in the step
+    counters: that is most of such a request's first token."""
+    eng = Engine(CFG)
+    prompt = _prompt(3, 100)
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    want = Engine(CFG).generate(prompt, sp).tokens
+
+    async def body() -> tuple[list[int], Batcher]:
+        thread = EngineThread("test-decode")
+        batcher = Batcher(eng, thread, max_seqs=2, rebuild_chunk=CHUNK)
+        batcher.start()
+        try:
+            got: list[int] = []
+            async for ev in batcher.generate(
+                    "t", lambda: eng.admit("t", prompt, sampling=sp), prompt_tokens=len(prompt),
+                    kv_blocks=eng.kv_blocks_for(len(prompt), 1)):
+                got += ev.token_ids
+            return got, batcher
+        finally:
+            await batcher.close()
+            thread.close()
+
+    got, batcher = asyncio.run(body())
+    assert got == want
+    assert batcher.stats.steps_total == 0                  # no decode row was ever stepped
+    assert batcher.stats.rebuild_chunks_total == -(-len(prompt) // CHUNK)
+    assert batcher.stats.step_chunk_seconds_total > 0.0
