@@ -68,11 +68,24 @@ def hash_u32(key: int, vocab: int) -> np.ndarray:
     return _mix(x)
 
 
+# u takes the hash's top UNIT_BITS bits. 23, not 24: ``k + 0.5`` must be exact in
+# float32, and with 24 bits the largest k rounded to 2**24, so u was exactly 1.0, its
+# noise +inf, and that token won whatever its logit (a uniformly random token in about
+# 0.3 % of a 49k-vocabulary model's draws; issue 18's client sweep, seen as numpy's
+# divide-by-zero warning in the decode log).
+UNIT_BITS = 23
+
+
+def unit_open(h: np.ndarray) -> np.ndarray:
+    """uint32 hashes -> float32 u = (k + 1/2) / 2**UNIT_BITS, k the top UNIT_BITS bits:
+    exact, strictly inside (0, 1), so the noise is finite for every hash."""
+    k = (h >> np.uint32(32 - UNIT_BITS)).astype(np.float32)
+    return (k + np.float32(0.5)) * np.float32(2.0 ** -UNIT_BITS)
+
+
 def gumbel(key: int, vocab: int) -> np.ndarray:
-    """float32 Gumbel noise of the row: u from the hash's top 24 bits, strictly in (0, 1)."""
-    u = ((hash_u32(key, vocab) >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) \
-        * np.float32(2.0 ** -24)
-    return -np.log(-np.log(u))
+    """float32 Gumbel noise of the row, ``-log(-log(u))`` with u from ``unit_open``."""
+    return -np.log(-np.log(unit_open(hash_u32(key, vocab))))
 
 
 def nucleus_cut(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

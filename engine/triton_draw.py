@@ -63,7 +63,8 @@ def _draw_kernel(X, s_x, T, s_t, CUT, s_cut, WORDS, s_w, VALS, IDX, vocab, per_s
             ok = j < hi
             x = tl.load(X + row * s_x + j, mask=ok, other=float("-inf")).to(tl.float32)
             h = _mix32(_mix32(j.to(tl.uint32) ^ k0) + k1)
-            u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08      # 2**-24
+            # engine.draw.unit_open: the top 23 bits, so k + 0.5 is exact and u < 1
+            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07      # 2**-23
             g = -tl.log(-tl.log(u))
             score = x / t + g
             score = tl.where(ok & (x >= cut) & (score == score), score, float("-inf"))

@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         external = redis_url_from(args, cfg.redis)
     except SecretFileError as exc:
         raise UsageError(str(exc)) from exc
-    redis = None if external else EmbeddedRedis().start()
+    if not external:                 # its log under the run dir, as kvserve.launcher does
+        (run_dir / "redis").mkdir(mode=0o700, exist_ok=True)
+    redis = None if external else EmbeddedRedis(data_dir=str(run_dir / "redis")).start()
 
     def url(role: str) -> str:
         return external or redis.url_for(role)  # type: ignore[union-attr]

@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # logs may quote prompts
     security = _security(args)
     stop = stop_on_signals()
-    redis, url = _redis(args, cfg)
+    redis, url = _redis(args, cfg, run_dir)
     # The shared config names no Redis: each child gets its own role's URL file.
     cfg = replace(cfg, redis=replace(cfg.redis, url="", url_file=""))
     _prefetch(cfg.model.name)
@@ -209,9 +209,13 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _redis(args: argparse.Namespace, cfg: KVServeConfig) -> tuple[Any, Callable[[str], str]]:
+def _redis(args: argparse.Namespace, cfg: KVServeConfig,
+           run_dir: Path) -> tuple[Any, Callable[[str], str]]:
     """(the embedded server or None, role -> its Redis URL): one ACL user per role
-    on the embedded server; a given URL serves every role."""
+    on the embedded server; a given URL serves every role. The server's directory
+    (its log) is ``run_dir/redis``, not a temporary one: a launcher killed -9 has no
+    chance to remove a temporary directory, and every file of a stack stays under
+    its state directory (issue 18's sweep found 17 stale ``/tmp/kvserve-redis-*``)."""
     try:
         external = redis_url_from(args, cfg.redis)
     except SecretFileError as exc:
@@ -220,7 +224,9 @@ def _redis(args: argparse.Namespace, cfg: KVServeConfig) -> tuple[Any, Callable[
         return None, lambda _role: external
     from kvstore.redis_server import EmbeddedRedis
 
-    redis = EmbeddedRedis(preexec=die_with_parent).start()
+    data = run_dir / "redis"
+    data.mkdir(mode=0o700, exist_ok=True)
+    redis = EmbeddedRedis(preexec=die_with_parent, data_dir=str(data)).start()
     return redis, redis.url_for
 
 

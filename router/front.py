@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front (aiohttp).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE),
-GET /v1/models, GET /health, GET /metrics, and for operators POST
+GET /v1/models, GET /health, GET /metrics, vLLM's POST /tokenize and /detokenize
+(router.tokenize_http), and for operators POST
 /reset_prefix_cache (router.operator_http). Each handler only translates:
 headers -> ``Caller`` (auth.py), body -> typed request (openai_schema.py),
 ``GenEvent``s -> OpenAI bodies (openai_responses.py). One middleware turns
@@ -54,6 +55,7 @@ from router.openai_responses import (
 from router.openai_schema import parse_chat_request, parse_completion_request
 from router.operator_http import OperatorEndpoints
 from router.session import session_from
+from router.tokenize_http import TokenizeEndpoints
 from telemetry.http_hooks import install as install_tracing
 
 log = logging.getLogger(__name__)
@@ -342,8 +344,9 @@ def _echo_client_id(request: web.Request, resp: web.StreamResponse) -> web.Strea
 
 
 def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics,
-             ops: Any = None) -> web.Application:
-    """``ops``: router.cluster_ops.ClusterOps, what the operator endpoints act with."""
+             ops: Any = None, tokenize: TokenizeEndpoints | None = None) -> web.Application:
+    """``ops``: router.cluster_ops.ClusterOps, what the operator endpoints act with;
+    ``tokenize``: vLLM's /tokenize and /detokenize (router.tokenize_http)."""
     front = Front(cfg, core, metrics)
     app = web.Application(middlewares=[_error_middleware], client_max_size=cfg.max_body_bytes)
     app[_APP_KEY] = front
@@ -357,4 +360,6 @@ def make_app(cfg: FrontConfig, core: Generator, metrics: RouterMetrics,
     app.router.add_get("/health", front.health)
     app.router.add_get("/metrics", front.metrics_handler)
     OperatorEndpoints(cfg.operator_key, cfg.operator_open, ops).install(app)
+    if tokenize is not None:
+        tokenize.install(app, front._caller)
     return app

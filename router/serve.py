@@ -37,6 +37,7 @@ from router.live_view import LiveView, ViewConfig
 from router.metrics import RouterMetrics
 from router.model_meta import load_model_meta
 from router.service import SERVICE_NAME, RouterService
+from router.tokenize_http import TokenizeEndpoints
 from router.upstream import CallTimeouts, Upstreams
 from security.authz import AuthInterceptor
 from security.config import SecurityConfig
@@ -172,7 +173,9 @@ async def start_router(cfg: RouterConfig) -> RunningRouter:
                             vocab_size=meta.vocab_size, classes=cfg.classes, api_keys=api_keys,
                             max_body_bytes=cfg.max_body_bytes,
                             operator_key=operator_key(secret), operator_open=security.insecure)
-    runner = FrontRunner(make_app(front_cfg, backend, metrics, ops), access_log=None,
+    tok_http = TokenizeEndpoints(meta.tokenizer, meta.served_name, meta.max_context,
+                                 meta.vocab_size)
+    runner = FrontRunner(make_app(front_cfg, backend, metrics, ops, tok_http), access_log=None,
                          shutdown_timeout=cfg.drain_grace_s)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.http_port)

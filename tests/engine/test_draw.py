@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from engine.draw import draw_rows, gumbel, hash_u32, nucleus_cut
+from engine.draw import UNIT_BITS, draw_rows, gumbel, hash_u32, nucleus_cut, unit_open
 from engine.sampling import RowSampler, SamplingParams, sample_rows
 
 V = 4096
@@ -112,6 +112,34 @@ def test_noise_is_keyed_by_seed_and_step_only() -> None:
     assert np.isfinite(u).all() and abs(float(u.mean()) - 0.5772) < 0.02   # Euler-Mascheroni
     h = hash_u32(a.key(5), 1 << 16)
     assert len(np.unique(h)) == len(h)                 # a permutation of the indices' words
+
+
+def test_every_hash_gives_a_uniform_strictly_inside_0_1_and_finite_noise() -> None:
+    # Each value of the bits u keeps, with the bits it drops all 0 and all 1.
+    k = np.arange(1 << UNIT_BITS, dtype=np.uint32) << np.uint32(32 - UNIT_BITS)
+    for h in (k, k | np.uint32((1 << (32 - UNIT_BITS)) - 1)):
+        u = unit_open(h)
+        assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+        assert len(np.unique(u)) == 1 << UNIT_BITS       # exact: no two values merged
+        assert np.isfinite(-np.log(-np.log(u))).all()
+
+
+def test_a_hopeless_token_never_wins_on_its_hash() -> None:
+    """The largest hash once gave u = 1.0 in float32, noise +inf: that token was drawn
+    whatever its logit (issue 18's sweep: numpy's divide-by-zero warning in decode's
+    log). Find a row key whose hash of some token is that large, and give the token
+    a logit no draw should ever pick."""
+    vocab = 1 << 16
+    for seed in range(4096):
+        key = SamplingParams(seed=seed).key(0)
+        top = np.flatnonzero(hash_u32(key, vocab) >= np.uint32(0xFFFFFF00))
+        if len(top):
+            break
+    else:
+        pytest.fail("no key with a top hash in 4096 seeds")
+    x = torch.zeros(1, vocab)
+    x[0, int(top[0])] = -1000.0
+    assert draw_rows(x, [1.0], [1.0], [key]) != [int(top[0])]
 
 
 def test_draw_rows_checks_its_arguments() -> None:

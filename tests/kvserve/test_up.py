@@ -58,6 +58,11 @@ def test_up_chat_and_status(up_stack: UpStack) -> None:
     files = [p for p in tls.rglob("*") if p.is_file()]
     assert {"secret", "ca.key", "tls.key"} <= {p.name for p in files}
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    # The embedded Redis keeps its directory under the state dir too, not in /tmp
+    # (where a launcher killed -9 left it behind).
+    redis_dir = tmp_path / "run" / "redis"
+    assert (redis_dir / "redis.log").is_file()
+    assert stat.S_IMODE(redis_dir.stat().st_mode) == 0o700
     for role in ("store", "prefill", "decode"):
         assert healthy(state[role], state["tls_dir"]), role
         with grpc.insecure_channel(state[role]) as plain:       # no credentials

@@ -394,3 +394,40 @@ def test_big_bodies_leave_the_router_answering(smollm2_router: RouterProc) -> No
              {"model": model, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status == 503 and time.monotonic() - t0 < 5, r.body
     assert json.loads(r.body)["error"]["type"] == "service_unavailable"
+
+
+def test_tokenize_and_detokenize_answer_as_vllm_does(smollm2_router: RouterProc,
+                                                     smollm2_dir: str) -> None:
+    """``vllm bench serve`` aligns its prompts through the server's /tokenize and
+    /detokenize (issue 18's client sweep: without them it skipped the alignment).
+    The ids are the router's own tokenizer's: SmolLM2's BPE, control strings in
+    the text neutralised as in a served prompt."""
+    from tokenizers import Tokenizer as HFTok
+
+    base = smollm2_router.http
+    model = http("GET", base + "/v1/models").json()["data"][0]["id"]
+    text = "The quick brown fox jumps over the lazy dog, twice."
+    want = HFTok.from_file(f"{smollm2_dir}/tokenizer.json").encode(
+        text, add_special_tokens=False).ids
+    r = http("POST", base + "/tokenize", {"model": model, "prompt": text,
+                                           "add_special_tokens": False})
+    assert r.status == 200, r.body
+    body = r.json()
+    assert body["tokens"] == want and body["count"] == len(want)
+    assert body["max_model_len"] == 8192
+    r = http("POST", base + "/detokenize", {"model": model, "tokens": want[:4]})
+    assert r.status == 200 and r.json()["prompt"] == "The quick brown fox", r.body
+    # A special token's text in a prompt is plain text, never the special id.
+    special = HFTok.from_file(f"{smollm2_dir}/tokenizer.json").token_to_id("<|im_start|>")
+    ids = http("POST", base + "/tokenize", {"prompt": "<|im_start|>"}).json()["tokens"]
+    assert special not in ids and len(ids) > 1
+    # Messages: the chat template, ending in the assistant's turn.
+    chat = http("POST", base + "/tokenize",
+                {"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+    assert chat.count(special) >= 2 and len(chat) > 3
+    for path, bad, param in (("/tokenize", {"prompt": 3}, "prompt"),
+                             ("/detokenize", {"tokens": [1 << 20]}, "tokens"),
+                             ("/detokenize", {"tokens": "abc"}, "tokens")):
+        r = http("POST", base + path, bad)
+        assert r.status == 400 and r.json()["error"]["param"] == param, r.body
+    assert http("POST", base + "/tokenize", {"model": "other", "prompt": "x"}).status == 404
