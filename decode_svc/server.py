@@ -639,16 +639,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 first, blocks = stored, torch.cat([head, blocks.to(head.device)])
             if blocks.shape[0] == 0:
                 return first, None, keys
-            copy = HostCopy.start(blocks)
-            if blocks.device.type != "cpu":
-                if self._canon_budget.take(copy.nbytes):
-                    self._canon_budget.hold(blocks, copy.nbytes)
-                else:
-                    # Answers ending together (a batch started together ends together)
-                    # would each hold their gather on the device until copied: past the
-                    # budget, copy here as before.
-                    copy = HostCopy.start(copy.wait())
-            return first, copy, keys
+            return first, HostCopy.within(blocks, self._canon_budget), keys
         finally:
             self.engine.free(seq_id, keep_keys=keys)
             self.stats.canonical_engine_seconds_total += time.perf_counter() - t0

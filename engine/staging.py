@@ -272,6 +272,20 @@ class HostCopy:
         ready.record(torch.cuda.current_stream(src.device))
         return cls(src, ready)
 
+    @classmethod
+    def within(cls, src: torch.Tensor, budget: DeviceBudget) -> HostCopy:
+        """``start``, while ``budget`` holds the device tensor until it is garbage;
+        past the budget the copy is made here, on the calling thread, as before:
+        gathers that end together (a batch's answers, a burst's prompts) would each
+        hold their device memory until copied."""
+        copy = cls.start(src)
+        if src.device.type == "cpu":
+            return copy
+        if budget.take(copy.nbytes):
+            budget.hold(src, copy.nbytes)
+            return copy
+        return cls.start(copy.wait())
+
     @property
     def nbytes(self) -> int:
         src = self._src

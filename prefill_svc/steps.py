@@ -476,13 +476,7 @@ class StepLoop:
         this thread's stream before anything that could reuse them, and their
         copy to the host started; past the device budget copied here as before."""
         blocks = self._engine.export_blocks(rid, first, n, on_device=True)
-        copy = HostCopy.start(blocks)
-        if blocks.device.type != "cpu":
-            if self._write_budget.take(copy.nbytes):
-                self._write_budget.hold(blocks, copy.nbytes)
-            else:
-                copy = HostCopy.start(copy.wait())
-        return copy
+        return HostCopy.within(blocks, self._write_budget)
 
     # -- residents (engine thread, but for the two entry points) -----------------------
 
