@@ -152,6 +152,14 @@ def _stack(p: argparse.ArgumentParser) -> None:
                        help="[admission] prefill_tokens: prompt tokens still to compute the "
                             "router lets into prefill at once, per instance (0: the default "
                             "16384, 0.12 s of an H200's prefill)")
+    stack.add_argument("--gpu-share", choices=("time", "mps"), default="time",
+                       help="[engine] gpu_share: the driver's time slicing, or a CUDA MPS "
+                            "daemon of the stack's own so prefill's and decode's kernels run "
+                            "side by side (kvserve/gpu_share.py)")
+    stack.add_argument("--prefill-sm-percent", type=int, default=0,
+                       help="MPS: prefill's share of the SMs in percent (0: all)")
+    stack.add_argument("--decode-sm-percent", type=int, default=0,
+                       help="MPS: decode's share of the SMs in percent (0: all)")
     stack.add_argument("--ready-timeout", type=float, default=420.0)
     dec = p.add_argument_group("decode phase")
     dec.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT SLO, seconds")

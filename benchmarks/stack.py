@@ -86,6 +86,9 @@ def _run(args: argparse.Namespace, out: Path, doc: dict[str, Any], t0: float) ->
     stack = _start(args, out)
     try:
         doc["stack_ready_s"] = round(time.monotonic() - t0, 1)
+        doc["gpu_share"] = {"mode": args.gpu_share, "prefill_sm_percent": args.prefill_sm_percent,
+                            "decode_sm_percent": args.decode_sm_percent,
+                            "launcher": stack["gpu_share"]}
         phases = (ap.Phase("agent", agent_rows, doc["trace"]["requests"]),
                   ap.Phase("decode", decode_rows, args.decode_rounds * batch,
                            concurrency=batch, seed=2))
@@ -222,6 +225,8 @@ def _config(args: argparse.Namespace) -> str:
         "model": {"name": args.model, "dtype": _dtype(args), "device": args.device},
         "engine": {"g1_bytes": args.g1, "decode_g1_bytes": args.decode_g1,
                    "kernels": args.kernels, "prefill_chunk": args.prefill_chunk,
+                   "gpu_share": args.gpu_share, "prefill_sm_percent": args.prefill_sm_percent,
+                   "decode_sm_percent": args.decode_sm_percent,
                    # Both engines share the one GPU: split its memory explicitly.
                    **({"gpu_fraction": args.gpu_fraction,
                        "decode_gpu_fraction": args.decode_gpu_fraction}
@@ -244,7 +249,8 @@ def _start(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "kvserve.cli", "up", "--config", str(cfg), "--free-ports",
            "--state-dir", str(state), "--g3-path", str(state / "g3")]
     say(f"kvserve up: {args.model} {_dtype(args)} on {args.device}, G1 {args.g1} (decode "
-        f"{args.decode_g1}), G2 {args.g2}, kernels {args.kernels}, chunk {args.prefill_chunk}")
+        f"{args.decode_g1}), G2 {args.g2}, kernels {args.kernels}, chunk {args.prefill_chunk}, "
+        f"GPU share {args.gpu_share}")
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -258,7 +264,17 @@ def _start(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         time.sleep(0.5)
     doc = json.loads(up.read_text())
     say(f"stack ready at {doc['router_http']}: {', '.join(sorted(doc.get('pids', {})))}")
-    return {**doc, "proc": proc}
+    # The launcher's banner, written just after its state file, says how the engines
+    # share the GPU (MPS: its server and that server's clients).
+    share: list[str] = []
+    for _ in range(50):
+        share = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
+                 if ln.startswith("  gpu share")]
+        if share:
+            break
+        time.sleep(0.2)
+    say(share[0] if share else "gpu share: not in the launcher's banner")
+    return {**doc, "proc": proc, "gpu_share": share[0] if share else ""}
 
 
 def _stop(stack: dict[str, Any]) -> None:
@@ -351,6 +367,7 @@ def _report(doc: dict[str, Any], out: Path) -> Report:
         for ph, b in doc.get("decode_steps", {}).items())
     notes = [f"{doc.get('stack_ready_s', 0):.0f} s to a ready stack (limits included), "
              f"{doc['wall_s']:.0f} s in all; errors {errors}", *doc["problems"],
+             *([doc["gpu_share"]["launcher"]] if doc.get("gpu_share") else []),
              *([f"agent phase: {queue_line(pf)}"] if pf else []),
              *([step] if step else []),
              *doc.get("notes", []),

@@ -381,6 +381,9 @@ class Ports:
                 raise ConfigError(f"ports.{f.name} must be in 0..65535, got {v}")
 
 
+GPU_SHARES = ("time", "mps")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSection:
     """The engines ``kvserve up`` runs: how many of each role, and the G1 budget
@@ -413,6 +416,14 @@ class EngineSection:
     # engine's peak starved the other (issue 18 run 4: decode OOM beside prefill).
     gpu_fraction: float = 0.0
     decode_gpu_fraction: float = 0.0
+    # CUDA: how the engines' processes share the one GPU (kvserve/gpu_share.py). "time":
+    # the driver time-slices their contexts, so neither computes while the other holds
+    # the GPU (issue 18 run 17: prefill's steps at 0.28x their speed alone). "mps": `up`
+    # starts a private CUDA MPS daemon and the engines' kernels run side by side. The
+    # SM percents (MPS only; 0: all SMs) cap each role's share of the multiprocessors.
+    gpu_share: str = "time"
+    prefill_sm_percent: int = 0
+    decode_sm_percent: int = 0
 
     @property
     def decode_fraction(self) -> float:
@@ -440,6 +451,16 @@ class EngineSection:
         if not 0 <= self.prefill_chunk <= 65_536:
             raise ConfigError(f"engine.prefill_chunk must be in 0..65536, got "
                               f"{self.prefill_chunk}")
+        if self.gpu_share not in GPU_SHARES:
+            raise ConfigError(f"engine.gpu_share must be one of {', '.join(GPU_SHARES)}, got "
+                              f"{self.gpu_share!r}")
+        for name in ("prefill_sm_percent", "decode_sm_percent"):
+            v = getattr(self, name)
+            if not 0 <= v <= 100:
+                raise ConfigError(f"engine.{name} must be in 0..100 (0: all SMs), got {v}")
+            if v and self.gpu_share != "mps":
+                raise ConfigError(f"engine.{name} needs engine.gpu_share = \"mps\" (time "
+                                  f"slicing gives each process every SM in turn)")
         if not re.match(r"^[a-z][a-z0-9_]{0,31}$", self.kernels):
             raise ConfigError(f"engine.kernels must name a kernel family, got {self.kernels!r}")
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ class Child:
     security: SecurityConfig | None = None      # how the launcher dials its health check
     creds: ChildCredentials | None = None       # what the child was handed (renewed in place)
     role: str = ""                              # its identity; "" = its name ("prefill-1": set it)
+    env: dict[str, str] = field(default_factory=dict)   # added to its environment (gpu_share)
 
 
 def _spawn(c: Child) -> subprocess.Popen[bytes]:
@@ -42,7 +43,7 @@ def _spawn(c: Child) -> subprocess.Popen[bytes]:
         # children in order; PDEATHSIG stops them if the launcher is killed.
         return subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=die_with_parent, env=child_env(c.name))
+                                preexec_fn=die_with_parent, env=child_env(c.name) | c.env)
     finally:
         log.close()
 

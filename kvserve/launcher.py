@@ -41,6 +41,7 @@ from kvserve.children import (
 )
 from kvserve.cli import UsageError, build_registry
 from kvserve.credentials import hand_out_roles, renew_due
+from kvserve.gpu_share import start_gpu_share
 from security.config import SecurityConfig
 from security.flags import add_redis_flags, redis_url_from
 from security.redact import redact_url
@@ -148,6 +149,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-dir", default=None, metavar="DIR",
                    help="deployment directory (secret, CA, certificates) shared by every child; "
                    "created on first start (default: tls/ next to the state file)")
+    p.add_argument("--gpu-share", choices=("time", "mps"), default=None, help="CUDA: time "
+                   "slicing or a CUDA MPS daemon of the stack's own (default [engine].gpu_share)")
     p.add_argument("--insecure", action="store_true",
                    help="plain text and NO authentication between the services (logged)")
     p.add_argument("--engine", choices=("kvserve", "vllm"), default="kvserve",
@@ -190,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     state = replace(_state(cfg, children, metrics_ports), config=str(config_file),
                     redis_url=redact_url(redis_url), redis_url_file=str(operator),
                     tls_dir="" if security.insecure else security.cert_dir)
+    gpu = start_gpu_share(cfg.engine, run_dir, children)    # "mps": the engines join it
     try:
         # The router last: its first view of the registry then holds the others.
         start_children([c for c in children if c.name != "router"], args.ready_timeout, stop)
@@ -199,9 +203,11 @@ def run(args: argparse.Namespace) -> int:
         state = replace(state, pids={c.name: c.proc.pid for c in children if c.proc})
         _write_private(state_path(), json.dumps(asdict(state), indent=1))
         _print_started(state, children)
+        print(f"  gpu share {gpu.describe()}", flush=True)
         code = _supervise(children, stop, deployment, args.cert_days)
     finally:
         stop_children(children, args.grace)
+        gpu.stop()
         remove_state()
         if redis is not None:
             redis.stop()
@@ -415,7 +421,8 @@ def effective_config(cfg: KVServeConfig, args: argparse.Namespace) -> KVServeCon
     given = {k: v for k, v in (("prefill", getattr(args, "prefill", None)),
                                ("decode", getattr(args, "decode", None)),
                                ("g1_bytes", getattr(args, "g1", None)),
-                               ("decode_g1_bytes", getattr(args, "decode_g1", None)))
+                               ("decode_g1_bytes", getattr(args, "decode_g1", None)),
+                               ("gpu_share", getattr(args, "gpu_share", None)))
              if v is not None}
     if given:
         for name, flag in (("g1_bytes", "--g1"), ("decode_g1_bytes", "--decode-g1")):

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The whole stack on one GPU, driven by AIPerf on a Claude Code slice (issue 18 item 7):
 #   OUT=$OUT bash scripts/gpu_bench.sh serve          # on the lent H200 (one `run` call)
+# GPU_SHARE=mps: prefill and decode side by side through a CUDA MPS daemon of the stack's
+# own (kvserve/gpu_share.py) instead of the driver's time slicing; scripts/mps_probe.py
+# checks first that MPS starts here and whether CUDA IPC works between its clients
+# (env.txt); if MPS does not start, the run falls back to time slicing and says so.
 # Same script, CPU dry run (docs/benchmark-tools.md, "The whole stack on the H200"):
 #   DEVICE=cpu KV_PY=.venv/bin/python AIPERF_PY=/path/py312/bin/python SKIP_RUNTIME_WHEELS=1 \
 #     STACK_ARGS="--model smollm2 --sessions 2 ..." OUT=/tmp/x bash scripts/gpu_serve.sh
@@ -68,8 +72,23 @@ if [ "$DEVICE" != cpu ]; then
   timeout 120 "$KV_PY" setup.py -q build_ext --inplace > /dev/null 2>&1 \
     || say "native hashing not built: the pure-Python fallback hashes the blocks"
 fi
-say "bench stack"
 rm -rf "$WORK"; mkdir -p "$WORK"
+share=time
+if [ "${GPU_SHARE:-time}" = mps ] && [ "$DEVICE" != cpu ]; then
+  {
+    echo "== MPS: the control binary, the GPU's compute mode (left as it is), the probe"
+    command -v nvidia-cuda-mps-control || echo "nvidia-cuda-mps-control: not on the PATH"
+    nvidia-smi -q 2>/dev/null | grep -i -A1 'compute mode'
+    timeout 150 "$KV_PY" scripts/mps_probe.py "$WORK/mps-probe"; echo "probe rc=$?"
+  } > "$WORK.mps" 2>&1
+  cat "$WORK.mps" >> "$OUT/env.txt"
+  if grep -q '^probe rc=[02]$' "$WORK.mps"; then
+    share=mps
+  else
+    say "MPS does not start here: falling back to time slicing ($(tail -n 3 "$WORK.mps" | tr '\n' ' '))"
+  fi
+fi
+say "bench stack (GPU share: $share)"
 # The GPU's memory in use every 2 s (both engine processes and their CUDA contexts,
 # which the engines' own gauges do not see): its peak goes to env.txt at the end.
 sampler=""
@@ -89,8 +108,15 @@ timeout $(( BUDGET + 90 )) "$KV_PY" -m kvserve.cli bench stack --device "$DEVICE
   --trace "$WHL/weka-claude-code/traces.tar.xz" --aiperf "$AIPERF_PY -m aiperf" \
   --aiperf-site "$AIPERF_SITE" --out "$WORK/out" --budget "$BUDGET" \
   --limits-timeout 150 --ready-timeout 300 --phase-timeout 240 --admission-tokens 65536 \
-  --json --png "$OUT/stack.png" ${STACK_ARGS:-} > "$OUT/stack.json" 2> >(tee "$OUT/stack.log" >&2)
+  --gpu-share "$share" --json --png "$OUT/stack.png" ${STACK_ARGS:-} > "$OUT/stack.json" \
+  2> >(tee "$OUT/stack.log" >&2)
 rc=$?
+# A launcher killed before its cleanup leaves its MPS daemon: tell it to quit.
+for d in "$WORK"/out/state/run/mps-pipe-*; do
+  [ -e "$d/control" ] || continue
+  echo quit | CUDA_MPS_PIPE_DIRECTORY=$d timeout 10 nvidia-cuda-mps-control
+  say "an MPS daemon left running in $d: told to quit"
+done
 say "bench stack rc=$rc"
 if [ -n "$sampler" ]; then
   kill "$sampler" 2> /dev/null
@@ -98,7 +124,7 @@ if [ -n "$sampler" ]; then
     | tee -a "$OUT/env.txt"
 fi
 W=$WORK/out
-for f in "$W"/limits.log "$W"/up.log "$W"/state/run/*.log "$W"/aiperf-*.log "$W"/aiperf-*/logs/*.log; do
+for f in "$W"/limits.log "$W"/up.log "$W"/state/run/*.log "$W"/state/run/mps-log/*.log "$W"/aiperf-*.log "$W"/aiperf-*/logs/*.log; do
   [ -f "$f" ] || continue
   echo "===== $f (last 60 lines)"; tail -n 60 "$f"
 done > "$OUT/services.log" 2>&1

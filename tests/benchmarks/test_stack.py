@@ -189,3 +189,23 @@ def test_queue_split_per_request_and_its_report_line() -> None:
     assert line.startswith("a turn waited 0.500 s in the router's admission; ")
     assert "4 requests 0.500 s = warm 0.100, pool 0.300, held 0.000" in line
     assert queue_split({})["prefill_queue_s"] == 0.0 and "router_queue_s" not in queue_split({})
+
+
+def test_stack_config_carries_the_gpu_share(tmp_path: Path) -> None:
+    import argparse
+
+    from benchmarks import commands, stack
+    from common.config import ConfigError, KVServeConfig
+
+    p = argparse.ArgumentParser()
+    commands._stack(p)
+    path = tmp_path / "stack.toml"
+    path.write_text(stack._config(p.parse_args(["--gpu-share", "mps",
+                                                "--prefill-sm-percent", "70"])))
+    eng = KVServeConfig.load(str(path)).engine
+    assert (eng.gpu_share, eng.prefill_sm_percent, eng.decode_sm_percent) == ("mps", 70, 0)
+    # The default is the driver's time slicing, and a cap without MPS is refused.
+    path.write_text(stack._config(p.parse_args([])))
+    assert KVServeConfig.load(str(path)).engine.gpu_share == "time"
+    with pytest.raises(ConfigError, match=r"needs engine\.gpu_share"):
+        stack._config(p.parse_args(["--decode-sm-percent", "30"]))
