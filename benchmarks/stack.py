@@ -367,7 +367,8 @@ def _report(doc: dict[str, Any], out: Path) -> Report:
         for ph, b in doc.get("decode_steps", {}).items())
     notes = [f"{doc.get('stack_ready_s', 0):.0f} s to a ready stack (limits included), "
              f"{doc['wall_s']:.0f} s in all; errors {errors}", *doc["problems"],
-             *([doc["gpu_share"]["launcher"]] if doc.get("gpu_share") else []),
+             *([doc["gpu_share"]["launcher"]]
+               if (doc.get("gpu_share") or {}).get("launcher") else []),
              *([f"agent phase: {queue_line(pf)}"] if pf else []),
              *([step] if step else []),
              *doc.get("notes", []),

@@ -4,11 +4,12 @@
 GPU runs one context at a time, so prefill's and decode's kernels take turns (issue 18
 run 17: prefill's steps at 0.28x their speed alone, decode's forward 1.8x its roofline).
 "mps" starts a CUDA Multi-Process Service control daemon for this stack alone: its pipe
-and log directories are private (0700) folders of the run directory, only the engine
-children get the variables that point at them, and the daemon is told to quit when the
-stack stops or fails to start. Nothing about the GPU itself changes (no compute-mode
-switch, no reset): a process without the variables, the kvstore's included, keeps its
-own context as before.
+and log directories are private (0700) folders of the run directory, only the children
+that open a CUDA context get the variables that point at them (the engines, and the
+kvstore, which pins G2 with cudaHostRegister: so no context of the stack is left to
+time-slice against the MPS server's), and the daemon is told to quit when the stack
+stops or fails to start. Nothing about the GPU itself changes (no compute-mode switch,
+no reset): a process without the variables keeps a context of its own as before.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvserve.cli import UsageError
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 ENGINE_ROLES = ("prefill", "decode")
+CUDA_ROLES = ("kvstore", *ENGINE_ROLES)     # the children that open a CUDA context
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
 SM_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
@@ -71,10 +73,11 @@ class MpsDaemon:
         return {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir)}
 
     def env(self, role: str) -> dict[str, str]:
-        """What a child of ``role`` adds to its environment: the engines join the
-        daemon (with their SM cap, if any); every other child stays off it."""
+        """What a child of ``role`` adds to its environment: the children with a
+        CUDA context join the daemon, the engines with their SM cap (if any); the
+        router stays off it."""
         role = role.split("-", 1)[0]
-        if role not in ENGINE_ROLES:
+        if role not in CUDA_ROLES:
             return {}
         pct = self.sm_percent.get(role, 0)
         return self.base_env() | ({SM_ENV: str(pct)} if pct else {})

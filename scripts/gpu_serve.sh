@@ -75,6 +75,9 @@ fi
 rm -rf "$WORK"; mkdir -p "$WORK"
 share=time
 if [ "${GPU_SHARE:-time}" = mps ] && [ "$DEVICE" != cpu ]; then
+  # The driver's own folder, where an image mounts it off the PATH.
+  command -v nvidia-cuda-mps-control > /dev/null || [ ! -x /usr/local/nvidia/bin/nvidia-cuda-mps-control ] \
+    || export PATH=$PATH:/usr/local/nvidia/bin
   {
     echo "== MPS: the control binary, the GPU's compute mode (left as it is), the probe"
     command -v nvidia-cuda-mps-control || echo "nvidia-cuda-mps-control: not on the PATH"

@@ -3,11 +3,11 @@
     python3 scripts/mps_probe.py RUN_DIR      # on the GPU machine, before the stack
 
 The stack's question in small (scripts/gpu_serve.sh runs it before `kvserve bench stack
---gpu-share mps`): this process holds a context of its own off MPS, as the kvstore does
-(it pins G2 with cudaHostRegister); the daemon is the one `kvserve up` starts
-(kvserve/gpu_share.py); two spawned clients of it play prefill and decode: one allocates
-a tensor and shares it through torch's CUDA IPC (cudaIpcGetMemHandle, as
-service/kv_ipc.py does), the other opens it and sums it. Prints one JSON line.
+--gpu-share mps`): the daemon is the one `kvserve up` starts (kvserve/gpu_share.py), and
+three spawned clients of it play the stack's CUDA children: one pins a host buffer with
+cudaHostRegister (the kvstore's G2), one allocates a tensor and shares it through torch's
+CUDA IPC (cudaIpcGetMemHandle, as service/kv_ipc.py does; prefill), and one opens it and
+sums it (decode). This process opens no CUDA context. Prints one JSON line.
 Exit 0: MPS and IPC work; 2: MPS works, IPC does not (decode then pulls through
 shared memory); 1: MPS does not start or its clients fail (the stack falls back to
 time slicing).
@@ -35,6 +35,17 @@ def producer(out: Any, done: Any) -> None:
     done.wait(60)       # keeps x alive until the consumer has read it
 
 
+def holder(res: Any, done: Any) -> None:
+    import ctypes
+
+    import torch
+
+    buf = ctypes.create_string_buffer(64 << 20)
+    err = torch.cuda.cudart().cudaHostRegister(ctypes.addressof(buf), len(buf), 1)
+    res.put(("host_register", int(err)))
+    done.wait(60)
+
+
 def consumer(inq: Any, res: Any) -> None:
     import torch
 
@@ -48,16 +59,12 @@ def consumer(inq: Any, res: Any) -> None:
 
 
 def main(run_dir: Path) -> int:
-    import torch
     import torch.multiprocessing as mp
 
     from common.config import EngineSection
     from kvserve.gpu_share import start_gpu_share
 
-    if not torch.cuda.is_available():
-        print(json.dumps({"mps": False, "why": "no CUDA device"}))
-        return 1
-    torch.zeros(1, device="cuda")       # an off-MPS context here, as the kvstore's
+    # No CUDA call in this process: every context of the probe is a client of the daemon.
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     t0 = time.monotonic()
     try:
@@ -70,7 +77,8 @@ def main(run_dir: Path) -> int:
         os.environ.update(share.env("prefill"))     # the spawned clients inherit it
         ctx = mp.get_context("spawn")
         q, res, done = ctx.Queue(), ctx.Queue(), ctx.Event()
-        procs = [ctx.Process(target=producer, args=(q, done)),
+        procs = [ctx.Process(target=holder, args=(res, done)),
+                 ctx.Process(target=producer, args=(q, done)),
                  ctx.Process(target=consumer, args=(q, res))]
         for p in procs:
             p.start()
@@ -84,7 +92,13 @@ def main(run_dir: Path) -> int:
                 if not all(p.is_alive() for p in procs):
                     got.setdefault("error", "a client exited: "
                                    + ", ".join(str(p.exitcode) for p in procs))
-        report["daemon"] = share.describe()     # while both clients still hold contexts
+        while "host_register" not in got and time.monotonic() < deadline:
+            try:
+                k, v = res.get(timeout=2)
+                got[k] = v
+            except queue.Empty:
+                break
+        report["daemon"] = share.describe()     # while two clients still hold contexts
         done.set()
         for p in procs:
             p.join(30)
