@@ -125,7 +125,7 @@ def _opt(body: Mapping[str, Any], name: str) -> Any:
     return body.get(name)
 
 
-def _parse_model(body: Mapping[str, Any], served_model: str) -> str:
+def parse_model(body: Mapping[str, Any], served_model: str) -> str:
     if "model" not in body or body["model"] is None:
         raise _bad("you must provide a model parameter", "model")
     model = _as_str(body["model"], "model")
@@ -280,7 +280,7 @@ def _content_text(content: object, param: str) -> str:
     return "".join(parts)
 
 
-def _parse_messages(value: object) -> tuple[Message, ...]:
+def parse_messages(value: object) -> tuple[Message, ...]:
     if value is None:
         raise _bad("messages is required", "messages")
     if not isinstance(value, list):
@@ -335,16 +335,16 @@ def _parse_prompt(value: object, vocab_size: int) -> str | tuple[int, ...]:
     return tuple(tokens)
 
 
-def _require_object(body: object) -> Mapping[str, Any]:
+def require_object(body: object) -> Mapping[str, Any]:
     if not isinstance(body, dict):
         raise _bad(f"the request body must be a JSON object, got {_type_name(body)}", "body")
     return body
 
 
 def parse_chat_request(body: object, *, served_model: str, max_context: int) -> ChatRequest:
-    b = _require_object(body)
-    model = _parse_model(b, served_model)
-    messages = _parse_messages(b.get("messages"))
+    b = require_object(body)
+    model = parse_model(b, served_model)
+    messages = parse_messages(b.get("messages"))
     return ChatRequest(model=model, messages=messages,
                        sampling=_parse_sampling(b, max_context), stream=_parse_stream(b),
                        tools=parse_openai_tools(b),
@@ -353,8 +353,8 @@ def parse_chat_request(body: object, *, served_model: str, max_context: int) -> 
 
 def parse_completion_request(body: object, *, served_model: str, max_context: int,
                              vocab_size: int) -> CompletionRequest:
-    b = _require_object(body)
-    model = _parse_model(b, served_model)
+    b = require_object(body)
+    model = parse_model(b, served_model)
     prompt = _parse_prompt(b.get("prompt"), vocab_size)
     return CompletionRequest(model=model, prompt=prompt,
                              sampling=_parse_sampling(b, max_context), stream=_parse_stream(b))

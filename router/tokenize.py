@@ -16,10 +16,13 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from engine.tokenizer import Tokenizer
 from router.errors import ContextLengthError
 from router.generation import RouteRequest
+
+T = TypeVar("T")
 
 
 def _behind_the_loop() -> None:
@@ -45,7 +48,13 @@ def refuse_if_surely_too_long(tok: Tokenizer, req: RouteRequest, max_context: in
             f"least {at_least}, leaving no room to generate", param=param)
 
 
+async def off_loop(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` on the tokenizer threads: encodes and decodes are CPU-bound and
+    would stall every other request's stream on the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
+
+
 async def tokenize_off_loop(tokenize: Callable[[RouteRequest], list[int]], tok: Tokenizer,
                             req: RouteRequest, max_context: int) -> list[int]:
     refuse_if_surely_too_long(tok, req, max_context)
-    return await asyncio.get_running_loop().run_in_executor(_POOL, tokenize, req)
+    return await off_loop(tokenize, req)

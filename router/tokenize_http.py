@@ -17,7 +17,6 @@ default true) -> ``{"count", "max_model_len", "tokens"}``; ``{"tokens": [int]}``
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +27,12 @@ from engine.tokenizer import Tokenizer
 from router.body import parse_json_body
 from router.errors import InvalidRequestError
 from router.openai_schema import (
-    _parse_messages,
-    _parse_model,
-    _require_object,
     messages_as_dicts,
+    parse_messages,
+    parse_model,
+    require_object,
 )
-from router.tokenize import _POOL
+from router.tokenize import off_loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,15 +43,15 @@ class TokenizeInput:
 
 
 def parse_tokenize(body: object, *, served_model: str) -> TokenizeInput:
-    b = _require_object(body)
+    b = require_object(body)
     if b.get("model") is not None:
-        _parse_model(b, served_model)
+        parse_model(b, served_model)
     if b.get("messages") is not None:
         agp = b.get("add_generation_prompt", True)
         if not isinstance(agp, bool):
             raise InvalidRequestError("add_generation_prompt must be a boolean",
                                       param="add_generation_prompt")
-        msgs = tuple(messages_as_dicts(_parse_messages(b["messages"])))
+        msgs = tuple(messages_as_dicts(parse_messages(b["messages"])))
         return TokenizeInput(messages=msgs, add_generation_prompt=agp)
     prompt = b.get("prompt")
     if not isinstance(prompt, str):
@@ -62,9 +61,9 @@ def parse_tokenize(body: object, *, served_model: str) -> TokenizeInput:
 
 def parse_detokenize(body: object, *, served_model: str, vocab_size: int,
                      max_tokens: int) -> tuple[int, ...]:
-    b = _require_object(body)
+    b = require_object(body)
     if b.get("model") is not None:
-        _parse_model(b, served_model)
+        parse_model(b, served_model)
     tokens = b.get("tokens")
     if not isinstance(tokens, list) or len(tokens) > max_tokens or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
@@ -86,7 +85,7 @@ class TokenizeEndpoints:
         async def tokenize(request: web.Request) -> web.Response:
             authorize(request)
             inp = await parse_json_body(request, parse_tokenize, served_model=self.model_name)
-            ids = await asyncio.get_running_loop().run_in_executor(_POOL, self._encode, inp)
+            ids = await off_loop(self._encode, inp)
             return web.json_response({"count": len(ids), "max_model_len": self.max_context,
                                       "tokens": ids, "token_strs": None})
 
@@ -94,8 +93,7 @@ class TokenizeEndpoints:
             authorize(request)
             ids = await parse_json_body(request, parse_detokenize, served_model=self.model_name,
                                         vocab_size=self.vocab_size, max_tokens=self.max_context)
-            text = await asyncio.get_running_loop().run_in_executor(
-                _POOL, self.tokenizer.decode, ids)
+            text = await off_loop(self.tokenizer.decode, ids)
             return web.json_response({"prompt": text})
 
         app.router.add_post("/tokenize", tokenize)
