@@ -16,7 +16,10 @@ outputs: tile, stages, K per stage), ``asN`` (decode attention pipeline
 stages), ``l2s3w4`` (a decode attention schedule,
 ``triton_attention.DecodeSchedule``), ``host0`` (the host work between
 replays as before issue 21: every input rebuilt and sent, the unfused draw;
-``DecodeRunner.staged``, ``draw.FUSED``); ``@B`` at the end runs it at batch B
+``DecodeRunner.staged``, ``draw.FUSED``), ``gsweep`` (the decode GEMM plans
+by weight shape of ``--gemm-table``, a ``benchmarks.gemm_sweep`` JSON, in
+``triton_gemm.DECODE_PLANS``), ``g0`` (none: the 64-row rule alone, the plans
+before that table); ``@B`` at the end runs it at batch B
 only. A mode given twice is run twice (its second row's key ends in ``'``), so
 ``host0`` and the shipped path can alternate in one process. Plans, stages,
 schedules and ``host0`` only schedule the same arithmetic: the bit
@@ -52,6 +55,8 @@ def _log(msg: str) -> None:
 
 SHIPPED_N64 = triton_gemm.NARROW_64
 SHIPPED_DECODE = triton_attention.DECODE
+SHIPPED_TABLE = dict(triton_gemm.DECODE_PLANS)
+SWEPT_TABLE: dict[tuple[int, int, int], triton_gemm.GemmPlan] = {}   # --gemm-table
 
 
 def parse_plan(spec: str) -> triton_gemm.GemmPlan:
@@ -70,8 +75,13 @@ def set_mode(eng: Engine, mode: str) -> None:
     runner.staged = draw.FUSED = "host0" not in parts
     triton_gemm.NARROW_64 = SHIPPED_N64
     triton_attention.DECODE = SHIPPED_DECODE
+    triton_gemm.DECODE_PLANS = dict(SHIPPED_TABLE)
     for part in parts:
-        if part.startswith("n"):
+        if part == "gsweep":
+            triton_gemm.DECODE_PLANS = dict(SWEPT_TABLE)
+        elif part == "g0":
+            triton_gemm.DECODE_PLANS = {}
+        elif part.startswith("n"):
             triton_gemm.NARROW_64 = parse_plan(part[1:])
         elif part.startswith("as"):
             triton_attention.DECODE = replace(triton_attention.DECODE, stages=int(part[2:]))
@@ -242,8 +252,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="batches whose graph replays are profiled in --profile-modes")
     p.add_argument("--profile-modes", nargs="*", default=["plain", "pdl"])
     p.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))
+    p.add_argument("--gemm-table", default="",
+                   help="a benchmarks.gemm_sweep JSON whose table the mode part gsweep runs")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
+    if a.gemm_table:
+        from benchmarks.gemm_sweep import load_table
+        SWEPT_TABLE.update(load_table(a.gemm_table))
+        _log(f"swept GEMM table: {SWEPT_TABLE}")
     from engine import triton_pdl
     _log(f"PDL supported: {triton_pdl.supported()} (gdc in Triton: {triton_pdl.HAVE_GDC})")
     res: dict[str, object] = {"model": a.model, "ctx": a.ctx, "steps": a.steps}

@@ -43,7 +43,7 @@ Only imported on CUDA (or under ``TRITON_INTERPRET=1`` for CPU checks).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -121,7 +121,19 @@ def x_tile(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def plan_16bit(m: int, n: int, splits: int = 1) -> GemmPlan:
+# Decode plans by weight shape and row bucket, where engine/triton_tune.py-style
+# timing (benchmarks/gemm_sweep.py: PDL graphs over weights larger than the L2,
+# rows checked against a 2,048-row call) found one faster than the rule below:
+# {(K, N, x_tile(m)): plan}. Only one-split weights: a split changes the sums.
+# A swap plan's ``bm`` is set per call to ``x_tile(m)``.
+DECODE_PLANS: dict[tuple[int, int, int], GemmPlan] = {}
+
+
+def plan_16bit(m: int, n: int, splits: int = 1, k: int = 0) -> GemmPlan:
+    if m <= 64 and splits == 1:
+        by_shape = DECODE_PLANS.get((k, n, x_tile(m)))
+        if by_shape is not None:
+            return replace(by_shape, bm=x_tile(m)) if by_shape.swap else by_shape
     if m <= 64:
         # Decode streams the weights. Up to 32 rows: weight-major tiles, whose
         # 16- or 32-row input side wastes little matrix work, and on narrow
@@ -143,14 +155,14 @@ def plan_16bit(m: int, n: int, splits: int = 1) -> GemmPlan:
     return GemmPlan(128, 256, 8, 3)
 
 
-def plan_fp32(m: int, n: int, splits: int = 1) -> GemmPlan:
+def plan_fp32(m: int, n: int, splits: int = 1, k: int = 0) -> GemmPlan:
     # one plan for every M, as measured invariant on the H200 (engine.md); a
     # weight-major 16-row tile at decode M was bit-identical too but no faster
     # (docs/BENCHMARKS.md, issue 21)
     return GemmPlan(64, _decode_bn(n), 4, 4)
 
 
-PlanFn = Callable[[int, int, int], GemmPlan]      # (m, n, splits)
+PlanFn = Callable[..., GemmPlan]      # (m, n, splits=1, k=0)
 # by dtype; engine/triton_tune.py swaps in candidates to time them
 PLANS: dict[torch.dtype, PlanFn] = {torch.bfloat16: plan_16bit, torch.float16: plan_16bit,
                                     torch.float32: plan_fp32}
@@ -274,10 +286,11 @@ def _gemm_kernel(A, B, BIAS, C, PART, CNT, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm
 @triton.jit(do_not_specialize=["M"])
 def _gemm_tma_kernel(a_desc, b_desc, BIAS, C, M, N, K, s_cm, HAS_BIAS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+                     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, PDL: tl.constexpr = False):
     """Persistent variant: each program walks tiles pid, pid + NUM_SMS, ... with
     the tensor-copy engine loading A [BM, BK] and the weight [BN, BK] (zeros
     past the edges). The same K chain per output as ``_gemm_kernel``."""
+    pdl_enter(PDL)
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
     width = GROUP_M * grid_n
@@ -369,11 +382,13 @@ def _gemm_swap_kernel(A, B, BIAS, C, PART, CNT, M, N, K, s_am, s_ak, s_bk, s_bn,
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_swap_tma_kernel(x_desc, w_desc, BIAS, C, M, N, K, s_cm, HAS_BIAS: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """``_gemm_swap_kernel`` with the tensor-copy engine loading the weight panel
     [BN, BK] and the input rows [BM, BK] (zeros past the edges)."""
     pn = tl.program_id(0)
     pm = tl.program_id(1)
+    pdl_enter(PDL)
     acc = tl.zeros([BN, BM], tl.float32)
     for k0 in range(0, K, BK):
         w = w_desc.load([pn * BN, k0])
@@ -399,17 +414,18 @@ def _linear_tma(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, o
     a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [p.bm, p.bk])
     b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [p.bn, p.bk])
     b = bias.contiguous() if bias is not None else out
+    extra = triton_pdl.opts()         # inside a decode graph's capture: PDL
     if p.swap:
         _gemm_swap_tma_kernel[(triton.cdiv(n, p.bn), triton.cdiv(m, p.bm))](
             a_desc, b_desc, b, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
-            BM=p.bm, BN=p.bn, BK=p.bk, num_warps=p.warps, num_stages=p.stages)
+            BM=p.bm, BN=p.bn, BK=p.bk, num_warps=p.warps, num_stages=p.stages, **extra)
         return
     tiles = triton.cdiv(m, p.bm) * triton.cdiv(n, p.bn)
     sms = _sms(x.device)
     _gemm_tma_kernel[(min(sms, tiles),)](a_desc, b_desc, b, out, m, n, k, out.stride(0),
                                          HAS_BIAS=bias is not None, BM=p.bm, BN=p.bn, BK=p.bk,
                                          GROUP_M=p.group_m, NUM_SMS=sms, num_warps=p.warps,
-                                         num_stages=p.stages)
+                                         num_stages=p.stages, **extra)
 
 
 # Split counters: one int32 a (tile, call), zero between calls (the last
@@ -451,7 +467,7 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
     if m == 0:
         return out
     sp = k_splits(x.dtype, n, k) if splits is None else splits
-    p = plan or PLANS[x.dtype](m, n, sp)
+    p = plan or PLANS[x.dtype](m, n, sp, k=k)
     if sp > 1 and (k % (sp * p.bk) or p.persistent):
         raise ValueError(f"linear: K = {k} in {sp} splits does not suit plan {p}")
     if p.persistent:

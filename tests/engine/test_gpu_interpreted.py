@@ -92,7 +92,32 @@ def check_gemm() -> None:
                 plans.append(GemmPlan(128, 256, 8, 3, persistent=True))
             for plan in plans:
                 assert torch.equal(linear(x, w_t, bias, plan=plan), full), plan
+            if dtype == torch.float16 and k == 128:
+                _check_decode_table(x, w_t, bias, full)
     print("gemm ok")
+
+
+def _check_decode_table(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor,
+                        full: torch.Tensor) -> None:
+    """``DECODE_PLANS`` (benchmarks/gemm_sweep.py's table): a weight's decode rows
+    take its shape's plan, a weight-major one with its input side set by M, other
+    shapes and split weights the rule's, and the rows keep their bits."""
+    from engine import triton_gemm as tg
+
+    k, n = w_t.shape
+    swap, wide = tg.GemmPlan(64, 64, 4, 2, swap=True, bk=128), tg.GemmPlan(64, 32, 4, 2, bk=128)
+    shipped, tg.DECODE_PLANS = tg.DECODE_PLANS, {(k, n, 64): swap, (k, n, 16): wide}
+    try:
+        assert tg.plan_16bit(40, n, 1, k=k) == swap
+        assert tg.plan_16bit(33, n, 1, k=k).bm == 64 and tg.plan_16bit(9, n, 1, k=k) == wide
+        assert tg.plan_16bit(40, n, 1, k=k + 64) == tg.plan_16bit(40, n, 1)   # another weight
+        assert tg.plan_16bit(40, n, 2, k=k) == tg.plan_16bit(40, n, 2)        # split sums
+        assert tg.plan_16bit(20, n, 1, k=k) == tg.plan_16bit(20, n, 1)        # no 32 entry
+        for m in (1, 16, 33, 64):
+            assert torch.equal(tg.linear(x[:m], w_t, bias), full[:m]), m
+            assert torch.equal(tg.linear(x[-m:], w_t, bias), full[-m:]), m
+    finally:
+        tg.DECODE_PLANS = shipped
 
 
 def check_gemm_splits() -> None:
