@@ -50,21 +50,19 @@ def _p(bm: int, bn: int, stages: int, bk: int = 64, warps: int = 4, swap: bool =
 # Pipelines stay within the H200's 227 KB of shared memory a program.
 CANDIDATES: tuple[tg.GemmPlan, ...] = (
     # 64-row tiles, the input rows on the instruction's 64-row side
-    *(_p(64, 64, st, bk) for st, bk in ((4, 128), (5, 128), (6, 128), (3, 256), (8, 64),
-                                        (12, 64))),
-    *(_p(64, 32, st, bk) for st, bk in ((8, 128), (5, 256))),
-    *(_p(64, 128, st, bk) for st, bk in ((4, 128), (2, 256), (6, 64))),
+    *(_p(64, 64, st, bk) for st, bk in ((4, 128), (6, 128), (3, 256), (8, 64))),
+    _p(64, 32, 8, 128),
+    *(_p(64, 128, st, bk) for st, bk in ((4, 128), (2, 256))),
     # weight-major: the weight's columns on the 64-row side (warps along them)
-    *(_p(64, 64, st, bk, swap=True) for st, bk in ((4, 128), (6, 128), (3, 256), (10, 64))),
-    *(_p(64, 128, st, bk, w, swap=True) for st, bk, w in ((4, 64, 4), (6, 64, 4), (4, 128, 4),
-                                                         (3, 128, 8), (4, 128, 8), (6, 64, 8))),
+    *(_p(64, 64, st, bk, swap=True) for st, bk in ((4, 128), (6, 128), (3, 256))),
+    *(_p(64, 128, st, bk, w, swap=True) for st, bk, w in ((4, 64, 4), (4, 128, 4), (3, 128, 8),
+                                                         (4, 128, 8))),
     _p(64, 256, 3, 64, 8, swap=True),
     # the tensor-copy engine loading both operands
-    *(_p(64, 64, st, bk, swap=True, tma=True) for st, bk in ((4, 128), (6, 128), (3, 256),
-                                                             (8, 64))),
+    *(_p(64, 64, st, bk, swap=True, tma=True) for st, bk in ((4, 128), (6, 128), (3, 256))),
     *(_p(64, 128, st, bk, w, swap=True, tma=True) for st, bk, w in ((3, 128, 4), (4, 128, 8),
-                                                                   (6, 64, 8), (2, 256, 8))),
-    *(_p(64, bn, st, bk, tma=True) for bn, st, bk in ((64, 6, 128), (64, 4, 256), (128, 4, 128))),
+                                                                   (2, 256, 8))),
+    *(_p(64, bn, st, bk, tma=True) for bn, st, bk in ((64, 6, 128), (128, 4, 128))),
 )
 
 
