@@ -34,6 +34,7 @@ from benchmarks.engine import mem_copy_gbps
 from benchmarks.harness import save_json
 from engine import triton_gemm as tg
 from engine import triton_pdl
+from security.secret_files import write_private
 
 # (K, N) by weight, the narrow outputs first (the b64 step's lever)
 SHAPES = {"llama-8b-shape": {"down": (14336, 4096), "qkv": (4096, 6144), "o": (4096, 4096),
@@ -116,13 +117,16 @@ def _graph_us(calls: list, replays: int) -> float:
 
 def sweep_shape(name: str, k: int, n: int, ms: list[int], copy_gbps: float,
                 cands: tuple[tg.GemmPlan, ...], stream_bytes: float, replays: int,
-                log=print) -> list[dict]:
+                layout: str = "kn", log=print) -> list[dict]:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(k * 7 + n)
-    w0 = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    # weights.py keeps [K, N] rows (``nk``: an [N, K] matrix's transposed view, as
+    # the GPU tests and engine/triton_tune.py build them)
+    w0 = (torch.randn(*((n, k) if layout == "nk" else (k, n)), device=dev, generator=g)
+          * 0.02).to(torch.bfloat16)
     wbytes = w0.numel() * 2
     copies = [w0] + [w0.clone() for _ in range(max(1, math.ceil(stream_bytes / wbytes)) - 1)]
-    wts = [w.t() for w in copies]                       # [K, N] views, as weights.py
+    wts = [w.t() if layout == "nk" else w for w in copies]          # each [K, N]
     x = torch.randn(2048, k, device=dev, generator=g).to(torch.bfloat16)
     canon = tg.linear(x, wts[0])                        # the shipped 2,048-row plan
     rows: list[dict] = []
@@ -210,6 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--margin", type=float, default=0.02,
                    help="a plan enters the table when this much faster than the shipped one")
+    p.add_argument("--layout", default="kn", choices=["kn", "nk"],
+                   help="weights stored [K, N] (the engine's) or [N, K]")
+    p.add_argument("--write-table", default="",
+                   help="write the table as a module (engine/triton_gemm_table.py)")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     if bad := [m for m in a.m if not 1 <= m <= 64]:
@@ -220,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     mem_copy_gbps(dev)                  # the first copy of a process reads low
     copy = mem_copy_gbps(dev)
     _log(f"copy {copy:.0f} GB/s; {len(cands)} candidates; shapes {list(shapes)}; M {a.m}")
+    _log(f"layout {a.layout}")
     _log(f"{'weight':<8} {'M':<5} {'plan':<36} {'same':>5} {'time':>11} {'rate':>12} "
          f"{'of copy':>6}")
     rows: list[dict] = []
@@ -228,10 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     with triton_pdl.dependent_launches(True):
         for name, (k, n) in shapes.items():
             rows += sweep_shape(name, k, n, a.m, copy, cands, a.stream_gb * 1e9, a.replays,
-                                _log)
+                                a.layout, _log)
             torch.cuda.empty_cache()        # this weight's copies before the next's
             # saved after each weight: a run cut short keeps what it measured
-            res = {"model": a.model, "copy_gbps": copy, "rows": rows,
+            res = {"model": a.model, "layout": a.layout, "copy_gbps": copy, "rows": rows,
                    **pick(rows, shapes, a.margin)}
             save_json(res, a.json)
     copy_after = mem_copy_gbps(dev)
@@ -250,6 +259,34 @@ def main(argv: list[str] | None = None) -> None:
     assert isinstance(table, list)
     _log(f"table: {[(e['k'], e['n'], e['bucket'], e['label']) for e in table]}")
     save_json(res, a.json)
+    if a.write_table:
+        write_private(a.write_table, table_module(res))
+
+
+def table_module(res: dict) -> str:
+    """``engine/triton_gemm_table.py``: the table as plain literals (the engine
+    builds its plans from them), each entry with what the sweep measured."""
+    best = res.get("best", {})
+    lines = [
+        '"""Decode GEMM plans by weight shape, as benchmarks/gemm_sweep.py measured them',
+        f"({torch.cuda.get_device_name()}, copy {res['copy_gbps']:.0f} GB/s, weights "
+        f"{res.get('layout', 'kn')}):",
+        "{(K, N, rows bucket): GemmPlan fields}, each faster than the 64-row rule's",
+        "plan at the bucket's own row count with every row's bits kept (checked",
+        "against a 2,048-row call there). Written by ``python3 -m",
+        "benchmarks.gemm_sweep --write-table``; docs/BENCHMARKS.md, issue 21.",
+        '"""', "", "TABLE: dict[tuple[int, int, int], dict[str, object]] = {"]
+    for e in res.get("table", []):
+        slot = best.get(next((f"{s}@{e['bucket']}" for s in SHAPES[res["model"]]
+                              if SHAPES[res["model"]][s] == (e["k"], e["n"])), ""), {})
+        b, sh = slot.get("best", {}), slot.get("shipped", {})
+        lines.append(f"    # {b.get('us', 0):.1f} us ({b.get('of_copy', 0):.3f} of the copy) "
+                     f"against {sh.get('us', 0):.1f} ({sh.get('plan', '?')})")
+        spec = ", ".join(f'"{key}": {val!r}' for key, val in e["plan"].items()
+                         if key != "group_m")       # one row tile: no grouping
+        lines += [f"    ({e['k']}, {e['n']}, {e['bucket']}):", f"        {{{spec}}},"]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from engine import triton_pdl
+from engine.triton_gemm_table import TABLE as DECODE_TABLE
 from engine.triton_pdl import pdl_enter
 
 BK = 64                       # the K tile: part of the arithmetic (triton_invariant.KERNEL_ID)
@@ -126,7 +127,8 @@ def x_tile(m: int) -> int:
 # rows checked against a 2,048-row call) found one faster than the rule below:
 # {(K, N, x_tile(m)): plan}. Only one-split weights: a split changes the sums.
 # A swap plan's ``bm`` is set per call to ``x_tile(m)``.
-DECODE_PLANS: dict[tuple[int, int, int], GemmPlan] = {}
+DECODE_PLANS: dict[tuple[int, int, int], GemmPlan] = {
+    key: GemmPlan(**spec) for key, spec in DECODE_TABLE.items()}  # type: ignore[arg-type]
 
 
 def plan_16bit(m: int, n: int, splits: int = 1, k: int = 0) -> GemmPlan:
@@ -286,10 +288,13 @@ def _gemm_kernel(A, B, BIAS, C, PART, CNT, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm
 @triton.jit(do_not_specialize=["M"])
 def _gemm_tma_kernel(a_desc, b_desc, BIAS, C, M, N, K, s_cm, HAS_BIAS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, PDL: tl.constexpr = False):
+                     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, PDL: tl.constexpr = False,
+                     W_KN: tl.constexpr = False):
     """Persistent variant: each program walks tiles pid, pid + NUM_SMS, ... with
-    the tensor-copy engine loading A [BM, BK] and the weight [BN, BK] (zeros
-    past the edges). The same K chain per output as ``_gemm_kernel``."""
+    the tensor-copy engine loading A [BM, BK] and the weight tile, [BN, BK] of
+    an [N, K] matrix or with W_KN [BK, BN] of a [K, N] one (the engine's
+    weights.py layout), zeros past the edges. The same K chain per output as
+    ``_gemm_kernel``."""
     pdl_enter(PDL)
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
@@ -302,8 +307,10 @@ def _gemm_tma_kernel(a_desc, b_desc, BIAS, C, M, N, K, s_cm, HAS_BIAS: tl.conste
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, BK):
             a = a_desc.load([pm * BM, k0])
-            b = b_desc.load([pn * BN, k0])
-            acc = tl.dot(a, b.T, acc)
+            if W_KN:
+                acc = tl.dot(a, b_desc.load([k0, pn * BN]), acc)
+            else:
+                acc = tl.dot(a, b_desc.load([pn * BN, k0]).T, acc)
         rm = pm * BM + tl.arange(0, BM)
         rn = pn * BN + tl.arange(0, BN)
         if HAS_BIAS:
@@ -383,15 +390,19 @@ def _gemm_swap_kernel(A, B, BIAS, C, PART, CNT, M, N, K, s_am, s_ak, s_bk, s_bn,
 @triton.jit(do_not_specialize=["M"])
 def _gemm_swap_tma_kernel(x_desc, w_desc, BIAS, C, M, N, K, s_cm, HAS_BIAS: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, W_KN: tl.constexpr = False):
     """``_gemm_swap_kernel`` with the tensor-copy engine loading the weight panel
-    [BN, BK] and the input rows [BM, BK] (zeros past the edges)."""
+    (as ``_gemm_tma_kernel``: [BN, BK], or [BK, BN] with W_KN, used transposed)
+    and the input rows [BM, BK] (zeros past the edges)."""
     pn = tl.program_id(0)
     pm = tl.program_id(1)
     pdl_enter(PDL)
     acc = tl.zeros([BN, BM], tl.float32)
     for k0 in range(0, K, BK):
-        w = w_desc.load([pn * BN, k0])
+        if W_KN:                         # noqa: SIM108 (a constexpr: one branch built)
+            w = w_desc.load([k0, pn * BN]).T
+        else:
+            w = w_desc.load([pn * BN, k0])
         x = x_desc.load([pm * BM, k0])
         acc = tl.dot(w, x.T, acc)
     _store_swap(acc, BIAS, C, M, N, s_cm, pn, pm, HAS_BIAS, BM, BN)
@@ -408,24 +419,31 @@ def _linear_tma(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, o
 
     m, k = x.shape
     n = w_t.shape[1]
-    w = w_t.t()                                    # [N, K], unit stride in K (weights.py)
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("the TMA plan needs unit stride along K")
+    if x.stride(1) != 1:              # the copy engine reads rows of unit stride
+        x = x.contiguous()
     a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [p.bm, p.bk])
-    b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [p.bn, p.bk])
+    kn = w_t.stride(1) == 1           # weights.py's [K, N] rows; else an [N, K] matrix's view
+    if kn:
+        b_desc = TensorDescriptor(w_t, [k, n], [w_t.stride(0), 1], [p.bk, p.bn])
+    elif w_t.stride(0) == 1:
+        w = w_t.t()
+        b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [p.bn, p.bk])
+    else:
+        raise ValueError("the TMA plan needs a weight of unit stride along K or N")
     b = bias.contiguous() if bias is not None else out
     extra = triton_pdl.opts()         # inside a decode graph's capture: PDL
     if p.swap:
         _gemm_swap_tma_kernel[(triton.cdiv(n, p.bn), triton.cdiv(m, p.bm))](
             a_desc, b_desc, b, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
-            BM=p.bm, BN=p.bn, BK=p.bk, num_warps=p.warps, num_stages=p.stages, **extra)
+            BM=p.bm, BN=p.bn, BK=p.bk, num_warps=p.warps, num_stages=p.stages, W_KN=kn,
+            **extra)
         return
     tiles = triton.cdiv(m, p.bm) * triton.cdiv(n, p.bn)
     sms = _sms(x.device)
     _gemm_tma_kernel[(min(sms, tiles),)](a_desc, b_desc, b, out, m, n, k, out.stride(0),
                                          HAS_BIAS=bias is not None, BM=p.bm, BN=p.bn, BK=p.bk,
                                          GROUP_M=p.group_m, NUM_SMS=sms, num_warps=p.warps,
-                                         num_stages=p.stages, **extra)
+                                         num_stages=p.stages, W_KN=kn, **extra)
 
 
 # Split counters: one int32 a (tile, call), zero between calls (the last

@@ -65,3 +65,28 @@ def test_bucket_rows_span_each_bucket_and_candidates_fit_the_layout() -> None:
     assert len({gs.label(p) for p in gs.CANDIDATES}) == len(gs.CANDIDATES)
     for p in gs.CANDIDATES:          # GemmPlan validates; the input side follows M
         assert gs.at_m(p, 20).bm == (32 if p.swap else 64)
+
+
+def test_the_written_table_module_builds_the_picked_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--write-table``'s module (what engine/triton_gemm_table.py holds) gives
+    back the picked plans, and passes the repository's lint line length."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    plans = {(14336, 4096, 64): tg.GemmPlan(64, 64, 4, 6, swap=True, bk=128, persistent=True),
+             (4096, 6144, 32): tg.GemmPlan(64, 64, 4, 4, bk=128)}
+    names = {(14336, 4096): "down", (4096, 6144): "qkv"}
+    res = {"model": "llama-8b-shape", "layout": "kn", "copy_gbps": 4180.0,
+           "table": [{"k": k, "n": n, "bucket": b, "plan": asdict(p), "label": gs.label(p)}
+                     for (k, n, b), p in plans.items()],
+           "best": {f"{names[k, n]}@{b}": {"best": {"us": 30.0, "of_copy": 0.8},
+                                          "shipped": {"us": 40.0, "plan": "shipped: x"}}
+                    for (k, n, b) in plans}}
+    src = gs.table_module(res)
+    assert max(len(line) for line in src.splitlines()) <= 100
+    assert "30.0 us (0.800 of the copy) against 40.0" in src
+    ns: dict[str, object] = {}
+    exec(compile(src, "triton_gemm_table.py", "exec"), ns)
+    table = ns["TABLE"]
+    assert isinstance(table, dict)
+    assert {key: tg.GemmPlan(**spec) for key, spec in table.items()} == plans

@@ -58,19 +58,27 @@ def test_gemm_rows_do_not_depend_on_m(dtype: torch.dtype, n: int) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (4096, 28672), (14336, 4096)])
+@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (4096, 4096), (4096, 28672),
+                                    (14336, 4096), (4096, 128256)])
 @pytest.mark.parametrize("splits", [None, 2])
-def test_gemm_rows_on_llama_8b_weights(k: int, n: int, splits: int | None) -> None:
-    """The same across every plan on the real shapes (long K, wide N), with the
-    shipped K-split rule and with K in two sums (engine/triton_gemm.py
-    ``k_splits``' option: a program a split at M <= 64, both in one past it)."""
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_gemm_rows_on_llama_8b_weights(k: int, n: int, splits: int | None, layout: str) -> None:
+    """The same across every plan on the real shapes (long K, wide N; the decode
+    plans by shape of engine/triton_gemm_table.py among them, TMA ones too), with
+    the shipped K-split rule and with K in two sums (engine/triton_gemm.py
+    ``k_splits``' option: a program a split at M <= 64, both in one past it),
+    for weights stored as weights.py does ([K, N] rows) and as [N, K]."""
     from engine.triton_invariant import linear
 
+    if splits == 2 and (n >= 16384 or layout == "kn"):
+        pytest.skip("one split for wide weights; the split option timed on one layout")
     g = torch.Generator(device="cuda").manual_seed(k + n)
-    w_t = (torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02).t()
+    shape = (n, k) if layout == "nk" else (k, n)
+    w = torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    w_t = w.t() if layout == "nk" else w
     x = torch.randn(2048, k, device="cuda", generator=g, dtype=torch.bfloat16)
     full = linear(x, w_t, splits=splits)
-    for m in (1, 2, 8, 33, 64, 65, 200, 512, 513, 1000):
+    for m in (1, 2, 8, 17, 32, 33, 48, 64, 65, 200, 512, 513, 1000):
         assert torch.equal(linear(x[:m], w_t, splits=splits), full[:m]), m
         assert torch.equal(linear(x[2048 - m:], w_t, splits=splits), full[2048 - m:]), m
 
