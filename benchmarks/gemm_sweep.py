@@ -282,9 +282,11 @@ def table_module(res: dict) -> str:
         b, sh = slot.get("best", {}), slot.get("shipped", {})
         lines.append(f"    # {b.get('us', 0):.1f} us ({b.get('of_copy', 0):.3f} of the copy) "
                      f"against {sh.get('us', 0):.1f} ({sh.get('plan', '?')})")
-        spec = ", ".join(f'"{key}": {val!r}' for key, val in e["plan"].items()
-                         if key != "group_m")       # one row tile: no grouping
-        lines += [f"    ({e['k']}, {e['n']}, {e['bucket']}):", f"        {{{spec}}},"]
+        items = [f'"{key}": {val!r}' for key, val in e["plan"].items()
+                 if key != "group_m"]               # one row tile: no grouping
+        lines += [f"    ({e['k']}, {e['n']}, {e['bucket']}):",
+                  "        {" + ", ".join(items[:4]) + ",",
+                  "         " + ", ".join(items[4:]) + "},"]
     lines.append("}")
     return "\n".join(lines) + "\n"
 
