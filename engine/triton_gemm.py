@@ -21,7 +21,10 @@ computes and how fast, so the plan is chosen per row count:
 - up to 64 rows (decode, bound by reading the weights): weight-major tiles
   (``swap``: the instruction's 64-row side walks the weight's columns, its
   narrow side the 16 or 32 input rows) or 64-row tiles with 128-deep K stages,
-  each program streaming its weight panel through a deep pipeline;
+  each program streaming its weight panel through a deep pipeline; for the
+  weight shapes measured faster otherwise, the plan of ``DECODE_PLANS``
+  (engine/triton_gemm_table.py, e.g. TMA-loaded weight-major tiles for
+  llama-8b's down and o at 33-64 rows);
 - up to 512 rows: 128 x 128 tiles, 8 warps;
 - more (prefill chunks): 128 x 256 tiles, 8 warps, 3 stages, programs grouped so
   neighbours share the A rows in L2 (what the Triton matmul tutorial found
@@ -80,7 +83,9 @@ class GemmPlan:
     warps: int
     stages: int
     group_m: int = 8          # programs of GROUP_M row tiles walk N together (L2 reuse)
-    persistent: bool = False  # one program per SM looping over tiles, TMA loads (16-bit)
+    # TMA loads (16-bit); with 64-row-side tiles one program an SM looping over
+    # tiles, weight-major a program a tile
+    persistent: bool = False
     # weight-major tile (M <= 64): the matrix instruction's 64-row side walks the
     # weight's columns (bn of them) and its narrow side the bm <= 64 input rows,
     # so one decode row costs a 16-wide instruction, not a 64-row one
