@@ -1,6 +1,6 @@
 """Issues 11 and 20: token identity through the warehouse, across vLLM processes.
 
-Server A computes 10 prompts cold (greedy, 32 tokens) and its connector writes
+Server A computes 5 prompts cold (greedy, 32 tokens) and its connector writes
 their blocks to the kvstore; server B, a fresh vLLM process that never saw
 them, answers the same prompts restoring the prefix from the warehouse: same
 tokens, and the cached tokens it reports are exactly the hit rule's
@@ -27,10 +27,13 @@ from tests.connectors.stack import (
     wait_stored,
 )
 
-N_PROMPTS = 10
-# Prompts of 2-6 blocks, most not block-aligned: what is checked (same tokens, the
-# hit rule's cached count) holds at any length past one block, and on a 2-core
-# box every cold prompt token is prefill time (prompts' default reaches 11 blocks).
+# Five prompts (were ten; each costs two 32-token completions, cold on A and warm
+# on B): 171-361 tokens, 2, 4 and 5 whole blocks, none block-aligned (41, 5, 55,
+# 43 and 17 tokens past the last block; the P/D prompts below hold the aligned
+# one). What is checked (same tokens, the hit rule's cached count) holds at any
+# length past one block, and on a 2-core box every cold prompt token is prefill
+# time (prompts' default reaches 11 blocks).
+N_PROMPTS = 5
 HI = 400
 # The fixtures start vLLM servers (~40 s each in CI, minutes on a loaded 2-core box).
 pytestmark = pytest.mark.timeout(1500)

@@ -33,8 +33,12 @@ from studies.sim import replay_cache
 from tests.kvstore.simtrace import random_prefix_trace
 from tests.kvstore.storeproc import write_config
 
-SLOT_S = 0.6
-TTLS = [1.0, 2.0, 4.0, 7.0, math.inf]        # gaps are 0, 0.6, 1.2, 1.8, 2.4, 3.0, ...
+# 48 slots of 0.4 s (19 s of replay; was 64 of 0.6 s, 38 s): each TTL still
+# keeps a different share of the hits (offline, on the paced times: 0.40, 0.59,
+# 0.65, 0.68 and 0.71 with no TTL), and every TTL is 0.2 s from a slot's multiple.
+SLOT_S = 0.4
+SLOTS = 48
+TTLS = [1.0, 3.0, 5.0, 7.0, math.inf]        # gaps are 0, 0.4, 0.8, 1.2, 1.6, 2.0, ...
 
 
 def _start_store(redis_url: str, config: Path) -> tuple[subprocess.Popen[str], int, int]:
@@ -106,7 +110,7 @@ def test_live_whatif_in_metrics_matches_the_offline_replay(redis_url: str,
                                                             tmp_path: Path) -> None:
     trace = random_prefix_trace(7, sessions=24, turns=6, think_s=20.0, rate_s=0.3,
                                 classes=("chat", "agent"))
-    schedule = _paced(trace, slots=64)
+    schedule = _paced(trace, slots=SLOTS)
     config = write_config(tmp_path / "kv.toml", block_tokens=trace.block_tokens)
     config.write_text(config.read_text() + "[whatif]\nttls = \""
                       + ",".join(f"{t:g}" for t in TTLS[:-1]) + ",inf\"\ncapacities = \"inf\"\n")
