@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -104,9 +105,15 @@ def test_time_slicing_adds_nothing_and_starts_nothing(tmp_path: Path) -> None:
 
 
 def test_pipe_directory_is_private_and_short_enough_for_sockets(tmp_path: Path) -> None:
-    short = pipe_dir_for(tmp_path)
-    assert short.parent == tmp_path.resolve()
-    assert stat.S_IMODE(short.stat().st_mode) == 0o700
+    # A run directory short enough on any machine: pytest's own tmp_path can be too
+    # long for the sockets already (a longer user name, an xdist worker's folder).
+    run = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
+    try:
+        short = pipe_dir_for(run)
+        assert short.parent == run.resolve()
+        assert stat.S_IMODE(short.stat().st_mode) == 0o700
+    finally:
+        shutil.rmtree(run)
     deep = tmp_path / ("d" * 90)
     deep.mkdir()
     moved = pipe_dir_for(deep)
