@@ -7,3 +7,5 @@ repeats, min/median/max, goals against limits measured in the same run,
 
 The top floor: a benchmark may start a whole stack through the launcher, so
 it stands above everything it measures and nothing imports it."""
+
+import common.process_env  # noqa: F401  (before any benchmark loads torch)

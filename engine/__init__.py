@@ -5,15 +5,9 @@ Block tensor shape: ``[n_blocks, layers, 2, kv_heads, block_tokens, head_dim]``
 (2 = K then V), engine dtype, contiguous.
 """
 
-import os
-
-# libgomp reads this when torch loads it, so it only helps if nothing imported
-# torch yet (kvserve/cli.py sets it too). Spinning OpenMP workers on an
-# oversubscribed machine (several engine processes on 2 cores) made a 2-thread
-# attention call 400x slower (28 ms vs 68 us, measured on cpu-2c).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import importlib
+
+import common.process_env  # noqa: F401  (before torch loads: common/process_env.py)
 
 # Exported lazily (PEP 562): ``import engine.errors`` or ``engine.tokenizer`` in a
 # process that never computes (the router, ``kvserve up``) must not load torch

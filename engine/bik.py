@@ -166,6 +166,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + d, rms_norm(x + d)) in one pass over the rows: the same bits as the
+    add followed by ``rms_norm`` (one IEEE add per element), without the add's
+    separate trip through memory and torch's thread pool."""
+    x, d = _rows(x), _rows(d)
+    if x.shape != d.shape:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and d {tuple(d.shape)} differ")
+    m, n = x.shape
+    total = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        _lib().add_rmsnorm(x.data_ptr(), x.stride(0), d.data_ptr(), d.stride(0),
+                           total.data_ptr(), n, m, n, weight.contiguous().data_ptr(),
+                           float(eps), out.data_ptr(), n)
+    return total, out
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [M, 2I] (gate columns, then up) -> silu(gate) * up: [M, I]
     gu = _rows(gate_up)

@@ -168,6 +168,10 @@ class BIKernels(TorchKernels):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return bik.rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return bik.add_rms_norm(x, d, weight, eps)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return bik.silu_mul(gate_up)
 

@@ -18,12 +18,9 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import common.process_env  # noqa: F401  (before anything can load torch)
 import kvserve.commands
 from security.redact import install_log_redaction, redact
-
-# Before torch loads libgomp: spinning OpenMP workers make a 2-core machine
-# running several engine processes 10-400x slower (engine/__init__.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 Configure = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int | None]

@@ -436,13 +436,31 @@ typedef struct {
     float eps;
     float *out;
     int64_t ldo;
+    /* The residual add fused in front (add_rmsnorm): row m normalizes
+     * sum[m] = x[m] + d[m], written first; NULL d: plain rmsnorm of x. */
+    const float *d;
+    int64_t ldd;
+    float *sum;
+    int64_t lds;
 } norm_args;
+
+/* The row a norm task normalizes: x's row, or x + d written to sum's row
+ * (one IEEE add per element, the same bits as torch's add; the row is then
+ * read back from L1 by the norm). */
+static inline const float *norm_row(const norm_args *a, int64_t m) {
+    const float *x = a->x + m * a->ldx;
+    if (!a->d) return x;
+    const float *d = a->d + m * a->ldd;
+    float *s = a->sum + m * a->lds;
+    for (int64_t i = 0; i < a->N; i++) s[i] = x[i] + d[i];
+    return s;
+}
 
 static void norm_task(void *ctx, int64_t m0, int64_t m1, int tid) {
     (void)tid;
     const norm_args *a = (const norm_args *)ctx;
     for (int64_t m = m0; m < m1; m++) {
-        const float *x = a->x + m * a->ldx;
+        const float *x = norm_row(a, m);
         float s[LANES] = {0};
         for (int64_t i = 0; i < a->N; i++) s[i % LANES] = fmaf(x[i], x[i], s[i % LANES]);
         float mean = tree16(s) / (float)a->N;
@@ -512,7 +530,7 @@ __attribute__((target("avx512f"))) static void norm_task512(void *ctx, int64_t m
     (void)tid;
     const norm_args *a = (const norm_args *)ctx;
     for (int64_t m = m0; m < m1; m++) {
-        const float *x = a->x + m * a->ldx;
+        const float *x = norm_row(a, m);
         __m512 s = _mm512_setzero_ps();
         int64_t i = 0;
         for (; i + LANES <= a->N; i += LANES) {
@@ -1206,7 +1224,7 @@ __attribute__((target("avx2,fma"))) static void norm_task256(void *ctx, int64_t 
     (void)tid;
     const norm_args *a = (const norm_args *)ctx;
     for (int64_t m = m0; m < m1; m++) {
-        const float *x = a->x + m * a->ldx;
+        const float *x = norm_row(a, m);
         __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
         int64_t i = 0;
         for (; i + LANES <= a->N; i += LANES) {
@@ -1399,15 +1417,12 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
-    norm_args a;
-    unsigned long long x, w, out;
-    long long ldx, M, N, ldo;
-    float eps;
-    if (!PyArg_ParseTuple(args, "KLLLKfKL", &x, &ldx, &M, &N, &w, &eps, &out, &ldo))
+/* rmsnorm and add_rmsnorm: one task per ISA, the add fused in front when d is set. */
+static PyObject *run_norm(norm_args a, int64_t M) {
+    if (M < 0 || a.N < 1) {
+        PyErr_SetString(PyExc_ValueError, "rmsnorm: bad shape");
         return NULL;
-    a.x = ptr(x); a.ldx = ldx; a.N = N; a.w = ptr(w); a.eps = eps; a.out = ptr(out);
-    a.ldo = ldo;
+    }
     task_fn fn = norm_task;
 #if BIK_X86
     if (g_isa == ISA_AVX512) fn = norm_task512;
@@ -1417,6 +1432,31 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
     parallel_run(fn, &a, M, 64);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
+    norm_args a = {0};
+    unsigned long long x, w, out;
+    long long ldx, M, N, ldo;
+    float eps;
+    if (!PyArg_ParseTuple(args, "KLLLKfKL", &x, &ldx, &M, &N, &w, &eps, &out, &ldo))
+        return NULL;
+    a.x = ptr(x); a.ldx = ldx; a.N = N; a.w = ptr(w); a.eps = eps; a.out = ptr(out);
+    a.ldo = ldo;
+    return run_norm(a, M);
+}
+
+static PyObject *py_add_rmsnorm(PyObject *self, PyObject *args) {
+    norm_args a = {0};
+    unsigned long long x, d, sum, w, out;
+    long long ldx, ldd, lds, M, N, ldo;
+    float eps;
+    if (!PyArg_ParseTuple(args, "KLKLKLLLKfKL", &x, &ldx, &d, &ldd, &sum, &lds, &M, &N, &w,
+                          &eps, &out, &ldo))
+        return NULL;
+    a.x = ptr(x); a.ldx = ldx; a.d = ptr(d); a.ldd = ldd; a.sum = ptr(sum); a.lds = lds;
+    a.N = N; a.w = ptr(w); a.eps = eps; a.out = ptr(out); a.ldo = ldo;
+    return run_norm(a, M);
 }
 
 static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
@@ -1599,6 +1639,9 @@ static PyMethodDef methods[] = {
     {"pack", py_pack, METH_VARARGS, "pack(w, K, N, ldw, out): [K, N] fp32 -> 16-column panels"},
     {"gemm", py_gemm, METH_VARARGS, "gemm(x, ldx, M, K, wp, N, bias, out, ldo)"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, ldx, M, N, w, eps, out, ldo)"},
+    {"add_rmsnorm", py_add_rmsnorm, METH_VARARGS,
+     "add_rmsnorm(x, ldx, d, ldd, sum, lds, M, N, w, eps, out, ldo): sum = x + d, "
+     "out = rmsnorm(sum)"},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gu, ldg, M, I, out, ldo)"},
     {"rope", py_rope, METH_VARARGS, "rope(x, ldx, M, H, D, positions, cos, sin, out)"},
     {"attend", py_attend, METH_VARARGS,

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+import common.process_env  # noqa: F401  (the tests' processes wait as the services do)
 from kvstore.redis_server import EmbeddedRedis
 
 

@@ -83,6 +83,27 @@ def test_norm_and_swiglu_give_the_same_bits_on_every_path(n: int) -> None:
         assert torch.equal(norm, results[0][0]) and torch.equal(silu, results[0][1])
 
 
+@pytest.mark.parametrize("n", [19, 576])
+def test_fused_add_norm_is_the_add_then_the_norm_on_every_path(n: int) -> None:
+    """BIKernels' residual add + RMSNorm in one pass gives torch's add and the
+    separate norm bit for bit, on strided rows too."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(41, n + 7, generator=g) * 3)[:, 3:3 + n]
+    d = torch.randn(41, n, generator=g)
+    w = torch.randn(n, generator=g)
+    before = bik.current_path()
+    try:
+        for path in bik.paths():
+            bik.use_path(path)
+            total, normed = bik.add_rms_norm(x, d, w, 1e-5)
+            assert torch.equal(total, x + d), path
+            assert torch.equal(normed, bik.rms_norm(x + d, w, 1e-5)), path
+    finally:
+        bik.use_path(before)
+    with pytest.raises(ValueError, match="differ"):
+        bik.add_rms_norm(x, d[:, :-1], w, 1e-5)
+
+
 def test_rope_is_torch_rope_bit_for_bit() -> None:
     """bik's one-pass rotary embedding (what BIKernels uses) gives the torch
     version's bits on a strided q/k slice, so KV made before it stays valid."""
