@@ -885,6 +885,180 @@ static scores_fn scores512_for(int64_t nv) {
     default: return scores512_0;
     }
 }
+/* The same scores with the keys across the lanes (issue 18): the 16-key block
+ * of K is transposed once per item into Kt[d][16], then a pair's lane-l
+ * partials of all 16 keys are ONE vector, P_l = the FMA chain over
+ * d = l, l+16, ... of broadcast q[d] times Kt[d], from +0 (each key's chain
+ * exactly as above), and the halving tree is plain adds of whole vectors
+ * (P_j + P_j+8, then 4, 2, 1): no permutes. tree16x16's 31 permutes per pair
+ * and block sat on the one shuffle port beside the 64 FMAs; the transpose's
+ * 64 shuffles per 16x16 tile are paid once for every pair of the item, so
+ * this wins only with enough pairs (ATT_T_MIN). Each Kt vector feeds
+ * ATT_TG pairs, the tree walked depth first (lanes 0,4,2,6,1,5,3,7 with
+ * their +8 partners) so 22 of 32 registers stay live. */
+/* Pairs sharing each Kt load and 16-key tiles sharing each broadcast of q
+ * (compile-time knobs): 4 x 1 scored 1.04-1.14x over tree16x16 at 48 pairs,
+ * 2 x 2 0.97-1.11x, 3 x 1 0.81-0.88x (benchmarks in docs/benchmarks-history.md). */
+#ifndef ATT_TG
+#define ATT_TG 4
+#endif
+#ifndef ATT_TB
+#define ATT_TB 1
+#endif
+
+/* 16 rows of 16 floats (rows past n are zero) into Kt[d][t], d < 16. */
+__attribute__((target("avx512f"))) static inline void transpose16(
+    const float *const *rows, int n, int64_t col, float (*kt)[LANES]) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = i < n ? _mm512_loadu_ps(rows[i] + col) : _mm512_setzero_ps();
+    /* t: rows 2i, 2i+1 interleaved in each 128-bit lane */
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    /* r[4g + e]: keys 4g..4g+3 of element 4L + e in 128-bit lane L */
+    for (int g = 0; g < 4; g++) {
+        __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+        __m512d c = _mm512_castps_pd(t[4 * g + 2]), d = _mm512_castps_pd(t[4 * g + 3]);
+        r[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    /* a 4x4 transpose of 128-bit lanes across the four key groups */
+    for (int e = 0; e < 4; e++) {
+        __m512 u0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
+        __m512 u1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xdd);
+        __m512 u2 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+        __m512 u3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xdd);
+        _mm512_store_ps(kt[e], _mm512_shuffle_f32x4(u0, u2, 0x88));
+        _mm512_store_ps(kt[4 + e], _mm512_shuffle_f32x4(u1, u3, 0x88));
+        _mm512_store_ps(kt[8 + e], _mm512_shuffle_f32x4(u0, u2, 0xdd));
+        _mm512_store_ps(kt[12 + e], _mm512_shuffle_f32x4(u1, u3, 0xdd));
+    }
+}
+
+/* Scores of G pairs (query vectors q[g]) against B tiles of 16 keys (tile b
+ * at kt + b * NV * 16), times scale, into res[g * B + b]: each broadcast of
+ * q feeds B tiles and each Kt vector G pairs. */
+#define DEF_TGROUP512(NV, G, B) \
+__attribute__((target("avx512f"), always_inline)) static inline void tgroup512_##NV##_##G##_##B( \
+    const float (*kt)[LANES], const float *const *q, __m512 scale, __m512 *res) { \
+    static const int order[8] = {0, 4, 2, 6, 1, 5, 3, 7}; \
+    __m512 tv[G * B], uv[G * B], v0[G * B]; \
+    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) { \
+        const int l = order[i]; \
+        __m512 a0[G * B], a1[G * B]; \
+        _Pragma("GCC unroll 16") for (int x = 0; x < G * B; x++) \
+            a0[x] = a1[x] = _mm512_setzero_ps(); \
+        _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) { \
+            __m512 k0[B], k1[B]; \
+            _Pragma("GCC unroll 4") for (int b = 0; b < B; b++) { \
+                k0[b] = _mm512_load_ps(kt[b * NV * LANES + l + c * LANES]); \
+                k1[b] = _mm512_load_ps(kt[b * NV * LANES + l + 8 + c * LANES]); \
+            } \
+            _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) { \
+                const __m512 q0 = _mm512_set1_ps(q[g][l + c * LANES]); \
+                const __m512 q1 = _mm512_set1_ps(q[g][l + 8 + c * LANES]); \
+                _Pragma("GCC unroll 4") for (int b = 0; b < B; b++) { \
+                    a0[g * B + b] = _mm512_fmadd_ps(q0, k0[b], a0[g * B + b]); \
+                    a1[g * B + b] = _mm512_fmadd_ps(q1, k1[b], a1[g * B + b]); \
+                } \
+            } \
+        } \
+        _Pragma("GCC unroll 16") for (int x = 0; x < G * B; x++) { \
+            const __m512 t = _mm512_add_ps(a0[x], a1[x]); /* T_l = P_l + P_l+8 */ \
+            if (!(i & 1)) tv[x] = t; \
+            else if (i == 1 || i == 5) uv[x] = _mm512_add_ps(tv[x], t); /* U_0, U_1 */ \
+            else if (i == 3) v0[x] = _mm512_add_ps(uv[x], _mm512_add_ps(tv[x], t)); \
+            else res[x] = _mm512_mul_ps( \
+                _mm512_add_ps(v0[x], _mm512_add_ps(uv[x], _mm512_add_ps(tv[x], t))), scale); \
+        } \
+        /* one lane pair at a time: GCC, free to interleave them, spilled */ \
+        __asm__ volatile("" ::: "memory"); \
+    } \
+}
+
+#define DEF_SCORES512T(NV) \
+DEF_TGROUP512(NV, 1, ATT_TB) DEF_TGROUP512(NV, 2, ATT_TB) DEF_TGROUP512(NV, 3, ATT_TB) \
+DEF_TGROUP512(NV, 4, ATT_TB) \
+__attribute__((target("avx512f"))) static void scores512t_##NV( \
+    const attn_args *a, const float *const *q, const kv_rows *K, const int64_t *nk, int np, \
+    float *const *sc, float *mx) { \
+    float kt[ATT_TB * NV * LANES][LANES] __attribute__((aligned(64))); \
+    const __m512 scale = _mm512_set1_ps(a->scale); \
+    __m512 mxv[ATT_NPMAX]; \
+    int64_t nkmax = 0; \
+    for (int p = 0; p < np; p++) { \
+        mxv[p] = _mm512_set1_ps(-INFINITY); \
+        if (nk[p] > nkmax) nkmax = nk[p]; \
+    } \
+    for (int64_t j0 = 0; j0 < nkmax; j0 += ATT_TB * LANES) { \
+        for (int b = 0; b < ATT_TB; b++) { \
+            const int64_t j = j0 + b * LANES; \
+            const float *kg[LANES]; \
+            const int n = nkmax - j < LANES ? (nkmax > j ? (int)(nkmax - j) : 0) : LANES; \
+            if (n == LANES) kv_rows16(K, j, kg); \
+            else for (int t = 0; t < LANES; t++) kg[t] = t < n ? kv_row(K, j + t) : NULL; \
+            for (int c = 0; c < NV; c++) \
+                transpose16(kg, n, c * LANES, kt + (b * NV + c) * LANES); \
+        } \
+        const int64_t jn = j0 + ATT_TB * LANES; \
+        if (jn + ATT_TB * LANES <= nkmax) \
+            for (int b = 0; b < ATT_TB; b++) { \
+                const float *kn[LANES]; \
+                kv_rows16(K, jn + b * LANES, kn); \
+                for (int t = 0; t < LANES; t++) \
+                    for (int c = 0; c < NV; c++) \
+                        _mm_prefetch((const char *)(kn[t] + c * LANES), _MM_HINT_T0); \
+            } \
+        int act[ATT_NPMAX], na = 0; /* the pairs with a key in this block */ \
+        for (int p = 0; p < np; p++) \
+            if (nk[p] > j0) act[na++] = p; \
+        for (int i = 0; i < na; i += ATT_TG) { \
+            const int g = na - i < ATT_TG ? na - i : ATT_TG; \
+            const float *qg[ATT_TG]; \
+            __m512 res[ATT_TG * ATT_TB]; \
+            for (int k = 0; k < g; k++) qg[k] = q[act[i + k]]; \
+            switch (g) { \
+            case 4: tgroup512_##NV##_4_ATT_TB(kt, qg, scale, res); break; \
+            case 3: tgroup512_##NV##_3_ATT_TB(kt, qg, scale, res); break; \
+            case 2: tgroup512_##NV##_2_ATT_TB(kt, qg, scale, res); break; \
+            default: tgroup512_##NV##_1_ATT_TB(kt, qg, scale, res); break; \
+            } \
+            for (int k = 0; k < g; k++) \
+                for (int b = 0; b < ATT_TB; b++) { \
+                    const int p = act[i + k]; \
+                    const int64_t j = j0 + b * LANES, left = nk[p] - j; \
+                    if (left <= 0) break; \
+                    /* a pair whose keys end in the tile keeps the scores of its own */ \
+                    const __mmask16 m = left >= LANES ? (__mmask16)0xffff \
+                                                      : (__mmask16)((1u << left) - 1); \
+                    _mm512_mask_storeu_ps(sc[p] + j, m, res[k * ATT_TB + b]); \
+                    mxv[p] = _mm512_mask_max_ps(mxv[p], m, mxv[p], res[k * ATT_TB + b]); \
+                } \
+        } \
+    } \
+    for (int p = 0; p < np; p++) mx[p] = _mm512_reduce_max_ps(mxv[p]); \
+}
+
+DEF_SCORES512T(1) DEF_SCORES512T(2) DEF_SCORES512T(4) DEF_SCORES512T(8)
+
+/* Pairs of one item from which the transposed scores beat tree16x16: the
+ * transpose's shuffles per block are NV * 64, the permutes saved 31 per pair. */
+#define ATT_T_MIN 24
+static scores_fn scores512_pick(int64_t nv, int np) {
+    if (np >= ATT_T_MIN) switch (nv) {
+        case 1: return scores512t_1;
+        case 2: return scores512t_2;
+        case 4: return scores512t_4;
+        case 8: return scores512t_8;
+        default: break;
+        }
+    return scores512_for(nv);
+}
+
 /* values512_<nv>_<p>, or NULL where none is compiled (then values512_any). */
 static values_fn values512_for(int64_t nv, int p) {
     static const values_fn V1[8] = {values512_1_1, values512_1_2, values512_1_3, values512_1_4,
@@ -1279,7 +1453,7 @@ static void attn_task(void *ctx, int64_t i0, int64_t i1, int tid) {
             ra = rz;
 #if BIK_X86
             if (g_isa == ISA_AVX512 && D % LANES == 0 && D <= 256) {
-                scores512_for(D / LANES)(a, qs, K, nks, np, scs, mx);
+                scores512_pick(D / LANES, np)(a, qs, K, nks, np, scs, mx);
                 for (int i = 0; i < np; i++) totals[i] = expsum512(scs[i], nks[i], mx[i]);
                 const int pv = (int)a->pairs_per_values;
                 int64_t nkmax = 0;
