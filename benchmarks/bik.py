@@ -10,6 +10,7 @@ fair), and every attention output of the two builds must be bit-identical
 
     python -m benchmarks.bik [--against /path/to/old/_bik.so] [--ttft] [--json]
         [--threads 1]   # one thread, timed by its CPU time: steady on a loaded host
+        [--attention-only]  # attention alone (no GEMM shapes)
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ HEADS, KV_HEADS, HEAD_DIM, KEYS = 9, 3, 64, 1493
 # Agent traffic: a turn's new rows over a cached context of AGENT_KEYS tokens.
 AGENT_KEYS, AGENT_ROWS = 5504, (30, 60, 128, 512)
 RESEND_NEW = 52             # new tokens of a resent agent context (--ttft)
+# A returning turn's tail (rows over TAIL_KEYS cached keys) and a cold prefill's
+# 512-row causal chunks at these first positions: where the score kernel matters.
+TAIL_KEYS, TAIL_ROWS, CHUNK_STARTS = 5000, (32, 128), (0, 512, 1024)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,7 @@ class BenchBikOptions:
     rounds: int = 5
     ttft: bool = False       # also cold TTFT of SmolLM2 at KEYS tokens (loads the model)
     threads: int = 0         # 0 = torch's default
+    attention_only: bool = False  # skip the GEMM shapes
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -140,6 +145,24 @@ def _attention(opts: BenchBikOptions, res: BenchBikResult) -> None:
                 _paged_vs_contiguous(g, kv, q, rows, opts.rounds)
 
 
+def _attention_cases(opts: BenchBikOptions, res: BenchBikResult) -> None:
+    """GFLOP/s (4 * D per row, head and key) of the tails and causal chunks."""
+    g = torch.Generator().manual_seed(2)
+    kv = torch.randn(2, KV_HEADS, TAIL_KEYS + max(CHUNK_STARTS) + 512, HEAD_DIM, generator=g)
+    cases = [(f"tail{TAIL_KEYS}_rows{r}", r, TAIL_KEYS - r) for r in TAIL_ROWS]
+    cases += [(f"chunk512_at{s}", 512, s) for s in CHUNK_STARTS]
+    for what, rows, start in cases:
+        q = torch.randn(rows, HEADS, HEAD_DIM, generator=g)
+        outs = {name: torch.empty(rows, HEADS * HEAD_DIM) for name in _builds(opts)}
+        segs = [bik.AttnSegment(0, rows, start, kv)]
+        flops = 4 * HEAD_DIM * HEADS * sum(start + r + 1 for r in range(rows))
+        fns = {name: _on(ctx, lambda q=q, s=segs, o=outs[name]: bik.attend(q, s, KV_HEADS, 0, o))
+               for name, ctx in _builds(opts).items()}
+        for name, t in _best(fns, 1 if rows > 128 else 3, opts.rounds).items():
+            res.values[f"attend_{what}_{name}_gflops"] = flops / t / 1e9
+        _same_bits(outs, f"attention {what}")
+
+
 def _same_bits(outs: dict[str, torch.Tensor], what: str) -> None:
     """With --against, the two builds must agree bit for bit (KERNEL_ID holds)."""
     first = next(iter(outs.values()))
@@ -219,8 +242,10 @@ def run_bench_bik(opts: BenchBikOptions) -> BenchBikResult:
     load = os.getloadavg()[0]
     clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall time"
     res = BenchBikResult(machine=f"cpu-{torch.get_num_threads()}t {bik.current_path()}, {clock}")
-    _gemm(opts, res)
+    if not opts.attention_only:
+        _gemm(opts, res)
     _attention(opts, res)
+    _attention_cases(opts, res)
     if opts.ttft:
         _ttft(opts, res)
     res.values["load_average_start"] = load
@@ -234,17 +259,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ttft", action="store_true", help="also cold TTFT of SmolLM2 (loads it)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--attention-only", action="store_true", help="skip the GEMM shapes")
     output_flags(ap)
     a = ap.parse_args(argv)
     res = run_bench_bik(BenchBikOptions(against=a.against, rounds=a.rounds, ttft=a.ttft,
-                                        threads=a.threads))
+                                        threads=a.threads,
+                                        attention_only=a.attention_only))
     ratios = {k.removeprefix("gemm_").removesuffix("_bik_vs_mkl"): v
               for k, v in res.values.items() if k.endswith("_bik_vs_mkl")}
     emit(Report(f"bik kernels on {res.machine}", {"machine": res.machine, "values": res.values},
                 [Table(("metric", "value"), list(res.values.items()))],
                 chart=Chart("bik GEMM / torch.mm (MKL), same run", tuple(ratios),
                             {"bik / MKL": list(ratios.values())}, kind="barh",
-                            xlabel="throughput ratio")),
+                            xlabel="throughput ratio") if ratios else None),
          as_json=a.json, png=a.png)
     return 0
 

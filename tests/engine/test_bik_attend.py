@@ -202,3 +202,47 @@ def test_a_block_table_outside_the_pool_is_refused() -> None:
     with pytest.raises(ValueError, match="power of two"):
         bik.PagedAttention(torch.zeros(1, 2, 1, 4, 12, 16),
                            [bik.PagedSegment(0, 1, 0, torch.tensor([0]))])
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("window", [0, 29])
+def test_wide_items_give_the_scalar_bits_through_block_tables(head_dim: int,
+                                                              window: int) -> None:
+    """The AVX-512 attention on items of many (row, head) pairs (a GQA group
+    of 8 and many rows: up to 48 pairs an item, where a score kernel that
+    pays per item rather than per pair would take over) against the scalar
+    path bit for bit, read through a block table of 16-key blocks: causal
+    rows whose keys end at every offset of a 16-key tile, a chunk from
+    position 0, a decode row, sliding windows (the rows still at key 0 share
+    an item, each later row is one of its own), and rows of +0, -0 and
+    exp-clamping queries."""
+    g = torch.Generator().manual_seed(head_dim * 10 + window)
+    heads, kv_heads, bt, nb = 8, 1, 16, 48
+    pool = torch.randn(1, 2, kv_heads, nb, bt, head_dim, generator=g)
+    shapes = [(37, 0), (50, 203), (1, 95)]
+    perm = torch.randperm(nb, generator=g)
+    segs, mirrors, r0, used = [], [], 0, 0
+    for r, start in shapes:
+        need = -(-(start + r) // bt)
+        table = perm[used:used + need].to(torch.int64)
+        used += need
+        segs.append(bik.PagedSegment(r0, r, start, table))
+        mirrors.append(pool[0, :, :, table].reshape(2, kv_heads, need * bt, head_dim))
+        r0 += r
+    q = torch.randn(r0, heads, head_dim, generator=g)
+    q[40], q[41], q[42] = 0.0, -0.0, q[42] * 40.0
+    plan = bik.PagedAttention(pool, segs)
+    mirror_segs = [bik.AttnSegment(s.row0, s.rows, s.q_start, m.contiguous())
+                   for s, m in zip(segs, mirrors, strict=True)]
+    before = bik.current_path()
+    try:
+        bik.use_path("scalar")
+        want = _attend(q, mirror_segs, kv_heads, window)
+        for path in bik.paths():
+            bik.use_path(path)
+            got = torch.empty(r0, heads * head_dim)
+            plan(0, q, window, got)
+            assert torch.equal(got, want), path
+    finally:
+        bik.use_path(before)
+    assert torch.isfinite(want).all()
