@@ -128,24 +128,32 @@ class Admission:
         try:
             await asyncio.wait_for(asyncio.shield(w.admitted), max(0.0, bound))
         except BaseException as exc:
-            if w.admitted.done() and not w.admitted.cancelled():
-                # Admitted in the same instant it gave up: give the room back.
+            won = w.admitted.done() and not w.admitted.cancelled()
+            if won and isinstance(exc, TimeoutError):
+                # Admitted in the same instant its wait ran out: it holds its room
+                # and its wait is counted, so it is served (refusing it now would
+                # count one request both admitted and refused).
+                pass
+            elif won:
+                # Admitted, but the caller is gone (cancelled): give the room back.
                 self.done(Ticket(w.key, w.tenant, w.cost, w.arrived, 0.0))
+                self._gauge(w.tenant)
+                raise
             else:
                 self._queue.remove(w)
                 w.admitted.cancel()
                 if not self._queue:
                     self._standing = False
                     self._rate.idle()
-            self._gauge(w.tenant)
-            if isinstance(exc, TimeoutError):
+                self._gauge(w.tenant)
+                if not isinstance(exc, TimeoutError):
+                    raise
                 if self._capacity().prefill < 1 or self._capacity().decode < 1:
                     self._refused("no_instance")
                     raise NoInstanceError("no live instance became available while the "
                                           "request waited") from None
                 raise self._limited("queue_timeout", self._estimate(w.tenant, w.cost) or 1.0,
                                     f"no room within {bound:.1f}s") from None
-            raise
         finally:
             st.waiting -= 1
             self._keys.forget_idle(w.key, self._clock())

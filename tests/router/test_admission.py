@@ -336,3 +336,24 @@ def test_a_resent_context_costs_its_tail_while_the_first_copy_is_in_flight() -> 
     assert admission_cost(5504, 64, 0) == 5504
     assert admission_cost(10, 64, 0) == 10
 
+
+
+def test_a_request_admitted_as_its_wait_runs_out_is_served_not_refused() -> None:
+    """The room frees in the instant the bounded wait ends: the waiter was
+    admitted (its wait counted, its room taken), so it is served; refusing it
+    then counted one request both as admitted and as refused (the overload
+    test's wait count off by one)."""
+    async def body() -> None:
+        adm, m = _admission()
+        held = await adm.admit("k", "A", 10)
+        # Frees the room while the zero-length wait below is being cancelled.
+        asyncio.get_running_loop().call_soon(adm.done, held)
+        t = await adm.admit("k", "A", 10, wait_s=0.0)
+        assert _sample(m, "kvserve_router_admitted_total") == 2
+        assert _sample(m, "kvserve_router_queue_wait_seconds_count") == 2
+        assert _sample(m, "kvserve_router_rejected_total", reason="queue_timeout") == 0
+        assert _sample(m, "kvserve_router_in_service", stage="service") == 1
+        adm.done(t)
+        assert _sample(m, "kvserve_router_in_service", stage="service") == 0
+
+    run(body)
