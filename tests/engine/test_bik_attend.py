@@ -5,12 +5,25 @@ sliding windows, and head sizes with and without a specialised kernel."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
 from engine import bik
 
 pytestmark = pytest.mark.skipif(not bik.available(), reason="native._bik not built")
+
+
+@contextmanager
+def _restoring_path() -> Iterator[None]:
+    """The SIMD path in use before, back in use after (the tests switch it)."""
+    before = bik.current_path()
+    try:
+        yield
+    finally:
+        bik.use_path(before)
 
 
 def _attend(q: torch.Tensor, segs: list[bik.AttnSegment], kv_heads: int,
@@ -47,17 +60,14 @@ def test_every_simd_path_gives_the_same_bits(head_dim: int, window: int) -> None
     shapes = [(21, 1472), (1, 300), (40, 0), (9, 71)]
     q = _queries(g, shapes, heads, head_dim)
     segs = _segments(g, shapes, kv_heads, head_dim, spare=8)
-    before = bik.current_path()
     results = {}
-    try:
+    with _restoring_path():
         for path in bik.paths():
             bik.use_path(path)
             results[path] = _attend(q, segs, kv_heads, window)
             # A segment alone gives the same rows as in the batch (batch invariance).
             one = _attend(q[21:22], [bik.AttnSegment(0, 1, 300, segs[1].kv)], kv_heads, window)
             assert torch.equal(one, results[path][21:22]), path
-    finally:
-        bik.use_path(before)
     first = results[bik.paths()[0]]
     assert torch.isfinite(first).all()
     for path, out in results.items():
@@ -71,14 +81,11 @@ def test_norm_and_swiglu_give_the_same_bits_on_every_path(n: int) -> None:
     w = torch.randn(n, generator=g)
     gu = torch.randn(37, 2 * n, generator=g) * 4
     gu[0, :5], gu[1, :5], gu[2, :3], gu[3, :3] = 0.0, -0.0, 100.0, -100.0   # exp's edges
-    before = bik.current_path()
     results = []
-    try:
+    with _restoring_path():
         for path in bik.paths():
             bik.use_path(path)
             results.append((bik.rms_norm(x, w, 1e-5), bik.silu_mul(gu)))
-    finally:
-        bik.use_path(before)
     for norm, silu in results[1:]:
         assert torch.equal(norm, results[0][0]) and torch.equal(silu, results[0][1])
 
@@ -91,15 +98,12 @@ def test_fused_add_norm_is_the_add_then_the_norm_on_every_path(n: int) -> None:
     x = (torch.randn(41, n + 7, generator=g) * 3)[:, 3:3 + n]
     d = torch.randn(41, n, generator=g)
     w = torch.randn(n, generator=g)
-    before = bik.current_path()
-    try:
+    with _restoring_path():
         for path in bik.paths():
             bik.use_path(path)
             total, normed = bik.add_rms_norm(x, d, w, 1e-5)
             assert torch.equal(total, x + d), path
             assert torch.equal(normed, bik.rms_norm(x + d, w, 1e-5)), path
-    finally:
-        bik.use_path(before)
     with pytest.raises(ValueError, match="differ"):
         bik.add_rms_norm(x, d[:, :-1], w, 1e-5)
 
@@ -140,15 +144,12 @@ def test_attention_tiles_give_the_scalar_bits(heads: int, kv_heads: int, head_di
     q[1] = -0.0                   # every score a signed zero
     q[2] *= 40.0                  # weights down to exp's clamp
     segs = _segments(g, shapes, kv_heads, head_dim, spare=3)
-    before = bik.current_path()
-    try:
+    with _restoring_path():
         bik.use_path("scalar")
         want = _attend(q, segs, kv_heads, window)
         for path in bik.paths():
             bik.use_path(path)
             assert torch.equal(_attend(q, segs, kv_heads, window), want), path
-    finally:
-        bik.use_path(before)
     assert torch.isfinite(want).all()
 
 
@@ -177,8 +178,7 @@ def test_reading_the_pool_through_block_tables_gives_the_mirrors_bits(
         r0 += r
     q = torch.randn(r0, heads, d, generator=g)
     plan = bik.PagedAttention(pool, segs)
-    before = bik.current_path()
-    try:
+    with _restoring_path():
         for path in bik.paths():
             bik.use_path(path)
             for layer in range(layers):
@@ -188,8 +188,6 @@ def test_reading_the_pool_through_block_tables_gives_the_mirrors_bits(
                                    for s, m in zip(segs, mirrors, strict=True)],
                                kv_heads, window)
                 assert torch.equal(paged, want), (path, layer)
-    finally:
-        bik.use_path(before)
 
 
 def test_a_block_table_outside_the_pool_is_refused() -> None:
@@ -234,8 +232,7 @@ def test_wide_items_give_the_scalar_bits_through_block_tables(head_dim: int,
     plan = bik.PagedAttention(pool, segs)
     mirror_segs = [bik.AttnSegment(s.row0, s.rows, s.q_start, m.contiguous())
                    for s, m in zip(segs, mirrors, strict=True)]
-    before = bik.current_path()
-    try:
+    with _restoring_path():
         bik.use_path("scalar")
         want = _attend(q, mirror_segs, kv_heads, window)
         for path in bik.paths():
@@ -243,6 +240,4 @@ def test_wide_items_give_the_scalar_bits_through_block_tables(head_dim: int,
             got = torch.empty(r0, heads * head_dim)
             plan(0, q, window, got)
             assert torch.equal(got, want), path
-    finally:
-        bik.use_path(before)
     assert torch.isfinite(want).all()
