@@ -46,4 +46,4 @@ def keep_buffers_mapped(environ: dict[str, str] | os._Environ[str] = os.environ)
 
 
 os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
-BUFFERS_KEPT = keep_buffers_mapped()
+keep_buffers_mapped()
