@@ -18,10 +18,19 @@ if [[ -x "$home/bin/aiperf" && -f "$stamp" ]]; then
 fi
 mkdir -p "$(dirname "$home")"
 umask 077
+# One installer at a time per folder: a second caller (a test that started the install in
+# the background, then needs AIPerf) waits for the first and finds it installed.
+exec 9>"$home.lock"
+flock 9
+if [[ -x "$home/bin/aiperf" && -f "$stamp" ]]; then
+  echo "$home/bin/aiperf"
+  exit 0
+fi
 rm -rf "$home"
 "$python" -m venv "$home"
-"$home/bin/pip" install --quiet --disable-pip-version-check --upgrade pip >&2
-"$home/bin/pip" install --quiet --disable-pip-version-check "aiperf==$version" >&2
+# No bytecode compiled up front (1.2 GB of packages; a run compiles what it imports) and
+# the venv's own pip as it comes: 45 s instead of 56 s here.
+"$home/bin/pip" install --quiet --disable-pip-version-check --no-compile "aiperf==$version" >&2
 "$home/bin/aiperf" --version >&2 || "$home/bin/aiperf" --help >/dev/null
 touch "$stamp"
 echo "$home/bin/aiperf"
