@@ -294,6 +294,8 @@ class PrefillSection:
 
     policy: str = "src"
     step_tokens: int = 512          # tokens computed per step, over every running prompt
+    solo_step_tokens: int = 2048    # the step of a prompt computing alone, nothing waiting
+                                    # (fewer passes over the weights); 0 = step_tokens
     max_running: int = 16           # prompts being computed at once (each holds its KV)
     max_waiting: int = 64           # requests waiting; more -> RESOURCE_EXHAUSTED
     max_waiting_tokens: int = 131_072   # tokens to compute waiting; more -> RESOURCE_EXHAUSTED
@@ -309,6 +311,9 @@ class PrefillSection:
         for name in ("step_tokens", "max_running", "max_waiting", "max_waiting_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"prefill.{name} must be >= 1, got {getattr(self, name)}")
+        if self.solo_step_tokens < 0:
+            raise ConfigError(f"prefill.solo_step_tokens must be >= 0, got "
+                              f"{self.solo_step_tokens}")
         if self.aging not in PREFILL_AGING:
             raise ConfigError(f"prefill.aging must be one of {list(PREFILL_AGING)}, "
                               f"got {self.aging!r}")

@@ -165,6 +165,11 @@ class Scheduler:
         step = _Step(self.cfg.max_running, free_blocks,
                      len(cands) - sum(not e.running for e in cands), computing)
         budget = self.cfg.step_tokens
+        if len(cands) == 1 and len(self.waiting) + len(self.running) == 1:
+            # Alone, a prompt takes a larger step: each step streams every weight once
+            # (a cold 1,493-token prompt 9 % faster in one step than in 512-token ones),
+            # and nothing waits behind it; whatever arrives waits at most this one step.
+            budget = max(budget, self.cfg.solo_step_tokens)
         # Aged requests: each has one share of the step, the others one share
         # together. A request held for a prompt computing its prefix lends its
         # share (and its age) to that prompt: it can only go once that one is done.

@@ -82,6 +82,9 @@ def _configure_prefill(p: argparse.ArgumentParser) -> None:
                        help="queue order: fcfs, or src (shortest remaining compute, aged)")
     sched.add_argument("--step-tokens", type=int, default=None,
                        help="prompt tokens computed per engine step, over all running prompts")
+    sched.add_argument("--solo-step-tokens", type=int, default=None,
+                       help="the step of a prompt computing alone with nothing waiting "
+                            "(0: --step-tokens)")
     sched.add_argument("--max-running", type=int, default=None,
                        help="prompts computed at once")
     sched.add_argument("--max-waiting", type=int, default=None,
@@ -100,7 +103,8 @@ def _run_prefill(args: argparse.Namespace) -> int:
             base, **_overrides(args, base), buffer_ttl_s=args.buffer_ttl,
             ipc_pulls=False if args.no_ipc_pulls else None, ipc_hold_s=args.ipc_hold,
             local_prefix_cache=False if args.no_local_prefix_cache else None,
-            policy=args.policy, step_tokens=args.step_tokens, max_running=args.max_running,
+            policy=args.policy, step_tokens=args.step_tokens,
+            solo_step_tokens=args.solo_step_tokens, max_running=args.max_running,
             max_waiting=args.max_waiting, security=security_from_args(args, "prefill"))
     except (ConfigError, SecurityError, SecretFileError) as exc:
         raise UsageError(str(exc)) from exc

@@ -39,7 +39,8 @@ def run(fn: Callable[[], Awaitable[None]]) -> None:
 
 def _config(spec: EngineSpec = SPEC, store: str = "", **sched: object) -> PrefillConfig:
     return PrefillConfig(engine=spec, endpoint=Endpoint(port=0, store_address=store),
-                         scheduler=PrefillSection(**sched),  # type: ignore[arg-type]
+                         # Steps of step_tokens even for a prompt alone: the waits are the point.
+                         scheduler=PrefillSection(**{"solo_step_tokens": 0, **sched}),  # type: ignore[arg-type]
                          cost=CostConfig(fetch_policy="always"), warmup_tokens=0,
                          local_prefix_cache=not store)
 

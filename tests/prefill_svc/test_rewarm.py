@@ -28,7 +28,7 @@ SPEC = EngineSpec(model="tiny-dense", block_tokens=B, num_blocks=POOL)
 def serving(store_address: str) -> Serving:
     return serve_prefill(PrefillConfig(
         engine=SPEC, endpoint=Endpoint(port=0, store_address=store_address),
-        scheduler=PrefillSection(policy="fcfs", step_tokens=B),
+        scheduler=PrefillSection(policy="fcfs", step_tokens=B, solo_step_tokens=0),
         cost=CostConfig(fetch_policy="always"), warmup_tokens=0))
 
 

@@ -51,11 +51,11 @@ def test_an_aged_prompt_takes_half_of_each_step_first_and_never_the_whole_step()
     p = s.plan(free_blocks=1000, now=6.0)
     assert p.budgets == {"long": 256, "turn": 60, "cold": 196}
     assert next(iter(p.budgets)) == "long"              # its share is taken first
-    # Alone, it still gets the whole step.
+    # Alone, it still gets the whole step (a solo one: nothing waits behind it).
     s2 = sched(policy="src", step_tokens=512, max_delay_s=4.0, aging="share")
     solo = ready(s2, "long", 0.0, 6000)
     s2.admitted(solo, 6000)
-    assert s2.plan(free_blocks=1000, now=6.0).budgets == {"long": 512}
+    assert s2.plan(free_blocks=1000, now=6.0).budgets == {"long": 2048}
     # Several aged ones share the half in arrival order; the policy takes the rest.
     s3 = sched(policy="src", step_tokens=512, max_delay_s=4.0, aging="share")
     ready(s3, "old2", 1.0, 200)
@@ -164,3 +164,25 @@ def test_a_resent_context_waits_for_the_running_prompt_then_goes() -> None:
     s2.admitted(run, 64 * 80)
     _keyed(s2, "warm", 1.0, ctx[:40], cached=64 * 40 - 1)
     assert [e.request_id for e in s2.plan(free_blocks=1000, now=1.0).admit] == ["warm"]
+
+
+def test_a_prompt_alone_takes_a_solo_step_and_shares_step_tokens_once_another_comes() -> None:
+    """Alone (nothing else running or waiting, even unready), a prompt takes
+    solo_step_tokens at once; with anyone else around, the step is step_tokens."""
+    s = sched(policy="src", step_tokens=512)
+    long = ready(s, "long", 0.0, 6000)
+    assert s.plan(free_blocks=1000, now=0.0).budgets == {"long": 2048}
+    s.admitted(long, 6000)
+    assert s.plan(free_blocks=1000, now=1.0).budgets == {"long": 2048}
+    s.add(Entry("warming", 100, 1.5, 0, 0))          # queued, its restore not planned yet
+    assert s.plan(free_blocks=1000, now=2.0).budgets == {"long": 512}
+    s.drop(s.waiting["warming"])
+    ready(s, "turn", 2.5, 60)
+    assert s.plan(free_blocks=1000, now=3.0).budgets == {"turn": 60, "long": 452}
+    # 0 (or anything below step_tokens): every step is step_tokens.
+    for solo in (0, 256):
+        s0 = sched(policy="src", step_tokens=512, solo_step_tokens=solo)
+        ready(s0, "long", 0.0, 6000)
+        assert s0.plan(free_blocks=1000, now=0.0).budgets == {"long": 512}
+    with pytest.raises(ConfigError, match="solo_step_tokens"):
+        PrefillSection(solo_step_tokens=-1)

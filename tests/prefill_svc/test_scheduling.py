@@ -154,7 +154,8 @@ def test_warm_turn_after_a_running_cold_prompt(policy: str) -> None:
     long = _tokens(8, 900)
 
     async def body() -> None:
-        async with serving(PrefillSection(policy=policy, step_tokens=16)) as (stub, svc):
+        async with serving(PrefillSection(policy=policy, step_tokens=16,
+                                          solo_step_tokens=0)) as (stub, svc):
             await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=warm), timeout=60)  # into G1
             sched = svc.steps.sched
 

@@ -46,7 +46,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # Prefill steps of one block (--step-tokens): one step = one chunk here.
         engines = [engine_service(role, config, redis.url, d, store_address="",
                                   extra=("--num-blocks", "160", *(
-                                      ("--step-tokens", str(BLOCK)) if role == "prefill" else ())))
+                                      ("--step-tokens", str(BLOCK), "--solo-step-tokens", "0")
+                                      if role == "prefill" else ())))
                    for role in ("prefill", "decode")]
         r = router_proc(config, redis.url, d)
         procs = [*engines, r.proc]
