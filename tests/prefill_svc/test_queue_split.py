@@ -49,6 +49,14 @@ def _split(svc: PrefillService) -> dict[str, float]:
     return dict(svc.stats.queue_split_seconds_total)
 
 
+async def _booked(svc: PrefillService, admitted: int) -> None:
+    """The split is booked on the loop once the step that admitted a request
+    returns; the engine thread answers the request first (its first token goes out
+    before the step's finishing work), so under load the answer can reach the test
+    before the booking: wait for it."""
+    await _until(lambda: svc.stats.admitted_total >= admitted, f"{admitted} admissions booked")
+
+
 def _adds_up(svc: PrefillService) -> None:
     """The parts cover the queue time, less the tokenization before a request queues."""
     total, parts = svc.stats.queue_wait_s_total, sum(_split(svc).values())
@@ -74,7 +82,9 @@ async def _two_behind_a_busy_engine(stub: Stub, svc: PrefillService, a: list[int
         await asyncio.sleep(HOLD_S)
     finally:
         gate.set()
-    return await ca, await cb
+    handles = await ca, await cb
+    await _booked(svc, 2)
+    return handles
 
 
 def test_a_busy_engine_thread_counts_as_engine_and_the_parts_add_up() -> None:
@@ -142,6 +152,7 @@ def test_a_full_pool_counts_as_pool_and_its_demotions_are_timed() -> None:
             await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=a), timeout=30)
             assert svc.stats.demote_seconds_total == 0
             await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=b), timeout=30)
+            await _booked(svc, 2)
             # b found a's resident prompt in the pool: a went to the host first.
             assert svc.stats.handoff_demoted_total == 1
             assert svc.stats.demote_seconds_total > 0
@@ -162,8 +173,10 @@ def test_a_warehouse_fetch_counts_as_warm(redis_url: str, tmp_path: Path) -> Non
         async with serve_prefill(_config(store=store.address)) as (stub, svc):
             await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=a), timeout=60)
             await _until(lambda: svc.writer.stats.stored_blocks_total >= 20, "a written")
+            await _booked(svc, 1)
             warm0, fetch0 = _split(svc).get("warm", 0.0), svc.restorer.stats.seconds_total
             h = await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=a), timeout=60)
+            await _booked(svc, 2)
             assert h.cached_tokens == 20 * B
             fetch = svc.restorer.stats.seconds_total - fetch0
             assert fetch > 0
