@@ -115,10 +115,13 @@ def parse_vllm_result(doc: dict[str, object], raw: Path, log: Path) -> ToolRun:
     return ToolRun(tuple(reqs), float(doc.get("duration") or 0.0), raw, log)  # type: ignore[arg-type]
 
 
+INSTALL_AIPERF = Path(__file__).resolve().parent.parent / "scripts" / "install_aiperf.sh"
+
+
 def aiperf_path() -> Path:
     """The AIPerf executable scripts/install_aiperf.sh installs (installing it if needed)."""
-    script = Path(__file__).resolve().parent.parent / "scripts" / "install_aiperf.sh"
-    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False)
+    out = subprocess.run(["bash", str(INSTALL_AIPERF)], capture_output=True, text=True,
+                         check=False)
     if out.returncode != 0:
         raise RuntimeError(f"installing AIPerf failed:\n{out.stderr[-2000:]}")
     return Path(out.stdout.strip().splitlines()[-1])

@@ -26,14 +26,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks.serve import scrape
-from benchmarks.serve_tools import ToolJob, run_aiperf, run_vllm_bench
+from benchmarks.serve_tools import INSTALL_AIPERF, ToolJob, run_aiperf, run_vllm_bench
 from kvserve.trace_export import BlockText
 from tests.shared_data import shared_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 CLAUDE = shared_dir() / "traces" / "weka-claude-code" / "traces.tar.xz"
-INSTALL_AIPERF = Path(__file__).resolve().parents[2] / "scripts" / "install_aiperf.sh"
 
 
 @dataclass
