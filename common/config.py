@@ -303,6 +303,9 @@ class PrefillSection:
     aging: str = "strict"           # strict: the aged take the whole step; share: one share each
     resident_s: float = 0.5         # a finished prompt stays in the engine this long for a
                                     # tail pull, then its whole KV is copied to the host buffer
+    copy_yield_s: float = 2.0       # on a CPU, a finished prompt's bulk copies (decode's pull,
+                                    # the write-through) wait up to this long for a step in
+                                    # flight that completes prompts to end; 0 = never
 
     def __post_init__(self) -> None:
         if self.policy not in PREFILL_POLICIES:
@@ -321,6 +324,8 @@ class PrefillSection:
             raise ConfigError(f"prefill.max_delay_s must be >= 0, got {self.max_delay_s}")
         if not self.resident_s >= 0:
             raise ConfigError(f"prefill.resident_s must be >= 0, got {self.resident_s}")
+        if not self.copy_yield_s >= 0:
+            raise ConfigError(f"prefill.copy_yield_s must be >= 0, got {self.copy_yield_s}")
 
 
 @dataclass(frozen=True, slots=True)

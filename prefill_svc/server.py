@@ -106,6 +106,9 @@ class PrefillStats:
     handoff_copy_seconds_total: float = 0.0     # the copy-outs themselves (engine -> host)
     pull_hold_seconds_total: float = 0.0        # PullKV start -> KV on the host (waits included)
     pull_shm_seconds_total: float = 0.0         # the hand-off file's checksum (or write)
+    # Bulk copies held back while a step that completes prompts ran (CPU: they share its
+    # cores; prefill_svc/steps.py, StepLoop.yield_to_finishing):
+    copy_yield_seconds_total: float = 0.0
     queue_seconds: Hist = field(default_factory=Hist)   # arrival to admission
 
 
@@ -300,7 +303,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     async def _write_through(self, job: Job, copy: HostCopy) -> None:
         """The new blocks to the block writer once on the host (the copy waits on
-        a worker thread, never on the engine's)."""
+        a worker thread, never on the engine's), after a step completing prompts."""
+        await self.steps.yield_to_finishing()
         blocks = await asyncio.to_thread(copy.wait)
         self.writer.submit(job.keys[job.write_from:], blocks, layout=self.engine.layout.name,
                            token_count=self.block_tokens, ctx=job.ctx)

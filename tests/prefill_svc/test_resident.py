@@ -6,6 +6,7 @@ its blocks are needed, and every path frees its sequence."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -185,10 +186,53 @@ def test_release_and_shutdown_free_resident_prompts() -> None:
     run(body)
 
 
-def test_resident_s_is_validated() -> None:
+@pytest.mark.parametrize("yield_s", [10.0, 0.0])
+def test_a_pull_waits_for_the_step_in_flight_when_it_sends_first_tokens(yield_s: float) -> None:
+    """On a CPU a finished prompt's pull copies its whole KV on the cores the
+    next step needs (a long context's resends, issue 18): it starts once a step
+    in flight that completes prompts has ended, waiting ``copy_yield_s`` at
+    most (0: at once). The engine thread is held here, so that step cannot end
+    until the test lets it."""
+    a, b = _tokens(11, 50), _tokens(12, 40)
+    want = _want(a)
+
+    async def body() -> None:
+        async with serving(resident_s=600.0, copy_yield_s=yield_s) as (stub, svc):
+            ha = await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=a), timeout=30)
+            await _idle(svc)
+            gate = threading.Event()
+            svc.thread.submit(gate.wait, 30)            # b's step queues behind it
+            try:
+                hb = asyncio.ensure_future(stub.Prefill(
+                    prefill_pb2.PrefillRequest(token_ids=b), timeout=30))
+                for _ in range(500):
+                    if svc.steps.finishing or (yield_s == 0 and svc.stats.queue_waiting):
+                        break
+                    await asyncio.sleep(0.01)
+                assert svc.steps.finishing == (yield_s > 0)
+                pull = asyncio.create_task(_pull(stub, ha, want))
+                await asyncio.sleep(0.5)
+                if yield_s > 0:
+                    assert not pull.done() and svc.stats.handoff_materialized_total == 0
+                else:                                   # copied beside the held step
+                    assert torch.equal(await asyncio.wait_for(pull, 10), want)
+            finally:
+                gate.set()
+            assert (await hb).first_token
+            assert torch.equal(await pull, want)
+            assert (svc.stats.copy_yield_seconds_total >= 0.4) == (yield_s > 0)
+            assert not svc.steps.finishing
+
+    run(body)
+
+
+def test_resident_s_and_copy_yield_s_are_validated() -> None:
     assert PrefillSection().resident_s == 0.5
     with pytest.raises(ConfigError, match="resident_s"):
         PrefillSection(resident_s=-1.0)
+    assert PrefillSection().copy_yield_s == 2.0
+    with pytest.raises(ConfigError, match="copy_yield_s"):
+        PrefillSection(copy_yield_s=-0.1)
 
 
 def test_resident_prompts_hold_their_blocks_but_no_mirrors() -> None:
