@@ -5,6 +5,7 @@ real processes on real Redis) and blocking gRPC helpers to drive it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -118,13 +119,28 @@ def stored_blocks(store_address: str, keys: Sequence[bytes], prompt_tokens: int,
 
 def wait_stored(store_address: str, keys: Sequence[bytes], n: int, prompt_tokens: int,
                 tenant: str = "", timeout_s: float = 20.0) -> int:
-    """Wait until the warehouse holds at least ``n`` leading blocks of ``keys``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        have = stored_blocks(store_address, keys, prompt_tokens, tenant)
-        if have >= n or time.monotonic() > deadline:
-            return have
-        time.sleep(0.05)
+    """Wait until the warehouse holds at least ``n`` leading blocks of ``keys``.
+
+    One client polls, as a real one would hold its channel: a new channel and
+    event loop per poll made a TLS handshake every 50 ms, and one of them failing
+    under a loaded suite ("Handshake read failed (Endpoint closing)") failed the
+    test. A store unavailable for a moment is "not yet", until the deadline."""
+    from kvstore.client import KVStoreClient
+    from kvstore.errors import StoreUnavailable
+
+    async def wait() -> int:
+        deadline, have = time.monotonic() + timeout_s, 0
+        async with KVStoreClient(store_address, timeout_s=5.0, use_shm=False) as c:
+            while True:
+                with contextlib.suppress(StoreUnavailable):
+                    res = await c.lookup(list(keys), prompt_tokens=prompt_tokens,
+                                         ctx=RequestCtx(tenant=tenant), touch=False)
+                    have = res.matched_blocks
+                if have >= n or time.monotonic() > deadline:
+                    return have
+                await asyncio.sleep(0.05)
+
+    return asyncio.run(wait())
 
 
 def keys_of(ref: Engine, tokens: Sequence[int], tenant: str = "default") -> list[bytes]:
