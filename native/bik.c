@@ -709,6 +709,36 @@ __attribute__((target("avx512f"))) static inline __m512 tree16x16(__m512 *p) {
     return _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)UNPERM), p[0]);
 }
 
+/* The keys past each pair's last whole 16-key block, one at a time (the same
+ * chain and tree as a block's), and each pair's maximum. */
+#define DEF_SCORES512_TAIL(NV) \
+__attribute__((target("avx512f"))) static void scores512_tail_##NV( \
+    const attn_args *a, const float *const *q, const kv_rows *K, const int64_t *nk, int np, \
+    float *const *sc, const __m512 *mxv, float *mx) { \
+    const int64_t nv = NV > 0 ? NV : a->D / LANES; \
+    for (int p = 0; p < np; p++) { \
+        float m = _mm512_reduce_max_ps(mxv[p]); \
+        __m512 qv[16]; \
+        for (int64_t c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q[p] + c * LANES); \
+        for (int64_t j = nk[p] / LANES * LANES; j < nk[p]; j++) { \
+            const float *kj = kv_row(K, j); \
+            __m512 s = _mm512_setzero_ps(); \
+            for (int64_t c = 0; c < nv; c++) \
+                s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + c * LANES), s); \
+            /* halving tree: (j, j+8), (j, j+4), (j, j+2), (j, j+1) */ \
+            __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(s), \
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))); \
+            __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1)); \
+            __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4)); \
+            __m128 h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)); \
+            float v = _mm_cvtss_f32(h1) * a->scale; \
+            sc[p][j] = v; \
+            if (v > m) m = v; \
+        } \
+        mx[p] = m; \
+    } \
+}
+
 /* Scores of up to ATT_PMAX (query row, head) pairs that read the same keys
  * (rows of one sequence with the same first key, heads of one KV head):
  * each pair's scores are exactly what one pair alone computes (per key the
@@ -758,27 +788,93 @@ __attribute__((target("avx512f"))) static void scores512_##NV( \
             mxv[p] = _mm512_max_ps(mxv[p], v); \
         } \
     } \
+    scores512_tail_##NV(a, q, K, nk, np, sc, mxv, mx); \
+}
+
+/* The same scores as scores512_<NV>, bit for bit, for items of many pairs:
+ * the halving tree without its permutes. A 16-key block of K is laid out once
+ * per block for every pair: vector X[c][g][m] holds lanes 4g..4g+3 of chunk c
+ * (16 elements of the head) of keys m, 4 + m, 8 + m and 12 + m, one key per
+ * 128-bit lane (a 4x4 transpose of 128-bit blocks, 8 shuffles). Each pair's
+ * query chunk is broadcast to the four 128-bit lanes, so acc[m][g] holds the
+ * same FMA chains (over c, from +0) as the 16 lane partials of those keys:
+ * lane i*4 + e of acc[m][g] is partial 4g + e of key 4i + m. The tree's
+ * first two levels (partial e + e+8, then + e+4) become vertical adds, its
+ * last two (+ e+2, + e+1) four in-lane shuffles; each add takes its operands
+ * in the tree's order, and the last one leaves the 16 keys in key order.
+ * The permute tree spent 31 permutes a pair and block on the one shuffle
+ * port that also runs half the FMAs; this spends 6, plus 128 a block shared
+ * by the item's pairs (so items of few pairs keep the permute tree). */
+#define ATT_QUAD_MIN 8 /* pairs of an item from which the transposed block pays */
+#define DEF_SCORES512Q(NV) \
+__attribute__((target("avx512f"))) static void scores512q_##NV( \
+    const attn_args *a, const float *const *q, const kv_rows *K, const int64_t *nk, int np, \
+    float *const *sc, float *mx) { \
+    const __m512 scale = _mm512_set1_ps(a->scale); \
+    __m512 mxv[ATT_NPMAX]; \
+    __m512 X[NV][4][4]; \
+    int64_t nkmax = 0; \
     for (int p = 0; p < np; p++) { \
-        float m = _mm512_reduce_max_ps(mxv[p]); \
-        __m512 qv[16]; \
-        for (int64_t c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q[p] + c * LANES); \
-        for (int64_t j = nk[p] / LANES * LANES; j < nk[p]; j++) { \
-            const float *kj = kv_row(K, j); \
-            __m512 s = _mm512_setzero_ps(); \
-            for (int64_t c = 0; c < nv; c++) \
-                s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + c * LANES), s); \
-            /* halving tree: (j, j+8), (j, j+4), (j, j+2), (j, j+1) */ \
-            __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(s), \
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))); \
-            __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1)); \
-            __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4)); \
-            __m128 h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)); \
-            float v = _mm_cvtss_f32(h1) * a->scale; \
-            sc[p][j] = v; \
-            if (v > m) m = v; \
-        } \
-        mx[p] = m; \
+        mxv[p] = _mm512_set1_ps(-INFINITY); \
+        if (nk[p] > nkmax) nkmax = nk[p]; \
     } \
+    for (int64_t j = 0; j + LANES <= nkmax; j += LANES) { \
+        const float *kg[LANES]; \
+        kv_rows16(K, j, kg); \
+        if (j + 2 * LANES <= nkmax) { \
+            const float *kn[LANES]; \
+            kv_rows16(K, j + LANES, kn); \
+            for (int t = 0; t < LANES; t++) \
+                for (int c = 0; c < NV; c++) \
+                    _mm_prefetch((const char *)(kn[t] + c * LANES), _MM_HINT_T0); \
+        } \
+        for (int m = 0; m < 4; m++) \
+            for (int c = 0; c < NV; c++) { \
+                const __m512 r0 = _mm512_loadu_ps(kg[m] + c * LANES); \
+                const __m512 r1 = _mm512_loadu_ps(kg[4 + m] + c * LANES); \
+                const __m512 r2 = _mm512_loadu_ps(kg[8 + m] + c * LANES); \
+                const __m512 r3 = _mm512_loadu_ps(kg[12 + m] + c * LANES); \
+                const __m512 t0 = _mm512_shuffle_f32x4(r0, r1, 0x44); \
+                const __m512 t1 = _mm512_shuffle_f32x4(r0, r1, 0xEE); \
+                const __m512 t2 = _mm512_shuffle_f32x4(r2, r3, 0x44); \
+                const __m512 t3 = _mm512_shuffle_f32x4(r2, r3, 0xEE); \
+                X[c][0][m] = _mm512_shuffle_f32x4(t0, t2, 0x88); \
+                X[c][1][m] = _mm512_shuffle_f32x4(t0, t2, 0xDD); \
+                X[c][2][m] = _mm512_shuffle_f32x4(t1, t3, 0x88); \
+                X[c][3][m] = _mm512_shuffle_f32x4(t1, t3, 0xDD); \
+            } \
+        for (int p = 0; p < np; p++) { \
+            if (j + LANES > nk[p]) continue; \
+            /* Opaque per pair: the compiler would hold part of X in registers \
+             * across pairs and spill the accumulators instead. */ \
+            const __m512 *xt = &X[0][0][0]; \
+            __asm__("" : "+r"(xt)); \
+            __m512 acc[4][4]; \
+            for (int m = 0; m < 4; m++) \
+                for (int g = 0; g < 4; g++) acc[m][g] = _mm512_setzero_ps(); \
+            for (int c = 0; c < NV; c++) \
+                for (int g = 0; g < 4; g++) { \
+                    const __m512 qb = \
+                        _mm512_broadcast_f32x4(_mm_loadu_ps(q[p] + c * LANES + 4 * g)); \
+                    for (int m = 0; m < 4; m++) \
+                        acc[m][g] = _mm512_fmadd_ps(qb, xt[(c * 4 + g) * 4 + m], acc[m][g]); \
+                } \
+            __m512 v[4]; \
+            for (int m = 0; m < 4; m++) \
+                v[m] = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][2]), \
+                                     _mm512_add_ps(acc[m][1], acc[m][3])); \
+            const __m512 w01 = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x44), \
+                                             _mm512_shuffle_ps(v[0], v[1], 0xEE)); \
+            const __m512 w23 = _mm512_add_ps(_mm512_shuffle_ps(v[2], v[3], 0x44), \
+                                             _mm512_shuffle_ps(v[2], v[3], 0xEE)); \
+            const __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_shuffle_ps(w01, w23, 0x88), \
+                                                         _mm512_shuffle_ps(w01, w23, 0xDD)), \
+                                           scale); \
+            _mm512_storeu_ps(sc[p] + j, s); \
+            mxv[p] = _mm512_max_ps(mxv[p], s); \
+        } \
+    } \
+    scores512_tail_##NV(a, q, K, nk, np, sc, mxv, mx); \
 }
 
 /* Softmax weights exp(s - max) in place and their sum (16 lane partials over
@@ -881,7 +977,10 @@ __attribute__((target("avx512f"))) static void values512_any(
     }
 }
 
+DEF_SCORES512_TAIL(0) DEF_SCORES512_TAIL(1) DEF_SCORES512_TAIL(2) DEF_SCORES512_TAIL(4)
+DEF_SCORES512_TAIL(8)
 DEF_SCORES512(0) DEF_SCORES512(1) DEF_SCORES512(2) DEF_SCORES512(4) DEF_SCORES512(8)
+DEF_SCORES512Q(1) DEF_SCORES512Q(2) DEF_SCORES512Q(4) DEF_SCORES512Q(8)
 DEF_VALUES512(1, 1) DEF_VALUES512(1, 2) DEF_VALUES512(1, 3) DEF_VALUES512(1, 4)
 DEF_VALUES512(1, 5) DEF_VALUES512(1, 6) DEF_VALUES512(1, 7) DEF_VALUES512(1, 8)
 DEF_VALUES512(2, 1) DEF_VALUES512(2, 2) DEF_VALUES512(2, 3) DEF_VALUES512(2, 4)
@@ -901,6 +1000,16 @@ static scores_fn scores512_for(int64_t nv) {
     case 4: return scores512_4;
     case 8: return scores512_8;
     default: return scores512_0;
+    }
+}
+/* scores512q_<nv>, or NULL where none is compiled (then the permute tree's). */
+static scores_fn scores512q_for(int64_t nv) {
+    switch (nv) {
+    case 1: return scores512q_1;
+    case 2: return scores512q_2;
+    case 4: return scores512q_4;
+    case 8: return scores512q_8;
+    default: return NULL;
     }
 }
 /* values512_<nv>_<p>, or NULL where none is compiled (then values512_any). */
@@ -1297,7 +1406,8 @@ static void attn_task(void *ctx, int64_t i0, int64_t i1, int tid) {
             ra = rz;
 #if BIK_X86
             if (g_isa == ISA_AVX512 && D % LANES == 0 && D <= 256) {
-                scores512_for(D / LANES)(a, qs, K, nks, np, scs, mx);
+                scores_fn scores = np >= ATT_QUAD_MIN ? scores512q_for(D / LANES) : NULL;
+                (scores ? scores : scores512_for(D / LANES))(a, qs, K, nks, np, scs, mx);
                 for (int i = 0; i < np; i++) totals[i] = expsum512(scs[i], nks[i], mx[i]);
                 const int pv = (int)a->pairs_per_values;
                 int64_t nkmax = 0;
