@@ -709,6 +709,31 @@ __attribute__((target("avx512f"))) static inline __m512 tree16x16(__m512 *p) {
     return _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)UNPERM), p[0]);
 }
 
+/* Both score kernels: each pair's running maximum at -inf; the most keys of any pair. */
+__attribute__((target("avx512f"))) static inline int64_t scores512_start(
+    const int64_t *nk, int np, __m512 *mxv) {
+    int64_t nkmax = 0;
+    for (int p = 0; p < np; p++) {
+        mxv[p] = _mm512_set1_ps(-INFINITY);
+        if (nk[p] > nkmax) nkmax = nk[p];
+    }
+    return nkmax;
+}
+
+/* The rows of the 16 keys from j, and the next 16 keys' rows prefetched into L1
+ * (nv chunks of 16 floats each) while these are used. */
+static inline void key_block16(const kv_rows *K, int64_t j, int64_t nkmax, int64_t nv,
+                               const float **kg) {
+    kv_rows16(K, j, kg);
+    if (j + 2 * LANES <= nkmax) {
+        const float *kn[LANES];
+        kv_rows16(K, j + LANES, kn);
+        for (int t = 0; t < LANES; t++)
+            for (int64_t c = 0; c < nv; c++)
+                _mm_prefetch((const char *)(kn[t] + c * LANES), _MM_HINT_T0);
+    }
+}
+
 /* The keys past each pair's last whole 16-key block, one at a time (the same
  * chain and tree as a block's), and each pair's maximum. */
 #define DEF_SCORES512_TAIL(NV) \
@@ -756,21 +781,10 @@ __attribute__((target("avx512f"))) static void scores512_##NV( \
     const int64_t nv = D / LANES; \
     const __m512 scale = _mm512_set1_ps(a->scale); \
     __m512 mxv[ATT_NPMAX]; \
-    int64_t nkmax = 0; \
-    for (int p = 0; p < np; p++) { \
-        mxv[p] = _mm512_set1_ps(-INFINITY); \
-        if (nk[p] > nkmax) nkmax = nk[p]; \
-    } \
+    const int64_t nkmax = scores512_start(nk, np, mxv); \
     for (int64_t j = 0; j + LANES <= nkmax; j += LANES) { \
         const float *kg[LANES]; \
-        kv_rows16(K, j, kg); \
-        if (j + 2 * LANES <= nkmax) { \
-            const float *kn[LANES]; \
-            kv_rows16(K, j + LANES, kn); \
-            for (int t = 0; t < LANES; t++) \
-                for (int64_t c = 0; c < nv; c++) \
-                    _mm_prefetch((const char *)(kn[t] + c * LANES), _MM_HINT_T0); \
-        } \
+        key_block16(K, j, nkmax, nv, kg); \
         for (int p = 0; p < np; p++) { \
             if (j + LANES > nk[p]) continue; \
             __m512 qv[16]; \
@@ -813,21 +827,10 @@ __attribute__((target("avx512f"))) static void scores512q_##NV( \
     const __m512 scale = _mm512_set1_ps(a->scale); \
     __m512 mxv[ATT_NPMAX]; \
     __m512 X[NV][4][4]; \
-    int64_t nkmax = 0; \
-    for (int p = 0; p < np; p++) { \
-        mxv[p] = _mm512_set1_ps(-INFINITY); \
-        if (nk[p] > nkmax) nkmax = nk[p]; \
-    } \
+    const int64_t nkmax = scores512_start(nk, np, mxv); \
     for (int64_t j = 0; j + LANES <= nkmax; j += LANES) { \
         const float *kg[LANES]; \
-        kv_rows16(K, j, kg); \
-        if (j + 2 * LANES <= nkmax) { \
-            const float *kn[LANES]; \
-            kv_rows16(K, j + LANES, kn); \
-            for (int t = 0; t < LANES; t++) \
-                for (int c = 0; c < NV; c++) \
-                    _mm_prefetch((const char *)(kn[t] + c * LANES), _MM_HINT_T0); \
-        } \
+        key_block16(K, j, nkmax, NV, kg); \
         for (int m = 0; m < 4; m++) \
             for (int c = 0; c < NV; c++) { \
                 const __m512 r0 = _mm512_loadu_ps(kg[m] + c * LANES); \
