@@ -102,17 +102,25 @@ def reference(ref: Engine, tokens: Sequence[int], max_tokens: int = 8,
     return ref.generate(list(tokens), SamplingParams(max_tokens=max_tokens, **kw)).tokens  # type: ignore[arg-type]
 
 
+async def _matched(c: object, keys: Sequence[bytes], prompt_tokens: int, tenant: str) -> int:
+    res = await c.lookup(list(keys), prompt_tokens=prompt_tokens,  # type: ignore[attr-defined]
+                         ctx=RequestCtx(tenant=tenant), touch=False)
+    return int(res.matched_blocks)
+
+
+def _store_client(store_address: str):  # type: ignore[no-untyped-def]
+    from kvstore.client import KVStoreClient
+
+    return KVStoreClient(store_address, timeout_s=5.0, use_shm=False)
+
+
 def stored_blocks(store_address: str, keys: Sequence[bytes], prompt_tokens: int,
                   tenant: str = "") -> int:
     """Leading blocks of ``keys`` the warehouse holds for ``tenant`` (a real Lookup:
     blocks are bound to their tenant's namespace, docs/security.md)."""
-    from kvstore.client import KVStoreClient
-
     async def look() -> int:
-        async with KVStoreClient(store_address, timeout_s=5.0, use_shm=False) as c:
-            res = await c.lookup(list(keys), prompt_tokens=prompt_tokens,
-                                 ctx=RequestCtx(tenant=tenant), touch=False)
-            return res.matched_blocks
+        async with _store_client(store_address) as c:
+            return await _matched(c, keys, prompt_tokens, tenant)
 
     return asyncio.run(look())
 
@@ -125,17 +133,14 @@ def wait_stored(store_address: str, keys: Sequence[bytes], n: int, prompt_tokens
     event loop per poll made a TLS handshake every 50 ms, and one of them failing
     under a loaded suite ("Handshake read failed (Endpoint closing)") failed the
     test. A store unavailable for a moment is "not yet", until the deadline."""
-    from kvstore.client import KVStoreClient
     from kvstore.errors import StoreUnavailable
 
     async def wait() -> int:
         deadline, have = time.monotonic() + timeout_s, 0
-        async with KVStoreClient(store_address, timeout_s=5.0, use_shm=False) as c:
+        async with _store_client(store_address) as c:
             while True:
                 with contextlib.suppress(StoreUnavailable):
-                    res = await c.lookup(list(keys), prompt_tokens=prompt_tokens,
-                                         ctx=RequestCtx(tenant=tenant), touch=False)
-                    have = res.matched_blocks
+                    have = await _matched(c, keys, prompt_tokens, tenant)
                 if have >= n or time.monotonic() > deadline:
                     return have
                 await asyncio.sleep(0.05)
