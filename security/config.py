@@ -234,9 +234,19 @@ __all__ = ["INSECURE_CONFIG", "SECRET_FILE_ENV", "TLS_DIR_ENV", "SecurityConfig"
 # Peers inside one deployment start in parallel and restart in seconds; gRPC's
 # default reconnect backoff (1 s growing to 120 s) would keep a channel that
 # dialled too early failing fast long after its server is up.
+#
+# Despite its name, gRPC core reads ``grpc.min_reconnect_backoff_ms`` as the
+# deadline of one connection attempt (TCP connect, TLS handshake, HTTP/2
+# settings). At 100 ms, a handshake slowed by a loaded host was cut off by the
+# client itself ("Handshake read failed (Endpoint closing)"), every attempt
+# again, and calls failed UNAVAILABLE while the server was up
+# (tests/security/test_channels.py). gRPC's own default: an attempt may take 20 s;
+# each call's deadline still bounds how long a call waits for it.
+CONNECT_ATTEMPT_MS = 20_000
+
 _CHANNEL_DEFAULTS: tuple[tuple[str, object], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_MS),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 

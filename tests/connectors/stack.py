@@ -260,11 +260,11 @@ def wait_stored(stack: Any, want: list[tuple[list[int], str, int]],
                 timeout_s: float = 120.0) -> None:
     """Until the warehouse holds ``blocks`` leading blocks of each (tokens, salt).
 
-    One client polls, as a real one would hold its channel: a new channel and
-    event loop per poll made a TLS handshake every 100 ms, and one of them
-    failing under a loaded suite ("Handshake read failed (Endpoint closing)")
-    failed the test. A store unavailable for a moment is "not yet"; a store
-    that stays away times out with the waited-for condition named."""
+    One client polls, as a real one would hold its channel (one TLS handshake,
+    not one every 100 ms). A store unavailable for a moment is "not yet"; a
+    store that stays away times out with the waited-for condition named. (The
+    failed handshake that once failed this wait was the channels' 100 ms
+    connection-attempt deadline: tests/security/test_channels.py.)"""
     from connectors.vllm_identity import identity_of
     from kvstore.errors import StoreUnavailable
     from kvstore.types import RequestCtx

@@ -129,10 +129,10 @@ def wait_stored(store_address: str, keys: Sequence[bytes], n: int, prompt_tokens
                 tenant: str = "", timeout_s: float = 20.0) -> int:
     """Wait until the warehouse holds at least ``n`` leading blocks of ``keys``.
 
-    One client polls, as a real one would hold its channel: a new channel and
-    event loop per poll made a TLS handshake every 50 ms, and one of them failing
-    under a loaded suite ("Handshake read failed (Endpoint closing)") failed the
-    test. A store unavailable for a moment is "not yet", until the deadline."""
+    One client polls, as a real one would hold its channel (one TLS handshake,
+    not one every 50 ms). A store unavailable for a moment is "not yet", until
+    the deadline. (The failed handshake that once failed this wait was the
+    channels' 100 ms connection-attempt deadline: tests/security/test_channels.py.)"""
     from kvstore.errors import StoreUnavailable
 
     async def wait() -> int:
