@@ -206,7 +206,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             "decode": lambda: self.stats, "batch": lambda: self.batcher.stats,
             "kv": self.batcher.kv_stats,
             "writer": lambda: self.writer.stats, "store": lambda: self.store.stats,
-            "restore": lambda: self.restorer.stats, "memory": self.engine.memory}
+            "restore": lambda: self.restorer.stats, "memory": self.engine.memory,
+            "engine": self.engine.shared_stats}
         if self.experts is not None:
             sources["experts"] = self._expert_snapshot
         return sources

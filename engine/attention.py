@@ -66,10 +66,12 @@ class BatchAttention:
 
     def __init__(self, storage: KVStorage, segments: list[Segment], windows: tuple[int, ...],
                  num_heads: int, rows: int, invariant: bool = False,
-                 before_layer: Callable[[int], None] | None = None) -> None:
+                 before_layer: Callable[[int], None] | None = None,
+                 after_write: Callable[[int], None] | None = None) -> None:
         layout = storage.layout
         self.invariant = invariant
         self.before_layer = before_layer          # e.g. wait for a restored layer's copy
+        self.after_write = after_write            # e.g. copy rows a leader just wrote
         self.storage, self.segments, self.windows = storage, segments, windows
         self.kv_heads, self.head_dim = layout.kv_heads, layout.head_dim
         self.group = num_heads // layout.kv_heads
@@ -93,6 +95,8 @@ class BatchAttention:
             self.before_layer(layer)
         n = self.n_real
         self.storage.write(layer, self.slots, k[:n], v[:n])
+        if self.after_write is not None:
+            self.after_write(layer)
         if self.invariant:
             return self._invariant(layer, q, k, v)
         hkv, g, d = self.kv_heads, self.group, self.head_dim

@@ -80,6 +80,12 @@ class KVStorage:
         self._slots[layer, 0].index_copy_(1, slots, k.transpose(0, 1))
         self._slots[layer, 1].index_copy_(1, slots, v.transpose(0, 1))
 
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, layer: int | None = None) -> None:
+        """Token slots ``src`` into ``dst`` (both [n]): one layer's K and V, or every layer's."""
+        view = self._slots if layer is None else self._slots[layer]
+        dim = view.dim() - 2
+        view.index_copy_(dim, dst, view.index_select(dim, src))
+
     def gather_all(self, block_ids: torch.Tensor) -> torch.Tensor:
         # -> [L, 2, H, n * B, D]: every layer's KV of these blocks, in table order
         kv = self.data.index_select(3, block_ids)                         # [L, 2, H, n, B, D]

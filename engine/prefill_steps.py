@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.config import HitRule
+from engine import shared_rows
 from engine.attention import BatchAttention, Segment
 from engine.checks import check_blocks, check_prompt
 from engine.config import EngineConfig, ModelConfig
@@ -59,11 +60,14 @@ class PrefillSteps:
     _attn_mirror: bool          # attention reads sequences' mirrors (engine/runner.py)
     _decode_mirror: bool        # decode steps read them too
     _no_mirror: torch.Tensor    # the empty mirror of a sequence nothing reads it for
+    shared_rows_total: int      # prompt rows copied from another sequence (engine/shared_rows.py)
 
     if TYPE_CHECKING:
         def free(self, seq_id: str, keep_keys: Seq[bytes] | None = None) -> None: ...
 
         def _sampler(self, sampling: SamplingParams) -> RowSampler: ...
+
+        def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor: ...
 
         def _seq(self, seq_id: str) -> Sequence: ...
 
@@ -196,7 +200,17 @@ class PrefillSteps:
             parts.append((s, s.kv_len, self._chunk_end(s, budget)))
         last: dict[str, torch.Tensor] = {}       # hidden state of a finished prompt's last row
         if self.invariant:
-            hidden = self._prefill_forward(parts)
+            shared = None
+            if not self._attn_mirror:            # rows are read from the pool alone
+                shared = shared_rows.plan(parts, self._seqs.values())
+                parts = shared.parts
+                for c in shared.before:
+                    self.storage.copy_rows(*self._copy_slots(c))
+                for c in (*shared.before, *shared.in_step):
+                    assert c.dst.prefill is not None
+                    c.dst.prefill.shared_tokens += c.n
+                self.shared_rows_total += shared.rows
+            hidden = self._prefill_forward(parts, shared.in_step if shared else [])
             row = 0
             for s, a, e in parts:
                 row += e - a
@@ -224,8 +238,14 @@ class PrefillSteps:
         C = self.config.chunk_tokens
         return min(s.prompt_len, max(end // C * C, (s.kv_len // C + 1) * C))
 
-    def _prefill_forward(self, parts: list[tuple[Sequence, int, int]]) -> torch.Tensor:
-        """One forward over tokens [a, e) of each sequence; -> hidden [rows, hidden]."""
+    def _copy_slots(self, c: shared_rows.RowCopy) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self._slots(c.src.table, c.start, c.start + c.n),
+                self._slots(c.dst.table, c.start, c.start + c.n))
+
+    def _prefill_forward(self, parts: list[tuple[Sequence, int, int]],
+                         copies: list[shared_rows.RowCopy] | None = None) -> torch.Tensor:
+        """One forward over tokens [a, e) of each sequence; -> hidden [rows, hidden].
+        ``copies``: rows taken from a leader of this forward, layer by layer."""
         segs, toks, pos = [], [], []
         feeds = []
         rows = 0
@@ -241,8 +261,15 @@ class PrefillSteps:
             for f in feeds:
                 f.ready(layer)
 
+        slots = [self._copy_slots(c) for c in copies or ()]
+
+        def after_write(layer: int) -> None:
+            for src, dst in slots:
+                self.storage.copy_rows(src, dst, layer)
+
         attn = BatchAttention(self.storage, segs, self._windows, self.model_config.num_heads,
-                              rows, self.invariant, before_layer=before_layer if feeds else None)
+                              rows, self.invariant, before_layer=before_layer if feeds else None,
+                              after_write=after_write if slots else None)
         hidden = self.model.forward(torch.tensor(toks, dtype=torch.int64, device=self.device),
                                     torch.cat(pos), attn, rows, self._counts)
         for s, _, e in parts:
@@ -271,7 +298,7 @@ class PrefillSteps:
         B = self.config.block_tokens
         reused = (st.g1_blocks + st.restored_blocks) * B
         res = PrefillResult(first, st.restored_blocks * B, st.g1_blocks * B,
-                            s.prompt_len - reused, st.compute_s)
+                            s.prompt_len - reused - st.shared_tokens, st.compute_s)
         return PrefillDone(s.seq_id, res)
 
     def _capacity(self, tokens: int) -> int:

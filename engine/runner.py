@@ -41,6 +41,7 @@ from engine.model import Transformer
 from engine.prefill_steps import PrefillSteps
 from engine.sampling import RowSampler, SamplingParams, sample_rows
 from engine.sequence import G1Admission, GenerationResult, PrefillResult, Sequence
+from engine.shared_rows import SharedStats
 from engine.source import load_source
 from engine.staging import PinnedChunks
 from engine.step_clock import StepClock, StepTimes
@@ -135,6 +136,7 @@ class Engine(PrefillSteps):
         self._counts = (torch.zeros(mc.num_layers, mc.moe.n_experts, dtype=torch.int64,
                                     device=self.device) if mc.moe else None)
         self._gen_ids = 0
+        self.shared_rows_total = 0
         self.last_step: StepTimes | None = None     # the latest decode_step's times
         self._grammars: GrammarCompiler | None = None   # built on the first grammar
         self._paged = self._paged_runner(cfg)
@@ -213,6 +215,9 @@ class Engine(PrefillSteps):
         out = self._counts.cpu().clone()
         self._counts.zero_()
         return out
+
+    def shared_stats(self) -> SharedStats:
+        return SharedStats(self.shared_rows_total)
 
     def memory(self) -> EngineMemory:
         """What the live sequences' mirrors and the device allocator hold

@@ -61,6 +61,7 @@ class PrefillState:
     compute_s: float = 0.0      # admission work + forward time of the steps it took part in
     feed: LayerFeed | None = None   # CUDA: restored layers still arriving
     first_token: int | None = None  # given (a rebuild continues a known answer): not sampled
+    shared_tokens: int = 0      # prompt rows copied from another sequence (engine/shared_rows.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,7 +220,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def metric_sources(self) -> dict[str, Source]:
         return {"prefill": lambda: self.stats, "writer": lambda: self.writer.stats,
                 "store": lambda: self.store.stats, "buffer": self.buffer.stats,
-                "restore": lambda: self.restorer.stats, "memory": self.engine.memory}
+                "restore": lambda: self.restorer.stats, "memory": self.engine.memory,
+                "engine": self.engine.shared_stats}
 
     # -- RPCs ----------------------------------------------------------------
 
