@@ -308,7 +308,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             def admit(seq_id: str) -> None:
                 try:
                     adm = self.engine.admit(seq_id, chk.tokens, sampling=chk.sampling,
-                                            block_keys=keys)
+                                            block_keys=keys, share_scope=chk.ctx.tenant)
                 finally:
                     # The sequence holds its own references now. Pins kept to the end
                     # would outlive the gate's reservation (given back when the
@@ -540,7 +540,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             adm = self.engine.admit(seq_id, chk.tokens, sampling=chk.sampling,
                                     restored=restore.blocks,
                                     max_restore_tokens=restore.usable_tokens,
-                                    restored_start_block=0, first_token=handle.first_token)
+                                    restored_start_block=0, first_token=handle.first_token,
+                                    share_scope=chk.ctx.tenant)
             self.stats.rebuilt_tokens_total += adm.to_compute
 
         return rebuild

@@ -81,7 +81,8 @@ class PrefillSteps:
               restored: torch.Tensor | HostRuns | None = None,
               max_restore_tokens: int | None = None,
               restored_start_block: int | None = None,
-              first_token: int | None = None) -> Admission:
+              first_token: int | None = None,
+              share_scope: str | None = None) -> Admission:
         """Make ``seq_id`` a prefilling sequence: its blocks allocated, its reused
         KV in place, nothing computed yet (``prefill_step`` does that).
 
@@ -89,7 +90,9 @@ class PrefillSteps:
         G1) and then from ``restored`` (blocks right after the G1 hit, or from
         ``restored_start_block`` when given), within the hit rule. ``first_token``:
         the answer's first token is already known (a rebuild of a prefilled
-        request): it is taken instead of sampled, as ``adopt`` does."""
+        request): it is taken instead of sampled, as ``adopt`` does.
+        ``share_scope``: who may share prompt rows with it (the tenant; None: no
+        one), as G1 blocks are shared within a tenant (engine/shared_rows.py)."""
         t0 = time.perf_counter()
         if seq_id in self._seqs:
             raise EngineInputError(f"sequence {seq_id!r} is already live")
@@ -156,7 +159,7 @@ class PrefillSteps:
             raise
         state = PrefillState(keys, use_g1, use_rest, first_token=first_token)
         seq = Sequence(seq_id, toks, n, reuse * B, blocks, table, sampling, mirror,
-                       canonical_full=n // C * C // B, prefill=state)
+                       canonical_full=n // C * C // B, prefill=state, share_scope=share_scope)
         self._seqs[seq_id] = seq
         try:
             seq.sampler = self._sampler(sampling)

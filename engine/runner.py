@@ -239,14 +239,15 @@ class Engine(PrefillSteps):
                 restored: torch.Tensor | HostRuns | None = None,
                 max_restore_tokens: int | None = None,
                 restored_start_block: int | None = None,
-                stop: Callable[[], bool] | None = None) -> PrefillResult:
+                stop: Callable[[], bool] | None = None,
+                share_scope: str | None = None) -> PrefillResult:
         """Make ``seq_id`` live with the prompt's KV and sample its first token:
         ``admit`` then ``prefill_step`` of this sequence alone, one chunk at a
         time. ``stop`` is polled before each chunk; when it returns True the
         prefill ends with ``PrefillStopped`` (the caller is gone: no more compute)."""
         self.admit(seq_id, tokens, sampling=sampling, block_keys=block_keys, restored=restored,
                    max_restore_tokens=max_restore_tokens,
-                   restored_start_block=restored_start_block)
+                   restored_start_block=restored_start_block, share_scope=share_scope)
         seq = self._seqs[seq_id]
         try:
             while True:

@@ -100,6 +100,9 @@ class Sequence:
     # (n, text): the first n generated tokens decode to text whatever follows
     # (Tokenizer.stable_prefix), so a step decodes only the tokens after them.
     text_cache: tuple[int, str] = (0, "")
+    # Prompt rows are shared only between sequences of one scope (a tenant), as
+    # G1 blocks are: None shares with no one (engine/shared_rows.py).
+    share_scope: str | None = None
 
     @property
     def generated(self) -> list[int]:

@@ -18,6 +18,11 @@ chat template, a system prompt shorter than a block or the partial block
 after their common full ones compute it once. A follower always computes at
 least its chunk's last row (its first token is sampled from it), and shares
 only runs of at least ``MIN_ROWS`` (below that the copy is not worth a plan).
+
+Rows are shared only within one ``share_scope`` (the tenant, given at
+admission; None shares with no one), as G1 blocks are: a faster first token
+must not tell a tenant what another tenant's live prompts start with. And only
+a source's prompt rows are taken, never rows its decode steps wrote.
 """
 
 from __future__ import annotations
@@ -80,7 +85,8 @@ def _feeding(s: Sequence) -> bool:
 def plan(parts: list[Part], live: Iterable[Sequence]) -> SharedPlan:
     """Which rows of the step's ``parts`` are copied from whom. ``live``: every
     sequence of the engine (their rows below ``kv_len`` are in the pool)."""
-    sources = [s for s in live if s.kv_len > 0 and not _feeding(s)]
+    sources = [s for s in live if s.share_scope is not None and s.kv_len > 0
+               and not _feeding(s)]
     out: list[Part] = []
     before: list[RowCopy] = []
     in_step: list[RowCopy] = []
@@ -88,14 +94,15 @@ def plan(parts: list[Part], live: Iterable[Sequence]) -> SharedPlan:
     for s, a, e in parts:
         limit = e - 1                          # the chunk's last row is always computed
         best, src, same_step = 0, None, False
-        if limit - a >= MIN_ROWS and not _feeding(s):
+        if limit - a >= MIN_ROWS and s.share_scope is not None and not _feeding(s):
             for o in sources:
-                if o is not s and o.kv_len > a:
-                    n = _agree(s.tokens, o.tokens, a, min(limit, o.kv_len))
+                held = min(o.kv_len, o.prompt_len)          # prompt rows in the pool
+                if o is not s and o.share_scope == s.share_scope and held > a:
+                    n = _agree(s.tokens, o.tokens, a, min(limit, held))
                     if n > best:
                         best, src, same_step = n, o, False
             for o, oa, oe in leaders:
-                if oa == a:
+                if oa == a and o.share_scope == s.share_scope:
                     n = _agree(s.tokens, o.tokens, a, min(limit, oe))
                     if n > best:
                         best, src, same_step = n, o, True
@@ -104,6 +111,6 @@ def plan(parts: list[Part], live: Iterable[Sequence]) -> SharedPlan:
             out.append((s, a + best, e))
         else:
             out.append((s, a, e))
-            if not _feeding(s):
+            if s.share_scope is not None and not _feeding(s):
                 leaders.append((s, a, e))
     return SharedPlan(out, before, in_step)

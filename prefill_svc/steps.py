@@ -474,7 +474,8 @@ class StepLoop:
         admit = functools.partial(self._engine.admit, e.request_id, job.tokens,
                                   sampling=job.sampling, block_keys=job.g1_keys,
                                   restored=r.blocks, max_restore_tokens=r.usable_tokens,
-                                  restored_start_block=r.start_block)
+                                  restored_start_block=r.start_block,
+                                  share_scope=job.ctx.tenant)
         try:
             return admit()
         except PoolExhaustedError:

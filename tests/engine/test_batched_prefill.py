@@ -29,9 +29,11 @@ def alone(eng: Engine, prompt: list[int], restored: torch.Tensor | None = None,
 
 
 def mixed(eng: Engine, prompts: list[list[int]], restored: list[torch.Tensor | None],
-          starts: list[int | None], seed: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+          starts: list[int | None], seed: int, scope: str | None = None,
+          ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Admit the prompts at random steps, give each step a random subset of the
-    prefilling ones with random budgets, decode the finished ones together."""
+    prefilling ones with random budgets, decode the finished ones together.
+    ``scope``: the share scope every prompt is admitted with (shared prompt rows)."""
     rng = random.Random(seed)
     waiting = list(range(len(prompts)))
     rng.shuffle(waiting)
@@ -43,7 +45,7 @@ def mixed(eng: Engine, prompts: list[list[int]], restored: list[torch.Tensor | N
             if waiting:
                 i = waiting.pop()
                 adm = eng.admit(f"s{i}", prompts[i], sampling=GREEDY8, restored=restored[i],
-                                restored_start_block=starts[i])
+                                restored_start_block=starts[i], share_scope=scope)
                 assert adm.to_compute == eng.prefill_remaining(f"s{i}") >= 1
                 prefilling.append(i)
         step = [i for i in prefilling if rng.random() < 0.7] or prefilling[:1]

@@ -2,7 +2,7 @@
 copy its KV from a sequence that has it (or computes it in the same forward)
 instead of computing it, and every sequence's tokens and KV stay bit-identical
 to its prefill alone; rows whose tokens agree after different histories are
-never shared."""
+never shared, nor rows of another tenant's (another share scope's) prompt."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def test_shared_rows_keep_every_bit(model: str) -> None:
     ref = [alone(make_engine(model), p) for p in prompts]
     for seed in (1, 2, 3):
         eng = make_engine(model)
-        toks, kvs = mixed(eng, prompts, [None] * len(prompts), [None] * len(prompts), seed)
+        toks, kvs = mixed(eng, prompts, [None] * len(prompts), [None] * len(prompts), seed,
+                           scope="t")
         assert eng.shared_rows_total > 0, f"nothing shared (seed {seed})"
         for i in range(len(prompts)):
             assert toks[i] == ref[i][0], f"prompt {i}: tokens changed (seed {seed})"
@@ -70,7 +71,7 @@ def test_prompts_arriving_together_compute_their_common_rows_once() -> None:
     prompts = [head + [rng.randrange(VOCAB) for _ in range(10 + i)] for i in range(4)]
     sids = [f"t{i}" for i in range(4)]
     for sid, p in zip(sids, prompts, strict=True):
-        eng.admit(sid, p, sampling=GREEDY8)
+        eng.admit(sid, p, sampling=GREEDY8, share_scope="t")
     done = eng.prefill_step(dict.fromkeys(sids, 1000))
     assert len(done) == 4
     assert eng.shared_rows_total == 3 * 40
@@ -86,21 +87,24 @@ def test_prompts_arriving_together_compute_their_common_rows_once() -> None:
 
 @needs_bik
 def test_a_prompt_copies_rows_a_decoding_sequence_holds() -> None:
-    """A sequence is decoding; a prompt agreeing with its first 30 tokens copies
-    them from the pool before the forward; one agreeing only after a different
-    first token copies nothing."""
+    """A sequence is decoding; a prompt of the same tenant agreeing with its
+    first 30 tokens copies them from the pool before the forward; one agreeing
+    only after a different first token, another tenant's with the same tokens
+    and one admitted with no scope copy nothing."""
     eng = make_engine("tiny-dense")
     rng = random.Random(4)
     first = [rng.randrange(VOCAB) for _ in range(50)]
-    eng.prefill("first", first, sampling=GREEDY8)
+    eng.prefill("first", first, sampling=GREEDY8, share_scope="t")
     eng.decode_step(["first"])
     same = first[:30] + [rng.randrange(VOCAB) for _ in range(12)]
     other = [(first[0] + 1) % VOCAB] + first[1:30] + [rng.randrange(VOCAB) for _ in range(12)]
-    for sid, p in (("same", same), ("other", other)):
-        eng.admit(sid, p, sampling=GREEDY8)
-    _step_all(eng, ["same", "other"])
+    cases = (("same", same, "t"), ("other", other, "t"), ("tenant-u", list(same), "u"),
+             ("unscoped", list(same), None))
+    for sid, p, scope in cases:
+        eng.admit(sid, p, sampling=GREEDY8, share_scope=scope)
+    _step_all(eng, [sid for sid, _, _ in cases])
     assert eng.shared_rows_total == 30
-    for sid, p in (("same", same), ("other", other)):
+    for sid, p, _ in cases:
         ref = alone(make_engine("tiny-dense"), p)
         for _ in range(7):
             eng.decode_step([sid])
@@ -118,7 +122,8 @@ def test_shared_rows_keep_every_bit_on_the_gpu(model: str) -> None:
     ref = [alone(make_engine(model, **kw), p) for p in prompts]
     for seed in (1, 2):
         eng = make_engine(model, **kw)
-        toks, kvs = mixed(eng, prompts, [None] * len(prompts), [None] * len(prompts), seed)
+        toks, kvs = mixed(eng, prompts, [None] * len(prompts), [None] * len(prompts), seed,
+                           scope="t")
         assert eng.shared_rows_total > 0
         for i in range(len(prompts)):
             assert toks[i] == ref[i][0], f"prompt {i}: tokens changed (seed {seed})"
