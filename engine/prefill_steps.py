@@ -203,17 +203,17 @@ class PrefillSteps:
             parts.append((s, s.kv_len, self._chunk_end(s, budget)))
         last: dict[str, torch.Tensor] = {}       # hidden state of a finished prompt's last row
         if self.invariant:
-            shared = None
+            copies: list[shared_rows.RowCopy] = []     # from a leader of this forward
             if not self._attn_mirror:            # rows are read from the pool alone
                 shared = shared_rows.plan(parts, self._seqs.values())
-                parts = shared.parts
+                parts, copies = shared.parts, shared.in_step
                 for c in shared.before:
                     self.storage.copy_rows(*self._copy_slots(c))
                 for c in (*shared.before, *shared.in_step):
                     assert c.dst.prefill is not None
                     c.dst.prefill.shared_tokens += c.n
-                self.shared_rows_total += shared.rows
-            hidden = self._prefill_forward(parts, shared.in_step if shared else [])
+                    self.shared_rows_total += c.n
+            hidden = self._prefill_forward(parts, copies)
             row = 0
             for s, a, e in parts:
                 row += e - a

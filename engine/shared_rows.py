@@ -61,10 +61,6 @@ class SharedPlan:
     before: list[RowCopy]      # from rows in the pool: copied before the forward
     in_step: list[RowCopy]     # from a leader of this forward: copied layer by layer
 
-    @property
-    def rows(self) -> int:
-        return sum(c.n for c in self.before) + sum(c.n for c in self.in_step)
-
 
 def _agree(x: Seq[int], y: Seq[int], a: int, end: int) -> int:
     """Tokens of ``x`` from ``a`` that equal ``y``'s, up to ``end``, given that both
@@ -94,7 +90,8 @@ def plan(parts: list[Part], live: Iterable[Sequence]) -> SharedPlan:
     for s, a, e in parts:
         limit = e - 1                          # the chunk's last row is always computed
         best, src, same_step = 0, None, False
-        if limit - a >= MIN_ROWS and s.share_scope is not None and not _feeding(s):
+        shares = s.share_scope is not None and not _feeding(s)
+        if shares and limit - a >= MIN_ROWS:
             for o in sources:
                 held = min(o.kv_len, o.prompt_len)          # prompt rows in the pool
                 if o is not s and o.share_scope == s.share_scope and held > a:
@@ -111,6 +108,6 @@ def plan(parts: list[Part], live: Iterable[Sequence]) -> SharedPlan:
             out.append((s, a + best, e))
         else:
             out.append((s, a, e))
-            if s.share_scope is not None and not _feeding(s):
+            if shares:
                 leaders.append((s, a, e))
     return SharedPlan(out, before, in_step)
